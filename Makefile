@@ -1,0 +1,38 @@
+# llmtune: `make demo` runs the offline demo, `make test` runs every test CI runs (unit + multi-process integration).
+PYTHON ?= python3
+PYTEST = $(PYTHON) -m pytest
+
+.PHONY: install test test-unit test-all lint format demo bench docs fixtures
+
+install:
+	$(PYTHON) -m pip install --quiet torch==2.13.0
+	$(PYTHON) -m pip install --quiet -e '.[dev]'
+
+test: install
+	$(PYTEST) tests -m "not slow" -q
+
+test-unit:
+	$(PYTEST) tests -m "not integration and not slow" -q
+
+test-all: install
+	$(PYTEST) tests -q
+
+lint:
+	$(PYTHON) -m ruff check llmtune tests benchmarks
+	$(PYTHON) -m ruff format --check llmtune
+
+format:
+	$(PYTHON) -m ruff check --fix llmtune tests benchmarks
+	$(PYTHON) -m ruff format llmtune
+
+demo: install
+	bash scripts/demo.sh
+
+bench: install
+	$(PYTHON) benchmarks/startup.py
+
+docs:
+	$(PYTHON) -m llmtune.recipe.reference > docs/recipe-reference.md
+
+fixtures:
+	$(PYTHON) tests/fixtures/make_fixtures.py

@@ -1,0 +1,3 @@
+from llmtune.cli import main
+
+main()

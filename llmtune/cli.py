@@ -1,0 +1,137 @@
+"""The `llmtune` command line: each command parses flags and calls one function of a room.
+
+Heavy libraries are imported inside the commands that need them, so --help is instant.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmtune import __version__
+from llmtune.errors import EXIT_USER_ERROR, UserError
+
+app = typer.Typer(
+    name="llmtune",
+    help="Fine-tune causal LMs from one Axolotl-style recipe: one process, N GPUs, or many nodes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+RecipeArg = Annotated[Path, typer.Argument(help="The recipe YAML file.", show_default=False)]
+NumProcesses = Annotated[
+    Optional[int],
+    typer.Option("--num-processes", help="Processes on all machines together (default: all GPUs, or 1 on CPU)."),
+]
+NumMachines = Annotated[int, typer.Option("--num-machines", help="Machines in the job.")]
+MachineRank = Annotated[int, typer.Option("--machine-rank", help="This machine's rank (0 is the main one).")]
+MainIp = Annotated[Optional[str], typer.Option("--main-process-ip", help="Address of machine rank 0.")]
+MainPort = Annotated[Optional[int], typer.Option("--main-process-port", help="Rendezvous port on machine rank 0.")]
+Device = Annotated[
+    Optional[str], typer.Option("--device", help="cuda, or cpu to rehearse the same plan on CPU processes (gloo).")
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"llmtune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Fine-tune causal LMs from one Axolotl-style recipe."""
+
+
+def _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device):
+    from llmtune.plan import make_cluster
+
+    return make_cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device)
+
+
+@app.command()
+def validate(
+    recipe: RecipeArg,
+    num_processes: NumProcesses = None,
+    num_machines: NumMachines = 1,
+    machine_rank: MachineRank = 0,
+    main_process_ip: MainIp = None,
+    main_process_port: MainPort = None,
+    device: Device = None,
+) -> None:
+    """Check a recipe (keys, values, local files) and that it plans for this cluster."""
+    from llmtune.plan import make_plan
+    from llmtune.recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device)
+    plan = make_plan(loaded.recipe, cluster)
+    for note in loaded.notes:
+        typer.echo(f"note: {note}")
+    typer.echo(f"{recipe}: valid ({plan.title}, world size {plan.world_size}, global batch {plan.global_batch_size})")
+
+
+@app.command()
+def plan(
+    recipe: RecipeArg,
+    num_processes: NumProcesses = None,
+    num_machines: NumMachines = 1,
+    machine_rank: MachineRank = 0,
+    main_process_ip: MainIp = None,
+    main_process_port: MainPort = None,
+    device: Device = None,
+    write: Annotated[
+        Optional[Path],
+        typer.Option("--write", help="Also write accelerate_config.yaml, deepspeed.json and plan.json here."),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Show what a run would do: strategy, sizes, generated configs, the command for each machine."""
+    import json
+
+    from llmtune.plan import make_plan
+    from llmtune.plan.files import plan_files, write_plan_files
+    from llmtune.plan.render import print_plan
+    from llmtune.recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device)
+    the_plan = make_plan(loaded.recipe, cluster, config_dir=str(write) if write else None)
+    files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
+    if json_output:
+        typer.echo(json.dumps(the_plan.to_dict(), indent=2))
+    else:
+        print_plan(the_plan, loaded.recipe, files, loaded.notes)
+    if write:
+        for path in write_plan_files(write, files):
+            typer.echo(f"wrote {path}")
+
+
+def main() -> None:
+    """Entry point: user errors become one line on stderr and exit code 2."""
+    try:
+        app(standalone_mode=False)
+    except UserError as err:
+        typer.echo(f"error: {err.one_line()}", err=True)
+        sys.exit(EXIT_USER_ERROR)
+    except typer.Exit as done:
+        sys.exit(done.exit_code)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as err:  # click's errors (bad flags) arrive here in standalone_mode=False
+        kinds = {klass.__name__ for klass in type(err).__mro__}
+        if "ClickException" not in kinds:
+            raise
+        err.show()
+        sys.exit(EXIT_USER_ERROR if "UsageError" in kinds else err.exit_code)

@@ -1,0 +1,78 @@
+"""The accelerate config file (the one `accelerate config` would write) for a plan."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtune.plan.cluster import Cluster
+
+DISTRIBUTED_TYPE = {"single": "NO", "ddp": "MULTI_GPU", "pipeline": "MULTI_GPU", "fsdp1": "FSDP", "fsdp2": "FSDP"}
+
+
+def fsdp_section(version: int, fsdp, layer_class: str | None) -> dict[str, Any]:
+    """accelerate's fsdp_config keys from llmtune's FSDP settings."""
+    section: dict[str, Any] = {
+        "fsdp_version": version,
+        "fsdp_auto_wrap_policy": fsdp.auto_wrap_policy,
+        "fsdp_offload_params": fsdp.offload_params,
+        "fsdp_state_dict_type": fsdp.state_dict_type,
+        "fsdp_cpu_ram_efficient_loading": fsdp.cpu_ram_efficient_loading,
+        "fsdp_activation_checkpointing": fsdp.activation_checkpointing,
+    }
+    if fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and (fsdp.transformer_layer_cls_to_wrap or layer_class):
+        section["fsdp_transformer_layer_cls_to_wrap"] = fsdp.transformer_layer_cls_to_wrap or layer_class
+    if fsdp.auto_wrap_policy == "SIZE_BASED_WRAP":
+        section["fsdp_min_num_params"] = fsdp.min_num_params
+    if version == 2:
+        reshard = fsdp.reshard_after_forward
+        section["fsdp_reshard_after_forward"] = (
+            reshard if reshard is not None else fsdp.sharding_strategy != "SHARD_GRAD_OP"
+        )
+    else:
+        section.update(
+            fsdp_sharding_strategy=fsdp.sharding_strategy,
+            fsdp_use_orig_params=fsdp.use_orig_params,
+            fsdp_sync_module_states=fsdp.sync_module_states,
+            fsdp_backward_prefetch=fsdp.backward_prefetch,
+            fsdp_forward_prefetch=fsdp.forward_prefetch,
+        )
+    return section
+
+
+def build_accelerate_config(
+    strategy: str,
+    cluster: Cluster,
+    precision: str,
+    deepspeed_path: str | None = None,
+    zero_stage: int = 0,
+    fsdp: dict | None = None,
+) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED" if deepspeed_path else DISTRIBUTED_TYPE[strategy],
+        "num_machines": cluster.num_machines,
+        "num_processes": cluster.num_processes,
+        "machine_rank": cluster.machine_rank,
+        "main_process_ip": cluster.main_process_ip,
+        "main_process_port": cluster.main_process_port,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "main_training_function": "main",
+        "mixed_precision": precision,
+        "gpu_ids": "all",
+        "use_cpu": False,  # CPU rehearsal still needs the multi-process launcher; the worker picks gloo
+        "downcast_bf16": "no",
+        "enable_cpu_affinity": False,
+        "tpu_env": [],
+        "tpu_use_cluster": False,
+        "tpu_use_sudo": False,
+    }
+    if deepspeed_path:
+        config["deepspeed_config"] = {
+            "deepspeed_config_file": deepspeed_path,
+            "zero3_init_flag": zero_stage == 3,
+            "deepspeed_multinode_launcher": "standard",
+        }
+    if fsdp:
+        config["fsdp_config"] = fsdp
+    return config

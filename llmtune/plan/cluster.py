@@ -1,0 +1,85 @@
+"""Where a run happens: processes, machines, this machine's rank, the rendezvous address.
+
+The flags mean what they mean for `accelerate launch`: --num-processes counts processes
+on all machines together. Local GPUs are counted without importing torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from llmtune.errors import UserError
+
+DEFAULT_PORT = 29500
+
+
+def count_local_gpus() -> int:
+    """CUDA devices this process may use, from CUDA_VISIBLE_DEVICES or the driver's /proc entries."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    num_processes: int = 1  # on all machines together
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: str = "127.0.0.1"
+    main_process_port: int = DEFAULT_PORT
+    device: str = "cpu"  # "cuda" (NCCL on GPUs) or "cpu" (gloo rehearsal)
+
+    @property
+    def processes_per_machine(self) -> int:
+        return self.num_processes // self.num_machines
+
+    @property
+    def rehearsal(self) -> bool:
+        return self.device == "cpu"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_cluster(
+    num_processes: int | None = None,
+    num_machines: int = 1,
+    machine_rank: int = 0,
+    main_process_ip: str | None = None,
+    main_process_port: int | None = None,
+    device: str | None = None,
+) -> Cluster:
+    """Validate the cluster flags; default to every local GPU on each machine, or one CPU process."""
+    gpus = count_local_gpus()
+    device = device or ("cuda" if gpus else "cpu")
+    if device not in ("cuda", "cpu"):
+        raise UserError(f"--device must be cuda or cpu, not {device!r}")
+    if num_machines < 1:
+        raise UserError(f"--num-machines must be at least 1 (got {num_machines})")
+    if num_processes is None:
+        num_processes = (gpus if device == "cuda" else 1) * num_machines
+    if num_processes < 1:
+        raise UserError(f"--num-processes must be at least 1 (got {num_processes})")
+    if num_processes % num_machines:
+        raise UserError(
+            f"--num-processes {num_processes} is not divisible by --num-machines {num_machines}",
+            "--num-processes counts processes on all machines together, as in accelerate launch",
+        )
+    if not 0 <= machine_rank < num_machines:
+        raise UserError(f"--machine-rank {machine_rank} is outside 0..{num_machines - 1}")
+    if num_machines > 1 and not main_process_ip:
+        raise UserError("--main-process-ip is required with --num-machines > 1", "give the address of machine rank 0")
+    port = DEFAULT_PORT if main_process_port is None else main_process_port
+    if not 1 <= port <= 65535:
+        raise UserError(f"--main-process-port {port} is not a TCP port (1-65535)")
+    per_machine = num_processes // num_machines
+    if device == "cuda" and gpus and per_machine > gpus:
+        raise UserError(
+            f"{per_machine} processes per machine but this machine has {gpus} GPU(s)",
+            "lower --num-processes, or rehearse on CPU with --device cpu",
+        )
+    return Cluster(num_processes, num_machines, machine_rank, main_process_ip or "127.0.0.1", port, device)

@@ -1,0 +1,192 @@
+"""The DeepSpeed JSON, with every value resolved from the recipe (no "auto" is left).
+
+The batch keys always satisfy train_batch_size = micro x accumulation x data-parallel size,
+so DeepSpeed's batch assertion can't fire. A user's own JSON may leave values "auto" (they
+are filled here) but may not contradict the recipe: that is an error naming both keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmtune.errors import UserError
+from llmtune.plan.model_facts import ModelFacts
+
+
+@dataclass(frozen=True)
+class ZeroPreset:
+    stage: int
+    offload_optimizer: str | None = None  # "cpu" or "nvme"
+    offload_param: str | None = None
+
+
+PRESETS = {
+    "zero1": ZeroPreset(1),
+    "zero2": ZeroPreset(2),
+    "zero3": ZeroPreset(3),
+    "zero2_offload": ZeroPreset(2, offload_optimizer="cpu"),
+    "zero3_offload": ZeroPreset(3, offload_optimizer="cpu", offload_param="cpu"),
+    "zero3_nvme": ZeroPreset(3, offload_optimizer="nvme", offload_param="nvme"),
+}
+# Axolotl ships deepspeed_configs/<name>.json; recipes name those files. They mean these presets.
+AXOLOTL_FILES = {
+    "zero1": "zero1", "zero1_torch_compile": "zero1", "zero2": "zero2", "zero2_torch_compile": "zero2",
+    "zero3": "zero3", "zero3_bf16": "zero3", "zero3_bf16_cpuoffload_all": "zero3_offload",
+    "zero3_bf16_cpuoffload_params": "zero3_offload",
+}  # fmt: skip
+DEFAULT_BUCKET = 500_000_000
+
+
+def preset_for_axolotl_file(name: str) -> str | None:
+    """'deepspeed_configs/zero3_bf16.json' -> 'zero3' for Axolotl's shipped files that aren't on disk."""
+    if not name.endswith(".json") or Path(name).exists():
+        return None
+    return AXOLOTL_FILES.get(Path(name).stem)
+
+
+def load_user_config(value: str | dict) -> tuple[dict, str | None]:
+    """The recipe's deepspeed value as (config mapping, preset name or None)."""
+    if isinstance(value, dict):
+        return dict(value), None
+    preset = value if value in PRESETS else preset_for_axolotl_file(value)
+    if preset:
+        return {}, preset
+    path = Path(value)
+    if not path.is_file():
+        raise UserError(f"deepspeed: '{value}' is neither a preset nor a JSON file", f"presets: {', '.join(PRESETS)}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"deepspeed: {path} line {err.lineno}: invalid JSON ({err.msg})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"deepspeed: {path} must hold a JSON object")
+    return config, None
+
+
+def _offload(device: str, nvme_path: str | None, buffer_count: int) -> dict:
+    if device == "cpu":
+        return {"device": "cpu", "pin_memory": True}
+    return {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True, "buffer_count": buffer_count}
+
+
+def _preset_zero(preset: ZeroPreset, recipe, facts: ModelFacts | None) -> dict:
+    hidden = facts.hidden_size if facts else None
+    bucket = hidden * hidden if hidden else DEFAULT_BUCKET
+    zero: dict[str, Any] = {
+        "stage": preset.stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": bucket,
+    }
+    if preset.stage < 3:
+        zero.update(allgather_bucket_size=bucket, reduce_scatter=True)
+    else:
+        zero.update(
+            stage3_prefetch_bucket_size=int(0.9 * bucket),
+            stage3_param_persistence_threshold=10 * hidden if hidden else 100_000,
+            stage3_max_live_parameters=1_000_000_000,
+            stage3_max_reuse_distance=1_000_000_000,
+            stage3_gather_16bit_weights_on_model_save=True,
+            sub_group_size=1_000_000_000,
+        )
+    nvme = recipe.offload_nvme_path
+    if (preset.offload_optimizer == "nvme" or preset.offload_param == "nvme") and not nvme:
+        raise UserError("deepspeed: zero3_nvme needs offload_nvme_path", "set offload_nvme_path: /local_nvme/llmtune")
+    if preset.offload_optimizer:
+        zero["offload_optimizer"] = _offload(preset.offload_optimizer, nvme, 4)
+    if preset.offload_param:
+        zero["offload_param"] = _offload(preset.offload_param, nvme, 5)
+    return zero
+
+
+def build_deepspeed_config(
+    recipe, data_parallel_size: int, precision: str, facts: ModelFacts | None
+) -> tuple[dict, list[str]]:
+    """The resolved DeepSpeed config and notes about what was filled or replaced."""
+    user, preset_name = load_user_config(recipe.deepspeed)
+    notes: list[str] = []
+    micro, accumulation = recipe.micro_batch_size, recipe.gradient_accumulation_steps
+    resolved: dict[str, Any] = {
+        "train_batch_size": micro * accumulation * data_parallel_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": recipe.max_grad_norm,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+    }
+    config = dict(user)
+    for key, value in resolved.items():
+        config[key] = _merge(key, config.get(key), value, recipe.deepspeed)
+    if preset_name:
+        config["zero_optimization"] = _preset_zero(PRESETS[preset_name], recipe, facts)
+    else:
+        zero = dict(config.get("zero_optimization") or {"stage": 0})
+        auto_zero = _preset_zero(ZeroPreset(int(zero.get("stage", 0)) or 1), recipe, facts)
+        for key, value in list(zero.items()):
+            if value == "auto":
+                zero[key] = auto_zero.get(key, DEFAULT_BUCKET)
+        config["zero_optimization"] = zero
+    if config.get("fp16", {}).get("enabled"):
+        config["fp16"] = {"loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                          "hysteresis": 2, "min_loss_scale": 1, **config["fp16"]}  # fmt: skip
+    _resolve_optimizer(config, recipe, notes)
+    if "scheduler" in config:
+        del config["scheduler"]
+        notes.append(f"deepspeed scheduler replaced by lr_scheduler: {recipe.lr_scheduler} from the recipe")
+    config.setdefault("steps_per_print", 1_000_000)
+    config.setdefault("wall_clock_breakdown", False)
+    config["zero_allow_untested_optimizer"] = True
+    _reject_auto(config)
+    return config, notes
+
+
+def _merge(key: str, user_value: Any, recipe_value: Any, source: Any) -> Any:
+    if user_value is None or user_value == "auto":
+        return recipe_value
+    if isinstance(recipe_value, dict) and isinstance(user_value, dict):
+        merged = {**user_value}
+        for sub, value in recipe_value.items():
+            merged[sub] = _merge(f"{key}.{sub}", user_value.get(sub), value, source)
+        return merged
+    if user_value != recipe_value:
+        where = "the inline deepspeed mapping" if isinstance(source, dict) else f"deepspeed file {source}"
+        raise UserError(
+            f"{where} sets {key} = {user_value!r} but the recipe implies {recipe_value!r}",
+            'set it to "auto" in the JSON (llmtune fills it from the recipe) or change the recipe',
+        )
+    return user_value
+
+
+def _resolve_optimizer(config: dict, recipe, notes: list[str]) -> None:
+    """Offloaded optimizer states need DeepSpeed's own (CPU) Adam; otherwise the Trainer builds the optimizer."""
+    zero = config["zero_optimization"]
+    offloaded = bool(zero.get("offload_optimizer")) and zero["offload_optimizer"].get("device") != "none"
+    params = {
+        "lr": recipe.learning_rate, "betas": [recipe.adam_beta1, recipe.adam_beta2],
+        "eps": recipe.adam_epsilon, "weight_decay": recipe.weight_decay,
+    }  # fmt: skip
+    if "optimizer" in config:
+        user = config["optimizer"]
+        config["optimizer"] = {
+            "type": user.get("type", "AdamW"),
+            "params": _merge("optimizer.params", user.get("params") or {}, params, recipe.deepspeed),
+        }
+    elif offloaded:
+        if not recipe.optimizer.startswith("adamw"):
+            raise UserError(
+                f"optimizer: {recipe.optimizer} can't run with DeepSpeed optimizer offload",
+                "use optimizer: adamw_torch (DeepSpeed's CPU Adam runs it), or a preset without offload",
+            )
+        config["optimizer"] = {"type": "AdamW", "params": params}
+        notes.append("optimizer offload: DeepSpeed's CPU AdamW runs the optimizer step")
+
+
+def _reject_auto(config: Any, path: str = "") -> None:
+    if isinstance(config, dict):
+        for key, value in config.items():
+            _reject_auto(value, f"{path}.{key}" if path else key)
+    elif config == "auto":
+        raise UserError(f'deepspeed: {path} is "auto" and llmtune can\'t resolve it', "give it a value")

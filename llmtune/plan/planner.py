@@ -1,0 +1,210 @@
+"""Recipe + Cluster -> Plan: the strategy, its sizes, the generated configs and the commands.
+
+Pure: reads at most a local config.json or DeepSpeed JSON, imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmtune.errors import UserError
+from llmtune.plan.accelerate_config import build_accelerate_config, fsdp_section
+from llmtune.plan.cluster import Cluster
+from llmtune.plan.deepspeed import build_deepspeed_config
+from llmtune.plan.model_facts import ModelFacts, read_model_facts
+from llmtune.plan.pipeline import bubble_fraction, split_layers
+from llmtune.recipe import Recipe
+
+STRATEGY_TITLES = {
+    "single": "single process", "ddp": "DDP (data parallel)", "zero1": "DeepSpeed ZeRO-1",
+    "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3", "fsdp1": "FSDP1", "fsdp2": "FSDP2",
+    "pipeline": "pipeline parallel",
+}  # fmt: skip
+
+
+@dataclass
+class PipelinePlan:
+    stages: int
+    microbatches: int
+    schedule: str
+    virtual_stages: int
+    bubble: float
+    layers_per_stage: list[list[int]] | None  # [first, last) per stage, when the config is known
+    params_per_stage: list[int] | None
+
+
+@dataclass
+class Plan:
+    strategy: str
+    offload: str  # none | cpu | nvme
+    world_size: int
+    data_parallel_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    global_batch_size: int
+    precision: str
+    cluster: Cluster
+    config_dir: str
+    accelerate_config: dict[str, Any] | None
+    deepspeed_config: dict[str, Any] | None
+    env: dict[str, str]
+    commands: list[list[str]]  # one per machine, by machine rank
+    pipeline: PipelinePlan | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        title = STRATEGY_TITLES[self.strategy]
+        return title + (f" + {self.offload.upper()} offload" if self.offload != "none" else "")
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.strategy[-1]) if self.strategy.startswith("zero") else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        data = asdict(self)
+        data["cluster"] = self.cluster.to_dict()
+        data["title"] = self.title
+        return data
+
+
+def choose_strategy(recipe: Recipe, world_size: int) -> str:
+    if recipe.pipeline_parallel_size > 1:
+        return "pipeline"
+    if recipe.deepspeed is not None:
+        return "zero"  # the stage comes from the resolved config
+    fsdp = recipe.resolved_fsdp()
+    if fsdp:
+        return f"fsdp{fsdp[0]}"
+    return "ddp" if world_size > 1 else "single"
+
+
+def _precision(recipe: Recipe, cluster: Cluster, notes: list[str]) -> str:
+    precision = "bf16" if recipe.bf16 == "auto" and not cluster.rehearsal else recipe.precision
+    if recipe.bf16 == "auto" and cluster.rehearsal:
+        precision = "no"
+    if cluster.rehearsal and precision != "no":
+        notes.append(f"CPU rehearsal: {precision} mixed precision becomes fp32 (the GPU run keeps {precision})")
+        return "no"
+    return precision
+
+
+def _pipeline_plan(recipe: Recipe, world: int, facts: ModelFacts | None) -> PipelinePlan:
+    stages = recipe.pipeline_parallel_size
+    if world % stages:
+        raise UserError(
+            f"world size {world} is not divisible by pipeline_parallel_size {stages} "
+            f"(world = stages x data-parallel replicas; {world} / {stages} = {world / stages:.2f})",
+            f"use --num-processes {stages * max(1, world // stages) or stages}",
+        )
+    accumulation = recipe.gradient_accumulation_steps
+    if recipe.pipeline_microbatches and accumulation > 1 and recipe.pipeline_microbatches != accumulation:
+        raise UserError(
+            f"pipeline_microbatches ({recipe.pipeline_microbatches}) and gradient_accumulation_steps "
+            f"({accumulation}) disagree",
+            "in a pipeline the micro-batches of one step are the accumulation steps: set only pipeline_microbatches",
+        )
+    microbatches = recipe.pipeline_microbatches or max(accumulation, stages)
+    if microbatches < stages:
+        raise UserError(f"pipeline_microbatches ({microbatches}) is fewer than pipeline_parallel_size ({stages})")
+    virtual = recipe.pipeline_virtual_stages if recipe.pipeline_schedule == "interleaved_1f1b" else 1
+    layers = params = None
+    if facts:
+        try:
+            ranges = split_layers(
+                [facts.layer_params()] * facts.num_layers,
+                facts.embedding_params(),
+                facts.hidden_size + (0 if facts.tie_word_embeddings else facts.embedding_params()),
+                stages * virtual,
+            )
+        except ValueError:
+            raise UserError(
+                f"pipeline_parallel_size {stages} x {virtual} virtual stages needs at least {stages * virtual} "
+                f"layers, but the model has {facts.num_layers}",
+                "use fewer stages",
+            ) from None
+        layers = [[r.start, r.stop] for r in ranges]
+        params = [len(r) * facts.layer_params() for r in ranges]
+        params[0] += facts.embedding_params()
+        params[-1] += facts.hidden_size + (0 if facts.tie_word_embeddings else facts.embedding_params())
+    return PipelinePlan(
+        stages, microbatches, recipe.pipeline_schedule, virtual, bubble_fraction(stages, microbatches), layers, params
+    )
+
+
+def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -> Plan:
+    """Resolve the recipe for this cluster. Raises UserError for sizes or combinations that can't work."""
+    config_dir = str(Path(config_dir or Path(recipe.output_dir) / "llmtune").resolve())
+    notes: list[str] = []
+    world = cluster.num_processes
+    facts = read_model_facts(recipe.base_model_config or recipe.base_model)
+    precision = _precision(recipe, cluster, notes)
+    strategy = choose_strategy(recipe, world)
+    pipeline = _pipeline_plan(recipe, world, facts) if strategy == "pipeline" else None
+    data_parallel = world // pipeline.stages if pipeline else world
+    accumulation = pipeline.microbatches if pipeline else recipe.gradient_accumulation_steps
+    global_batch = recipe.micro_batch_size * accumulation * data_parallel
+
+    deepspeed_config = fsdp = None
+    offload = "none"
+    ds_path = None
+    if strategy == "zero":
+        deepspeed_config, ds_notes = build_deepspeed_config(recipe, data_parallel, precision, facts)
+        notes += ds_notes
+        zero = deepspeed_config["zero_optimization"]
+        stage = int(zero.get("stage", 0))
+        if stage not in (1, 2, 3):
+            raise UserError(f"deepspeed: zero_optimization.stage is {stage}; llmtune runs stages 1, 2 and 3")
+        strategy = f"zero{stage}"
+        devices = {(zero.get(k) or {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
+        offload = "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
+        if recipe.adapter == "qlora" and stage == 3:
+            raise UserError("adapter: qlora with ZeRO-3 is not supported (4-bit weights can't be partitioned)",
+                            "use deepspeed: zero2, or fsdp")  # fmt: skip
+        ds_path = str(Path(config_dir) / "deepspeed.json")
+    elif strategy.startswith("fsdp"):
+        version, settings = recipe.resolved_fsdp()
+        if version == 2 and settings.sharding_strategy.startswith("HYBRID"):
+            raise UserError("fsdp: HYBRID_SHARD needs fsdp_version: 1", "or use FULL_SHARD with FSDP2")
+        fsdp = fsdp_section(version, settings, facts.no_split_class if facts else None)
+        offload = "cpu" if settings.offload_params else "none"
+        if world == 1:
+            notes.append("FSDP with one process shards nothing; it runs, but DDP/single would be faster")
+
+    accelerate = None
+    if strategy != "single":
+        accelerate = build_accelerate_config(
+            strategy, cluster, precision, ds_path, int(strategy[-1]) if ds_path else 0, fsdp
+        )
+    env = _environment(cluster, strategy)
+    commands = [_command(strategy, config_dir, rank) for rank in range(cluster.num_machines)]
+    return Plan(
+        strategy, offload, world, data_parallel, recipe.micro_batch_size, accumulation, global_batch, precision,
+        cluster, config_dir, accelerate, deepspeed_config, env, commands, pipeline, notes,
+    )  # fmt: skip
+
+
+def _environment(cluster: Cluster, strategy: str) -> dict[str, str]:
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    if cluster.rehearsal:
+        cores = os.cpu_count() or 1
+        env["OMP_NUM_THREADS"] = str(max(1, cores // cluster.processes_per_machine))
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        if strategy.startswith("zero"):
+            env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def _command(strategy: str, config_dir: str, machine_rank: int) -> list[str]:
+    plan_file = str(Path(config_dir) / "plan.json")
+    if strategy == "single":
+        return ["python", "-m", "llmtune.train", plan_file]
+    return [
+        "accelerate", "launch", "--config_file", str(Path(config_dir) / "accelerate_config.yaml"),
+        "--machine_rank", str(machine_rank), "-m", "llmtune.train", plan_file,
+    ]  # fmt: skip

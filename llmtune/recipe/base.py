@@ -1,0 +1,42 @@
+"""The strict base every recipe section builds on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from llmtune.errors import did_you_mean
+
+
+def unknown_key_message(key: Any, known: list[str]) -> str:
+    if not isinstance(key, str):
+        return f"key {key!r} is not a string"
+    guess = did_you_mean(key, known)
+    text = f"unknown key '{key}'"
+    return text + (f"; did you mean '{guess}'?" if guess else "")
+
+
+class Section(BaseModel):
+    """A pydantic model that refuses keys it does not define, with a did-you-mean."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = list(cls.model_fields)
+            for key in data:
+                if key not in cls.model_fields:
+                    raise ValueError(unknown_key_message(key, known))
+            # Axolotl recipes write `key:` (null) to mean "the default".
+            data = {k: v for k, v in data.items() if v is not None or cls.model_fields[k].is_required()}
+        return data
+
+
+def empty_to_none(value: Any) -> Any:
+    """YAML writes 'nothing' as null, '' or 'none'; treat them alike."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+        return None
+    return value

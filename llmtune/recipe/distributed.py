@@ -1,0 +1,129 @@
+"""Recipe keys about how training is spread over processes: DeepSpeed, FSDP, pipeline, DDP."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from llmtune.recipe.base import Section, empty_to_none
+
+# Axolotl writes FSDP v1 as a list of words; what each word means for llmtune's FSDP settings.
+FSDP_WORDS = {
+    "full_shard": {"sharding_strategy": "FULL_SHARD"},
+    "shard_grad_op": {"sharding_strategy": "SHARD_GRAD_OP"},
+    "hybrid_shard": {"sharding_strategy": "HYBRID_SHARD"},
+    "no_shard": {"sharding_strategy": "NO_SHARD"},
+    "offload": {"offload_params": True},
+    "auto_wrap": {},
+}
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+
+
+class FsdpConfig(Section):
+    """FSDP settings; keys may carry Axolotl's older `fsdp_` prefix."""
+
+    version: Literal[1, 2] | None = Field(None, description="Same as the top-level fsdp_version.")
+    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"] = Field(
+        "TRANSFORMER_BASED_WRAP", description="How modules are grouped into FSDP units."
+    )
+    transformer_layer_cls_to_wrap: str | None = Field(
+        None, description="Decoder layer class(es), comma separated; default: the model's _no_split_modules."
+    )
+    min_num_params: int = Field(100_000_000, gt=0, description="SIZE_BASED_WRAP threshold.")
+    sharding_strategy: Literal[SHARDING_STRATEGIES] = Field("FULL_SHARD", description="FSDP1 sharding strategy.")  # type: ignore[valid-type]
+    reshard_after_forward: bool | None = Field(
+        None, description="Free gathered weights after forward (FSDP2; default from sharding_strategy)."
+    )
+    offload_params: bool = Field(False, description="Keep parameters and optimizer on CPU.")
+    cpu_ram_efficient_loading: bool = Field(False, description="Load weights on rank 0 only, then broadcast.")
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = Field(
+        "FULL_STATE_DICT", description="Checkpoint format: one full state dict, or a shard per rank."
+    )
+    activation_checkpointing: bool = Field(False, description="Recompute activations per wrapped layer.")
+    use_orig_params: bool = Field(True, description="FSDP1: expose original parameters (needed for LoRA).")
+    sync_module_states: bool = Field(True, description="FSDP1: broadcast rank 0's weights at wrap time.")
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"] = Field(
+        "BACKWARD_PRE", description="FSDP1 backward prefetch."
+    )
+    forward_prefetch: bool = Field(False, description="FSDP1 forward prefetch.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strip_prefix(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {
+                (k[len("fsdp_") :] if isinstance(k, str) and k.startswith("fsdp_") else k): v for k, v in data.items()
+            }
+        return data
+
+
+DEEPSPEED_PRESETS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme")
+
+
+class DistributedKeys(Section):
+    deepspeed: str | dict | None = Field(
+        None,
+        description="DeepSpeed: a preset (" + ", ".join(DEEPSPEED_PRESETS) + "), a JSON file, or an inline mapping. "
+        '"auto" values are filled from the recipe.',
+    )
+    offload_nvme_path: str | None = Field(None, description="NVMe folder for ZeRO-Infinity offload (zero3_nvme).")
+    fsdp: list[str] | None = Field(None, description="Axolotl's FSDP v1 words, e.g. [full_shard, auto_wrap].")
+    fsdp_version: Literal[1, 2] | None = Field(
+        None, description="FSDP version (default 2; 1 when only Axolotl's `fsdp:` word list is given)."
+    )
+    fsdp_config: FsdpConfig | None = Field(None, description="FSDP settings (enables FSDP).")
+    pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline stages (layers split across ranks).")
+    pipeline_microbatches: int | None = Field(None, gt=0, description="Micro-batches per pipeline step.")
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field("1f1b", description="Pipeline schedule.")
+    pipeline_virtual_stages: int = Field(2, gt=0, description="Stages per rank for interleaved_1f1b.")
+    ddp_timeout: int = Field(1800, gt=0, description="Seconds a collective may wait before the job fails.")
+    ddp_find_unused_parameters: bool | None = Field(None, description="DDP: look for parameters without gradients.")
+    ddp_bucket_cap_mb: int | None = Field(None, gt=0, description="DDP gradient bucket size.")
+
+    @field_validator("deepspeed", "fsdp", "fsdp_config", "offload_nvme_path", mode="before")
+    @classmethod
+    def _empty(cls, value):
+        value = empty_to_none(value)
+        if isinstance(value, (list, dict)) and not value:
+            return None
+        if isinstance(value, str) and value.strip().lower() in ("false", "no"):
+            return None
+        return value
+
+    @field_validator("fsdp", mode="before")
+    @classmethod
+    def _fsdp_words(cls, value):
+        value = value.split() if isinstance(value, str) else value  # accelerate's "full_shard auto_wrap"
+        for word in value or []:
+            if word not in FSDP_WORDS:
+                raise ValueError(f"'{word}' is not an FSDP option; use some of {', '.join(FSDP_WORDS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_engine(self):
+        if self.deepspeed is not None and self.fsdp_enabled:
+            raise ValueError("deepspeed and fsdp/fsdp_config are both set; a run uses one sharding engine")
+        if self.pipeline_parallel_size > 1 and (self.deepspeed is not None or self.fsdp_enabled):
+            raise ValueError("pipeline_parallel_size > 1 combines only with data parallel, not deepspeed or fsdp")
+        config = self.fsdp_config
+        if config and config.version and self.fsdp_version and config.version != self.fsdp_version:
+            raise ValueError(f"fsdp_version is {self.fsdp_version} but fsdp_config.version is {config.version}")
+        return self
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return bool(self.fsdp) or self.fsdp_config is not None or self.fsdp_version is not None
+
+    def resolved_fsdp(self) -> tuple[int, FsdpConfig] | None:
+        """FSDP version and settings with Axolotl's word list folded in, or None when FSDP is off."""
+        if not self.fsdp_enabled:
+            return None
+        settings = self.fsdp_config.model_dump(exclude_unset=True) if self.fsdp_config else {}
+        for word in self.fsdp or []:
+            for key, value in FSDP_WORDS[word].items():
+                settings.setdefault(key, value)
+        config = FsdpConfig(**settings)
+        # Axolotl's word list is FSDP1 syntax and Axolotl runs it as FSDP1; otherwise FSDP2 is the default.
+        version = self.fsdp_version or config.version or (1 if self.fsdp else 2)
+        return version, config

@@ -1,0 +1,118 @@
+"""Read a recipe file: safe YAML, Axolotl-only keys, schema errors as one line naming the key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from llmtune.errors import UserError
+from llmtune.recipe.axolotl_keys import AXOLOTL_ONLY_KEYS, is_inert
+from llmtune.recipe.paths import check_local_paths
+from llmtune.recipe.schema import Recipe
+
+REFERENCE_HINT = "see docs/recipe-reference.md for every key"
+
+
+@dataclass
+class LoadedRecipe:
+    recipe: Recipe
+    path: Path
+    notes: list[str] = field(default_factory=list)  # keys accepted with no effect, and similar
+
+
+def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
+    """Load, validate and normalise a recipe file; raise UserError on any mistake in it."""
+    path = Path(path)
+    raw = read_yaml_mapping(path)
+    return recipe_from_mapping(raw, path, check_files=check_files)
+
+
+def read_yaml_mapping(path: Path) -> dict:
+    if not path.exists():
+        raise UserError(f"recipe file not found: {path}", "check the path")
+    if path.is_dir():
+        raise UserError(f"{path} is a folder, not a recipe file", "pass the .yaml file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})", "save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise UserError(_yaml_error_line(path, err), "fix the YAML syntax at that line") from None
+    except RecursionError:
+        raise UserError(f"{path}: the YAML is nested too deeply", "a recipe is a flat mapping of keys") from None
+    if data is None:
+        raise UserError(f"recipe {path} is empty", "a recipe needs at least base_model and datasets")
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise UserError(f"recipe {path} must be a mapping of keys at the top level, not a {kind}", REFERENCE_HINT)
+    return data
+
+
+def _yaml_error_line(path: Path, err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    if isinstance(err, yaml.constructor.ConstructorError) and "tag" in str(problem):
+        problem = f"{problem.strip()} (only plain YAML is read: tags like !!python/... are refused)"
+    return f"{path}{where}: YAML error: {str(problem).strip()}"
+
+
+def recipe_from_mapping(raw: dict, path: Path, check_files: bool = True) -> LoadedRecipe:
+    notes: list[str] = []
+    data: dict[str, Any] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise UserError(f"{path}: key {key!r} is not a string", "recipe keys are names like base_model")
+        if key in AXOLOTL_ONLY_KEYS and key not in Recipe.model_fields:
+            if is_inert(key, value):
+                notes.append(f"{key}: accepted, has no effect in llmtune")
+                continue
+            hint = AXOLOTL_ONLY_KEYS[key][1]
+            raise UserError(f"{path}: {key}: {value!r} is an Axolotl setting llmtune can't honour", hint)
+        data[key] = value
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as err:
+        raise UserError(f"{path}: {_first_error(err)}", REFERENCE_HINT) from None
+    except RecursionError:
+        raise UserError(f"{path}: a value is nested too deeply", REFERENCE_HINT) from None
+    if check_files:
+        check_local_paths(recipe, path)
+    return LoadedRecipe(recipe=recipe, path=path, notes=notes)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
+
+
+def key_path(loc: tuple) -> str:
+    """('datasets', 1, 'type') -> 'datasets[1].type', leaving out pydantic's union-member tags."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part.split("[")[0].lower() in _TYPE_TAGS or part[:1].isupper() or part.startswith("function-"):
+            continue
+        else:
+            text += f".{part}" if text else part
+    return text
+
+
+def _first_error(err: ValidationError) -> str:
+    errors = err.errors(include_url=False)
+    # For unions, the deepest location is the member the user meant.
+    best = max(errors, key=lambda e: len([p for p in e["loc"] if key_path((p,))]))
+    message = best["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    where = key_path(best["loc"])
+    if best["type"] == "missing":
+        return f"{where}: required key is missing"
+    if best["type"] not in ("value_error", "assertion_error") and "input" in best:
+        shown = repr(best["input"])
+        message += f" (got {shown[:60] + '...' if len(shown) > 60 else shown})"
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return f"{where}: {message}{more}" if where else f"{message}{more}"

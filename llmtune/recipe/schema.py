@@ -1,0 +1,42 @@
+"""The whole recipe: every concern's keys in one flat mapping, as Axolotl writes it."""
+
+from __future__ import annotations
+
+from pydantic import model_validator
+
+from llmtune.recipe.adapter import AdapterKeys
+from llmtune.recipe.data import DataKeys
+from llmtune.recipe.distributed import DistributedKeys
+from llmtune.recipe.model import ModelKeys
+from llmtune.recipe.training import TrainingKeys
+
+# Presets and Axolotl config files whose ZeRO stage is known from the name alone.
+_ZERO3_NAMES = ("zero3",)
+
+
+class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
+    """A validated, normalised recipe. Nothing downstream re-reads YAML or re-checks keys."""
+
+    @model_validator(mode="after")
+    def _cross_concern_rules(self):
+        if self.adapter == "qlora" and isinstance(self.deepspeed, str) and self.deepspeed.startswith(_ZERO3_NAMES):
+            raise ValueError(
+                "adapter: qlora with deepspeed ZeRO-3 is not supported (4-bit weights can't be partitioned); "
+                "use deepspeed: zero2 or fsdp"
+            )
+        if self.pipeline_parallel_size > 1 and self.adapter == "qlora":
+            raise ValueError("pipeline_parallel_size > 1 with adapter: qlora is not supported; use lora")
+        microbatches = self.pipeline_microbatches
+        if self.pipeline_parallel_size > 1 and microbatches is not None and microbatches < self.pipeline_parallel_size:
+            raise ValueError(
+                f"pipeline_microbatches ({microbatches}) is fewer than pipeline_parallel_size "
+                f"({self.pipeline_parallel_size}); stages would sit idle. Use at least {self.pipeline_parallel_size}"
+            )
+        return self
+
+    @property
+    def precision(self) -> str:
+        """'bf16', 'fp16' or 'no' ('auto' bf16 is resolved by the planner, which knows the devices)."""
+        if self.fp16:
+            return "fp16"
+        return "bf16" if self.bf16 else "no"

@@ -1,0 +1,115 @@
+"""Recipe keys about the optimisation loop, checkpoints, precision and tracking."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from llmtune.recipe.base import Section, empty_to_none
+
+# transformers' OptimizerNames that llmtune supports (a unit test checks they exist there).
+OPTIMIZERS = (
+    "adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit",
+    "paged_adamw_32bit", "adafactor", "sgd", "adagrad", "rmsprop", "lion_8bit", "lion_32bit",
+    "paged_lion_8bit", "paged_lion_32bit",
+)  # fmt: skip
+LR_SCHEDULERS = (
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+    "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay",
+)  # fmt: skip
+REPORT_TARGETS = ("none", "tensorboard", "wandb", "mlflow")
+
+
+class TrainingKeys(Section):
+    output_dir: str = Field("./outputs", description="Where checkpoints, the final model and reports go.")
+    micro_batch_size: int = Field(1, gt=0, description="Rows per device per forward pass.")
+    eval_batch_size: int | None = Field(None, gt=0, description="Rows per device in evaluation (default: micro).")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    num_epochs: float = Field(1.0, gt=0, description="Passes over the training data.")
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (wins over epochs).")
+    optimizer: Literal[OPTIMIZERS] = Field("adamw_torch", description="Optimizer (transformers' names).")  # type: ignore[valid-type]
+    lr_scheduler: Literal[LR_SCHEDULERS] = Field("cosine", description="Learning-rate schedule.")  # type: ignore[valid-type]
+    lr_scheduler_kwargs: dict | None = Field(None, description="Extra scheduler arguments.")
+    cosine_min_lr_ratio: float | None = Field(
+        None, ge=0, le=1, description="cosine: floor the LR at this fraction of the peak (cosine_with_min_lr)."
+    )
+    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    warmup_steps: int | None = Field(None, ge=0, description="Linear warm-up steps.")
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warm-up as a fraction of all steps.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    adam_beta1: float = Field(0.9, gt=0, lt=1, description="Adam beta1.")
+    adam_beta2: float = Field(0.999, gt=0, lt=1, description="Adam beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm (0: no clipping).")
+    bf16: bool | Literal["auto"] = Field(False, description="bfloat16 mixed precision ('auto': where the GPU has it).")
+    fp16: bool = Field(False, description="float16 mixed precision with loss scaling.")
+    tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere+ GPUs.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing_kwargs: dict | None = Field(None, description="e.g. {use_reentrant: false}.")
+    seed: int = Field(42, ge=0, description="Seed for weights of new layers, data order and dropout.")
+    logging_steps: int = Field(1, gt=0, description="Log every this many steps.")
+    save_strategy: Literal["steps", "epoch", "no"] | None = Field(None, description="When to checkpoint.")
+    save_steps: float | None = Field(None, gt=0, description="Checkpoint every N steps (or a fraction of all steps).")
+    saves_per_epoch: int | None = Field(None, gt=0, description="Checkpoints per epoch.")
+    save_total_limit: int | None = Field(None, gt=0, description="Keep at most this many checkpoints.")
+    save_only_model: bool = Field(False, description="Checkpoints without optimizer state (can't resume exactly).")
+    eval_strategy: Literal["steps", "epoch", "no"] | None = Field(None, description="When to evaluate.")
+    eval_steps: float | None = Field(None, gt=0, description="Evaluate every N steps (or a fraction of all steps).")
+    evals_per_epoch: int | None = Field(None, gt=0, description="Evaluations per epoch.")
+    resume_from_checkpoint: str | None = Field(None, description="A checkpoint folder to resume from.")
+    auto_resume_from_checkpoints: bool = Field(True, description="Resume from the last complete checkpoint found.")
+    early_stopping_patience: int | None = Field(None, gt=0, description="Stop after this many evals without gain.")
+    group_by_length: bool = Field(False, description="Batch rows of similar length together.")
+    dataloader_num_workers: int = Field(0, ge=0, description="Data-loading worker processes per rank.")
+    dataloader_pin_memory: bool = Field(True, description="Pin host memory for faster copies to GPU.")
+    report_to: list[Literal[REPORT_TARGETS]] | None = Field(None, description="Trackers: tensorboard, wandb, mlflow.")  # type: ignore[valid-type]
+    use_tensorboard: bool = Field(False, description="Log to tensorboard (under output_dir/runs).")
+    use_mlflow: bool = Field(False, description="Log to mlflow.")
+    mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking URI (default: a local file store).")
+    mlflow_experiment_name: str | None = Field(None, description="MLflow experiment.")
+    wandb_project: str | None = Field(None, description="Weights & Biases project (enables wandb).")
+    wandb_entity: str | None = Field(None, description="W&B entity.")
+    wandb_name: str | None = Field(None, description="W&B run name.")
+    wandb_run_id: str | None = Field(None, description="W&B run id (to continue a run).")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(None, description="W&B mode.")
+    wandb_watch: Literal["false", "gradients", "parameters", "all"] | None = Field(None, description="W&B watch.")
+    wandb_log_model: Literal["false", "checkpoint", "end"] | None = Field(None, description="W&B model upload.")
+
+    @field_validator(
+        "report_to", "wandb_project", "wandb_entity", "wandb_name", "wandb_run_id", "wandb_mode", "wandb_watch",
+        "wandb_log_model", "resume_from_checkpoint", "lr_scheduler_kwargs", "gradient_checkpointing_kwargs",
+        mode="before",
+    )  # fmt: skip
+    @classmethod
+    def _empty(cls, value):
+        value = empty_to_none(value)
+        return "false" if value is False else value
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_list(cls, value):
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _training_rules(self):
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            raise ValueError("warmup_steps and warmup_ratio are both set; use one")
+        if self.bf16 is True and self.fp16:
+            raise ValueError("bf16 and fp16 are both true; choose one precision")
+        if self.save_steps is not None and self.saves_per_epoch is not None:
+            raise ValueError("save_steps and saves_per_epoch are both set; use one")
+        if self.eval_steps is not None and self.evals_per_epoch is not None:
+            raise ValueError("eval_steps and evals_per_epoch are both set; use one")
+        return self
+
+    @property
+    def trackers(self) -> list[str]:
+        """The tracking backends asked for, from report_to and Axolotl's switches."""
+        chosen = [t for t in (self.report_to or []) if t != "none"]
+        for flag, name in ((self.use_tensorboard, "tensorboard"), (self.use_mlflow, "mlflow")):
+            if flag and name not in chosen:
+                chosen.append(name)
+        if self.wandb_project and self.wandb_mode != "disabled" and "wandb" not in chosen:
+            chosen.append("wandb")
+        return chosen

@@ -1,0 +1,69 @@
+"""Shared test helpers: run the real CLI in-process, write recipes and data."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+
+
+class CliResult:
+    def __init__(self, code: int, out: str, err: str):
+        self.code, self.out, self.err = code, out, err
+
+
+@pytest.fixture
+def run_cli(capsys, monkeypatch):
+    """Run `llmtune ARGS` through the real entry point; returns exit code and output."""
+    from llmtune.cli import main
+
+    def run(*args: str) -> CliResult:
+        monkeypatch.setattr(sys, "argv", ["llmtune", *map(str, args)])
+        code = 0
+        try:
+            main()
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run
+
+
+@pytest.fixture
+def data_file(tmp_path) -> Path:
+    from tiny import write_jsonl
+
+    return write_jsonl(tmp_path / "data" / "train.jsonl", [{"instruction": "say hi", "input": "", "output": "hi"}])
+
+
+@pytest.fixture
+def write_recipe(tmp_path, data_file):
+    """Write a recipe: a valid base (hub model, local alpaca file) updated with `changes`."""
+
+    def write(changes: dict | None = None, text: str | None = None, name: str = "recipe.yaml") -> Path:
+        path = tmp_path / name
+        if text is None:
+            recipe = {
+                "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "datasets": [{"path": str(data_file), "type": "alpaca"}],
+                "output_dir": str(tmp_path / "out"),
+            }
+            for key, value in (changes or {}).items():
+                if value is DROP:
+                    recipe.pop(key, None)
+                else:
+                    recipe[key] = value
+            text = yaml.safe_dump(recipe, sort_keys=False)
+        path.write_text(text)
+        return path
+
+    return write
+
+
+DROP = object()

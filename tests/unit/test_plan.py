@@ -1,0 +1,136 @@
+"""The planner: strategies, batch arithmetic, resolved DeepSpeed values, commands per machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llmtune.errors import UserError
+from llmtune.plan import make_cluster, make_plan
+from llmtune.plan.pipeline import bubble_fraction, split_layers
+from llmtune.recipe.loader import recipe_from_mapping
+
+
+def recipe(**changes):
+    base = {"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}], "output_dir": "/runs/x"}
+    return recipe_from_mapping({**base, **changes}, Path("r.yaml"), check_files=False).recipe
+
+
+def test_zero3_offload_on_8_processes(run_cli, write_recipe):
+    path = write_recipe({"deepspeed": "zero3_offload", "micro_batch_size": 2, "gradient_accumulation_steps": 4})
+    result = run_cli("plan", path, "--num-processes", "8", "--json")
+    assert result.code == 0, result.err
+    plan = json.loads(result.out)
+    ds = plan["deepspeed_config"]
+    assert plan["strategy"] == "zero3" and plan["offload"] == "cpu"
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["train_batch_size"] == 2 * 4 * 8 == plan["global_batch_size"]
+    assert '"auto"' not in result.out
+
+
+def test_human_summary_shows_the_arithmetic(run_cli, write_recipe):
+    path = write_recipe({"deepspeed": "zero3_offload", "micro_batch_size": 2, "gradient_accumulation_steps": 4})
+    result = run_cli("plan", path, "--num-processes", "8")
+    assert result.code == 0
+    assert "ZeRO-3 + CPU offload" in result.out
+    assert "64 = micro 2 x accumulation 4 x data-parallel 8" in result.out
+    assert '"train_batch_size": 64' in result.out
+
+
+def test_plan_write_gives_files_plain_accelerate_can_use(run_cli, write_recipe, tmp_path):
+    out = tmp_path / "cfg"
+    result = run_cli("plan", write_recipe({"deepspeed": "zero2"}), "--num-processes", "2", "--write", out)
+    assert result.code == 0, result.err
+    assert {p.name for p in out.iterdir()} == {"plan.json", "recipe.resolved.yaml", "accelerate_config.yaml", "deepspeed.json"}
+    import yaml
+
+    accel = yaml.safe_load((out / "accelerate_config.yaml").read_text())
+    assert accel["deepspeed_config"]["deepspeed_config_file"] == str((out / "deepspeed.json").resolve())
+
+
+@pytest.mark.parametrize(
+    ("changes", "world", "strategy"),
+    [
+        ({}, 1, "single"),
+        ({}, 4, "ddp"),
+        ({"deepspeed": "zero1"}, 2, "zero1"),
+        ({"deepspeed": "deepspeed_configs/zero3_bf16.json"}, 2, "zero3"),  # Axolotl's shipped file name
+        ({"fsdp_config": {"fsdp_offload_params": False}}, 2, "fsdp2"),
+        ({"fsdp": "full_shard auto_wrap"}, 2, "fsdp1"),
+        ({"pipeline_parallel_size": 2}, 4, "pipeline"),
+    ],
+)
+def test_strategy_choice(changes, world, strategy):
+    plan = make_plan(recipe(**changes), make_cluster(world, device="cuda"))
+    assert plan.strategy == strategy
+    assert plan.world_size == world
+
+
+def test_inline_deepspeed_auto_values_are_filled():
+    ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}, "train_batch_size": "auto",
+          "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}, "scheduler": {"type": "WarmupLR"}}
+    plan = make_plan(recipe(deepspeed=ds, micro_batch_size=3, gradient_accumulation_steps=2, bf16=True),
+                     make_cluster(4, device="cuda"))  # fmt: skip
+    config = plan.deepspeed_config
+    assert config["train_batch_size"] == 24 and config["gradient_accumulation_steps"] == 2
+    assert config["bf16"]["enabled"] is True
+    assert isinstance(config["zero_optimization"]["reduce_bucket_size"], int)
+    assert "scheduler" not in config and any("scheduler" in n for n in plan.notes)
+
+
+def test_multi_node_commands_differ_only_in_machine_rank():
+    cluster = make_cluster(4, num_machines=2, machine_rank=1, main_process_ip="10.1.2.3", main_process_port=29555, device="cuda")
+    plan = make_plan(recipe(adapter="lora"), cluster)
+    assert len(plan.commands) == 2
+    assert plan.commands[0][plan.commands[0].index("--machine_rank") + 1] == "0"
+    assert plan.commands[1][plan.commands[1].index("--machine_rank") + 1] == "1"
+    assert plan.accelerate_config["main_process_ip"] == "10.1.2.3"
+    assert plan.accelerate_config["num_machines"] == 2 and plan.accelerate_config["num_processes"] == 4
+
+
+def test_cpu_rehearsal_environment():
+    plan = make_plan(recipe(deepspeed="zero2", bf16=True), make_cluster(2, device="cpu"))
+    assert plan.env["DS_ACCELERATOR"] == "cpu"
+    assert plan.precision == "no" and any("rehearsal" in n for n in plan.notes)
+
+
+def test_pipeline_split_and_bubble(tmp_path):
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 6,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plan = make_plan(recipe(base_model=str(tmp_path), pipeline_parallel_size=2, pipeline_microbatches=4),
+                     make_cluster(4, device="cuda"))  # fmt: skip
+    assert plan.data_parallel_size == 2
+    assert plan.pipeline.bubble == pytest.approx(1 / 5)
+    layers = plan.pipeline.layers_per_stage
+    assert layers[0][0] == 0 and layers[-1][1] == 6 and layers[0][1] == layers[1][0]
+    with pytest.raises(UserError, match="needs at least 8 layers"):
+        make_plan(recipe(base_model=str(tmp_path), pipeline_parallel_size=8, pipeline_microbatches=8),
+                  make_cluster(8, device="cuda"))  # fmt: skip
+
+
+def test_split_layers_balances_parameters():
+    ranges = split_layers([10] * 8, first_extra=30, last_extra=0, stages=2)
+    loads = [sum(10 for _ in r) + (30 if i == 0 else 0) for i, r in enumerate(ranges)]
+    assert [len(r) for r in ranges] == [3, 5] or max(loads) <= 60
+    assert max(loads) == 60
+    assert bubble_fraction(4, 12) == pytest.approx(3 / 15)
+
+
+def test_axolotl_only_keys_are_reported_once(run_cli, write_recipe):
+    result = run_cli("validate", write_recipe({"strict": False, "wandb_watch": None, "xformers_attention": None}))
+    assert result.code == 0
+    assert result.out.count("strict: accepted, has no effect") == 1
+    assert "xformers_attention: accepted" in result.out
+
+
+def test_optimizer_names_exist_in_transformers():
+    from transformers.training_args import OptimizerNames
+
+    from llmtune.recipe.training import OPTIMIZERS
+
+    assert set(OPTIMIZERS) <= {o.value for o in OptimizerNames}

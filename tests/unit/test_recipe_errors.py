@@ -1,0 +1,104 @@
+"""Every kind of user mistake: one line naming the key, exit code 2, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import DROP
+
+BAD_RECIPES = [
+    # (id, changes or raw text, words the one-line message must contain, extra CLI args)
+    ("typo", {"lora_rr": 8}, ["lora_rr", "lora_r"], []),
+    ("empty-file", "", ["empty"], []),
+    ("top-level-list", "- base_model: x\n", ["mapping", "list"], []),
+    ("yaml-syntax", "base_model: x\ndatasets: [\n  {path: a\nlr: 1\n", ["line"], []),
+    ("python-tag", "base_model: !!python/object/apply:os.system ['echo pwned']\n", ["line 1", "tag"], []),
+    ("missing-base-model", {"base_model": DROP}, ["base_model", "missing"], []),
+    ("missing-datasets", {"datasets": DROP}, ["datasets", "missing"], []),
+    ("unknown-dataset-type", {"datasets": [{"path": "org/ds", "type": "alpacca"}]}, ["datasets[0].type", "alpaca"], []),
+    ("second-dataset-type", {"datasets": [{"path": "org/a", "type": "alpaca"}, {"path": "org/b", "type": 3}]},
+     ["datasets[1].type"], []),
+    ("dataset-key-typo", {"datasets": [{"path": "org/ds", "type": "chat_template", "feild_messages": "m"}]},
+     ["datasets[0]", "feild_messages", "field_messages"], []),
+    ("zero-micro-batch", {"micro_batch_size": 0}, ["micro_batch_size", "greater than 0"], []),
+    ("negative-lr", {"learning_rate": -1e-4}, ["learning_rate"], []),
+    ("wrong-type", {"sequence_len": "long"}, ["sequence_len", "integer"], []),
+    ("deepspeed-and-fsdp", {"deepspeed": "zero2", "fsdp_version": 2}, ["deepspeed", "fsdp"], []),
+    ("warmup-both", {"warmup_steps": 10, "warmup_ratio": 0.1}, ["warmup_steps", "warmup_ratio"], []),
+    ("4bit-and-8bit", {"adapter": "lora", "load_in_4bit": True, "load_in_8bit": True}, ["load_in_4bit", "load_in_8bit"], []),
+    ("qlora-without-4bit", {"adapter": "qlora"}, ["qlora", "load_in_4bit"], []),
+    ("qlora-zero3", {"adapter": "qlora", "load_in_4bit": True, "deepspeed": "zero3"}, ["qlora", "ZeRO-3"], []),
+    ("bad-adapter", {"adapter": "dora"}, ["adapter", "lora"], []),
+    ("bad-optimizer", {"optimizer": "adamw_foo"}, ["optimizer", "adamw_torch"], []),
+    ("unknown-preset", {"deepspeed": "zero4"}, ["deepspeed", "zero4", "preset"], []),
+    ("missing-model-dir", {"base_model": "./models/nope"}, ["base_model", "does not exist"], []),
+    ("missing-data-file", {"datasets": [{"path": "./data/missing.jsonl", "type": "alpaca"}]},
+     ["datasets[0].path", "does not exist"], []),
+    ("pipeline-sizes", {"pipeline_parallel_size": 3}, ["world size 4", "pipeline_parallel_size 3"], ["--num-processes", "4"]),
+    ("pipeline-microbatches", {"pipeline_parallel_size": 2, "pipeline_microbatches": 1}, ["pipeline_microbatches"], []),
+    ("axolotl-unsupported", {"xformers_attention": True}, ["xformers_attention", "attn_implementation"], []),
+    ("fsdp-word", {"fsdp": ["full_shard", "bogus"]}, ["fsdp", "bogus"], []),
+    ("bf16-and-fp16", {"bf16": True, "fp16": True}, ["bf16", "fp16"], []),
+    ("special-token-name", {"special_tokens": {"pad": "<pad>"}}, ["special_tokens", "pad_token"], []),
+    ("removed-sharegpt", {"datasets": [{"path": "org/ds", "type": "sharegpt"}]}, ["datasets[0].type", "chat_template"], []),
+    ("non-string-key", "1: x\nbase_model: m\n", ["key 1"], []),
+    ("nvme-without-path", {"deepspeed": "zero3_nvme"}, ["offload_nvme_path"], []),
+    ("bad-cluster-split", {}, ["--num-processes 3", "--num-machines 2"],
+     ["--num-processes", "3", "--num-machines", "2", "--main-process-ip", "10.0.0.1"]),
+    ("bad-machine-rank", {}, ["--machine-rank 2"],
+     ["--num-processes", "2", "--num-machines", "2", "--machine-rank", "2", "--main-process-ip", "10.0.0.1"]),
+    ("multinode-without-ip", {}, ["--main-process-ip"], ["--num-processes", "2", "--num-machines", "2"]),
+    ("val-and-test-sets", {"val_set_size": 0.1, "test_datasets": [{"path": "org/t", "type": "alpaca"}]},
+     ["test_datasets", "val_set_size"], []),
+]
+
+
+@pytest.mark.parametrize("command", ["validate", "plan"])
+@pytest.mark.parametrize(("changes", "words", "args"), [c[1:] for c in BAD_RECIPES], ids=[c[0] for c in BAD_RECIPES])
+def test_bad_recipe_is_one_line_exit_2(run_cli, write_recipe, tmp_path, command, changes, words, args):
+    path = write_recipe(text=changes) if isinstance(changes, str) else write_recipe(changes)
+    result = run_cli(command, path, *args, "--write", tmp_path / "written") if command == "plan" else run_cli(
+        command, path, *args
+    )
+    assert result.code == 2, result.err + result.out
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1, result.err
+    assert lines[0].startswith("error: ")
+    for word in words:
+        assert word in lines[0], f"{word!r} not in {lines[0]!r}"
+    assert "Traceback" not in result.err + result.out
+    assert not (tmp_path / "written").exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_python_tag_is_never_executed(run_cli, write_recipe, tmp_path):
+    marker = tmp_path / "pwned"
+    path = write_recipe(text=f"base_model: !!python/object/apply:os.system ['touch {marker}']\n")
+    assert run_cli("validate", path).code == 2
+    assert not marker.exists()
+
+
+def test_missing_recipe_file(run_cli, tmp_path):
+    result = run_cli("validate", tmp_path / "nope.yaml")
+    assert result.code == 2 and "not found" in result.err and "nope.yaml" in result.err
+
+
+def test_deepspeed_json_conflicting_with_recipe(run_cli, write_recipe, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}))
+    result = run_cli("plan", write_recipe({"deepspeed": str(ds), "micro_batch_size": 2}))
+    assert result.code == 2
+    assert "train_micro_batch_size_per_gpu" in result.err and "4" in result.err and "2" in result.err
+
+
+def test_deepspeed_json_syntax_error_names_line(run_cli, write_recipe, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{\n  "zero_optimization": {"stage": 2},\n  oops\n}\n')
+    result = run_cli("plan", write_recipe({"deepspeed": str(ds)}))
+    assert result.code == 2 and "line 3" in result.err
+
+
+def test_unknown_cli_flag_is_exit_2(run_cli, write_recipe):
+    result = run_cli("validate", write_recipe(), "--num-proceses", "2")
+    assert result.code == 2
