@@ -115,6 +115,59 @@ def plan(
             typer.echo(f"wrote {path}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(
+    ctx: typer.Context,
+    recipe: RecipeArg,
+    num_processes: NumProcesses = None,
+    num_machines: NumMachines = 1,
+    machine_rank: MachineRank = 0,
+    main_process_ip: MainIp = None,
+    main_process_port: MainPort = None,
+    device: Device = None,
+) -> None:
+    """Fine-tune: validate, plan, write <output_dir>/llmtune/, run the ranks. Launcher flags may follow `--`."""
+    from llmtune.launch.runner import run
+    from llmtune.plan import make_plan
+    from llmtune.plan.files import plan_files, write_plan_files
+    from llmtune.plan.render import summary_lines
+    from llmtune.recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device)
+    the_plan = make_plan(loaded.recipe, cluster)
+    files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
+    for key, value in summary_lines(the_plan, loaded.recipe):
+        typer.echo(f"{key:>14}  {value}", err=True)
+    for note in [*the_plan.notes, *loaded.notes]:
+        typer.echo(f"{'note':>14}  {note}", err=True)
+    write_plan_files(Path(the_plan.config_dir), files)
+    code = run(the_plan, ctx.args)
+    if code:
+        raise typer.Exit(code if code == EXIT_USER_ERROR else 1)
+
+
+@app.command()
+def preprocess(recipe: RecipeArg) -> None:
+    """Tokenize the recipe's datasets into the cache (dataset_prepared_path), with a progress bar."""
+    from llmtune.recipe import load_recipe
+    from llmtune.train.data.prepare import split_and_pack, tokenize_with_cache
+    from llmtune.train.model import load_tokenizer, model_source
+    from llmtune.train.progress import track
+
+    loaded = load_recipe(recipe)
+    source, _ = model_source(loaded.recipe)
+    tokenizer = load_tokenizer(loaded.recipe, source)
+    groups, stats = tokenize_with_cache(loaded.recipe, tokenizer, track)
+    stats = split_and_pack(loaded.recipe, groups, stats).stats
+    where = stats["cache_dir"] or "(no cache: dataset_prepared_path is empty)"
+    typer.echo(f"{'cache hit' if stats['cache_hit'] else 'tokenized'}: {where}")
+    for key in ("rows", "train_examples", "eval_examples", "train_tokens", "dropped_too_long", "truncated",
+                "dropped_no_labels", "packing_efficiency"):  # fmt: skip
+        if stats.get(key) is not None:
+            typer.echo(f"  {key}: {stats[key]}")
+
+
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 2."""
     try:

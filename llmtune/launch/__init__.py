@@ -1,0 +1,1 @@
+"""The launch room: a Plan becomes processes, supervised until they end."""

@@ -1,0 +1,71 @@
+"""Run this machine's command of a plan and supervise it.
+
+The command is an argument list (never a shell string). The launcher and its ranks run in
+their own process group, so Ctrl-C or SIGTERM stops every rank and leaves no orphan.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from llmtune.errors import UserError
+from llmtune.plan.planner import Plan
+
+
+def executable_command(command: list[str], extra_launcher_args: list[str] | None = None) -> list[str]:
+    """The plan's printable command with this interpreter in place of `python` / `accelerate`."""
+    if command[:2] == ["accelerate", "launch"]:
+        module_at = command.index("-m")
+        return [sys.executable, "-m", "accelerate.commands.launch", *command[2:module_at],
+                *(extra_launcher_args or []), *command[module_at:]]  # fmt: skip
+    if command[0] == "python":
+        return [sys.executable, *command[1:]]
+    return list(command)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before launching when the rendezvous port is taken (instead of a hang or a cryptic error)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            raise UserError(f"--main-process-port {port} is already in use on this machine",
+                            "choose another port, or stop the process holding it") from None  # fmt: skip
+
+
+def run(plan: Plan, extra_launcher_args: list[str] | None = None) -> int:
+    """Start this machine's command and wait; returns its exit code."""
+    cluster = plan.cluster
+    if plan.world_size > 1 and cluster.machine_rank == 0:
+        check_port_free(cluster.main_process_ip, cluster.main_process_port)
+    argv = executable_command(plan.commands[cluster.machine_rank], extra_launcher_args)
+    env = {**os.environ, **plan.env}
+    process = subprocess.Popen(argv, env=env, start_new_session=True)
+
+    def stop(signum, _frame):
+        _terminate_group(process)
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if process.poll() is None:
+            _terminate_group(process)
+
+
+def _terminate_group(process: subprocess.Popen, grace: float = 10.0) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

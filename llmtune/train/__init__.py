@@ -1,0 +1,1 @@
+"""The train room: the worker every rank runs (model, adapters, data, Trainer, saving)."""

@@ -1,0 +1,85 @@
+"""TrainingArguments from the recipe and the plan: every recipe key is mapped here, none ignored."""
+
+from __future__ import annotations
+
+import math
+
+
+def steps_per_epoch(train_rows: int, plan: dict) -> int:
+    per_step = plan["micro_batch_size"] * plan["data_parallel_size"] * plan["gradient_accumulation_steps"]
+    return max(1, math.ceil(train_rows / per_step))
+
+
+def _every(steps: float | None, per_epoch: int | None, epoch_steps: int) -> tuple[str, float | None]:
+    """(strategy, steps) for Axolotl's save_steps/saves_per_epoch style pairs."""
+    if steps is not None:
+        return "steps", steps
+    if per_epoch:
+        return "steps", max(1, epoch_steps // per_epoch)
+    return "epoch", None
+
+
+def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **extra):
+    from transformers import TrainingArguments
+
+    epoch_steps = steps_per_epoch(train_rows, plan)
+    precision = plan["precision"]
+    rehearsal = plan["cluster"]["device"] == "cpu"
+    save_strategy, save_steps = _every(recipe.save_steps, recipe.saves_per_epoch, epoch_steps)
+    save_strategy = recipe.save_strategy or save_strategy
+    eval_strategy, eval_steps = _every(recipe.eval_steps, recipe.evals_per_epoch, epoch_steps)
+    eval_strategy = (recipe.eval_strategy or eval_strategy) if has_eval else "no"
+    scheduler, scheduler_kwargs = recipe.lr_scheduler, dict(recipe.lr_scheduler_kwargs or {})
+    if recipe.cosine_min_lr_ratio is not None and scheduler == "cosine":
+        scheduler, scheduler_kwargs["min_lr_rate"] = "cosine_with_min_lr", recipe.cosine_min_lr_ratio
+    warmup = recipe.warmup_steps if recipe.warmup_steps is not None else (recipe.warmup_ratio or 0)
+    kwargs = dict(
+        output_dir=recipe.output_dir,
+        per_device_train_batch_size=recipe.micro_batch_size,
+        per_device_eval_batch_size=recipe.eval_batch_size or recipe.micro_batch_size,
+        gradient_accumulation_steps=plan["gradient_accumulation_steps"],
+        num_train_epochs=recipe.num_epochs,
+        max_steps=recipe.max_steps or -1,
+        optim=recipe.optimizer,
+        learning_rate=recipe.learning_rate,
+        lr_scheduler_type=scheduler,
+        lr_scheduler_kwargs=scheduler_kwargs,
+        warmup_steps=warmup,
+        weight_decay=recipe.weight_decay,
+        adam_beta1=recipe.adam_beta1,
+        adam_beta2=recipe.adam_beta2,
+        adam_epsilon=recipe.adam_epsilon,
+        max_grad_norm=recipe.max_grad_norm,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        tf32=recipe.tf32 and not rehearsal or None,
+        gradient_checkpointing=recipe.gradient_checkpointing,
+        gradient_checkpointing_kwargs=recipe.gradient_checkpointing_kwargs or {"use_reentrant": False},
+        seed=recipe.seed,
+        data_seed=recipe.seed,
+        logging_steps=recipe.logging_steps,
+        logging_first_step=True,
+        save_strategy=save_strategy,
+        save_steps=save_steps or 500,
+        save_total_limit=recipe.save_total_limit,
+        save_only_model=recipe.save_only_model,
+        eval_strategy=eval_strategy,
+        eval_steps=eval_steps,
+        train_sampling_strategy="group_by_length" if recipe.group_by_length else "random",
+        dataloader_num_workers=recipe.dataloader_num_workers,
+        dataloader_pin_memory=recipe.dataloader_pin_memory and not rehearsal,
+        report_to=recipe.trackers or "none",
+        run_name=recipe.wandb_name,
+        ddp_timeout=recipe.ddp_timeout,
+        ddp_find_unused_parameters=recipe.ddp_find_unused_parameters,
+        ddp_bucket_cap_mb=recipe.ddp_bucket_cap_mb,
+        remove_unused_columns=False,
+        use_cpu=rehearsal and not plan["strategy"].startswith("zero"),
+        disable_tqdm=False,
+    )
+    if recipe.early_stopping_patience and has_eval:
+        kwargs.update(load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False)
+        if kwargs["save_strategy"] != kwargs["eval_strategy"] or kwargs["save_steps"] != (eval_steps or 500):
+            kwargs.update(save_strategy=eval_strategy, save_steps=eval_steps or 500)
+    kwargs.update(extra)
+    return TrainingArguments(**kwargs)

@@ -1,0 +1,1 @@
+"""Data: raw rows -> tokenized examples (labels masked) -> packed or padded batches, cached."""

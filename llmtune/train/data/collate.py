@@ -1,0 +1,37 @@
+"""Batch rows into tensors: padded with attention_mask, or packed with position_ids and no mask."""
+
+from __future__ import annotations
+
+from llmtune.train.data.formats import IGNORE
+
+REAL_TOKENS = "num_real_tokens"  # popped by the trainer before the forward pass
+
+
+class Collator:
+    """Packed rows (they carry position_ids) batch without a mask; other rows pad with attention_mask."""
+
+    def __init__(self, pad_token_id: int, pad_to: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.pad_to = pad_to
+
+    def __call__(self, rows: list[dict]) -> dict:
+        import torch
+
+        packed = "position_ids" in rows[0]
+        width = max(len(r["input_ids"]) for r in rows)
+        if self.pad_to:
+            width = max(width, self.pad_to)
+        ids, labels, extra = [], [], []
+        for row in rows:
+            pad = width - len(row["input_ids"])
+            ids.append(row["input_ids"] + [self.pad_token_id] * pad)
+            labels.append(row["labels"] + [IGNORE] * pad)
+            if packed:
+                # Padding becomes its own "example" (positions restart), so real tokens never attend to it.
+                extra.append(row["position_ids"] + list(range(pad)))
+            else:
+                extra.append([1] * len(row["input_ids"]) + [0] * pad)
+        batch = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
+        batch["position_ids" if packed else "attention_mask"] = torch.tensor(extra)
+        batch[REAL_TOKENS] = torch.tensor(sum(len(r["input_ids"]) for r in rows))
+        return batch

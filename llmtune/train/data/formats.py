@@ -1,0 +1,202 @@
+"""Turn one raw row into token ids and labels, per dataset `type`.
+
+Prompt tokens get label -100 unless train_on_inputs; the answer (and its end-of-turn token) is
+trained. A row that doesn't fit its format raises RowError; the caller adds the file and line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+IGNORE = -100
+ALPACA_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant"}
+
+
+class RowError(ValueError):
+    """A row that doesn't match its dataset type."""
+
+
+@dataclass
+class FormatContext:
+    tokenizer: object
+    spec: object  # DatasetSpec
+    train_on_inputs: bool
+    sequence_len: int
+    template: str | None = None  # the resolved chat template, for chat_template rows
+
+
+Example = tuple[list[int], list[int]]  # input_ids, labels
+
+
+def _field(row: dict, name: str, kind=str, required: bool = True):
+    if name not in row or row[name] is None:
+        if required:
+            raise RowError(f"missing field '{name}' (row has: {', '.join(map(str, row)) or 'nothing'})")
+        return kind()
+    value = row[name]
+    if not isinstance(value, kind):
+        raise RowError(f"field '{name}' should be {kind.__name__}, not {type(value).__name__}")
+    return value
+
+
+def _ids(tokenizer, text: str, special: bool = False) -> list[int]:
+    return tokenizer(text, add_special_tokens=special)["input_ids"] if text else []
+
+
+def _eos(tokenizer) -> list[int]:
+    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+
+def _prompt_answer(ctx: FormatContext, prompt: str, answer: str) -> list[Example]:
+    prompt_ids = _ids(ctx.tokenizer, prompt, special=True)
+    answer_ids = _ids(ctx.tokenizer, answer) + _eos(ctx.tokenizer)
+    labels = (prompt_ids if ctx.train_on_inputs else [IGNORE] * len(prompt_ids)) + answer_ids
+    return [(prompt_ids + answer_ids, labels)]
+
+
+def alpaca(row: dict, ctx: FormatContext) -> list[Example]:
+    instruction = _field(row, "instruction")
+    extra = _field(row, "input", required=False)
+    prompt = (ALPACA_WITH_INPUT if extra.strip() else ALPACA_NO_INPUT).format(instruction=instruction, input=extra)
+    return _prompt_answer(ctx, prompt, _field(row, "output"))
+
+
+def custom(row: dict, ctx: FormatContext) -> list[Example]:
+    form = ctx.spec.type
+    instruction = _field(row, form.field_instruction)
+    extra = _field(row, form.field_input, required=False)
+    system = _field(row, form.field_system, required=False) if form.field_system else form.system_prompt
+    template = form.format if extra.strip() or not form.no_input_format else form.no_input_format
+    prompt = (form.system_format.format(system=system) if system else "") + template.format(
+        instruction=instruction, input=extra
+    )
+    return _prompt_answer(ctx, prompt, _field(row, form.field_output))
+
+
+def completion(row: dict, ctx: FormatContext) -> list[Example]:
+    text = _field(row, ctx.spec.field or "text")
+    ids = _ids(ctx.tokenizer, text, special=True) + _eos(ctx.tokenizer)
+    # Long documents become several rows rather than being cut: every token is training signal.
+    size = ctx.sequence_len
+    return [(ids[i : i + size], ids[i : i + size]) for i in range(0, len(ids), size) if len(ids[i : i + size]) > 1]
+
+
+def input_output(row: dict, ctx: FormatContext) -> list[Example]:
+    segments = _field(row, "segments", list)
+    ids, labels = [], []
+    for index, segment in enumerate(segments):
+        if not isinstance(segment, dict) or not isinstance(segment.get("text"), str):
+            raise RowError(f"segments[{index}] must be an object with a 'text' string and a 'label' flag")
+        piece = _ids(ctx.tokenizer, segment["text"])
+        ids += piece
+        labels += piece if (segment.get("label", True) or ctx.train_on_inputs) else [IGNORE] * len(piece)
+    return [(ids, labels)]
+
+
+def pretokenized(row: dict, ctx: FormatContext) -> list[Example]:
+    ids = _field(row, "input_ids", list)
+    labels = row.get("labels")
+    labels = list(ids) if labels is None else list(labels)
+    if len(labels) != len(ids):
+        raise RowError(f"labels has {len(labels)} entries but input_ids has {len(ids)}")
+    mask = row.get("attention_mask")
+    if mask is not None:
+        labels = [label if keep else IGNORE for label, keep in zip(labels, mask, strict=False)]
+    if not all(isinstance(i, int) for i in ids):
+        raise RowError("input_ids must be a list of integers")
+    return [([int(i) for i in ids], [int(x) for x in labels])]
+
+
+def _messages(row: dict, spec) -> list[dict]:
+    raw = _field(row, spec.field_messages, list)
+    role_key, content_key = spec.message_property_mappings["role"], spec.message_property_mappings["content"]
+    aliases = dict(ROLE_ALIASES)
+    for role, names in (spec.roles or {}).items():
+        aliases.update({name: role for name in names})
+    messages = []
+    for index, message in enumerate(raw):
+        if not isinstance(message, dict) or role_key not in message or content_key not in message:
+            raise RowError(f"{spec.field_messages}[{index}] needs '{role_key}' and '{content_key}'")
+        content = message[content_key]
+        if isinstance(content, list):  # [{"type": "text", "text": ...}]
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if not isinstance(content, str):
+            raise RowError(f"{spec.field_messages}[{index}].{content_key} must be text")
+        role = aliases.get(message[role_key], message[role_key])
+        if role == "system" and spec.drop_system_message:
+            continue
+        messages.append({"role": role, "content": content})
+    if not messages:
+        raise RowError(f"'{spec.field_messages}' is empty")
+    return messages
+
+
+def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
+    from llmtune.train.data.templates import render
+
+    spec, tokenizer, template = ctx.spec, ctx.tokenizer, ctx.template
+    messages = _messages(row, spec)
+    full = render(template, messages, tokenizer)
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    train_roles = set(spec.roles_to_train)
+    # End-of-turn markers (<|im_end|>, <|eot_id|>, <|end|>) are added special tokens, not always in the special map.
+    specials = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    trained_chars: list[tuple[int, int]] = []
+    eot_chars: list[tuple[int, int, bool]] = []  # end-of-turn token span, and whether its turn is trained
+    previous_end = 0
+    for index, message in enumerate(messages):
+        trained = message["role"] in train_roles
+        upto = render(template, messages[: index + 1], tokenizer)
+        if not full.startswith(upto):
+            raise RowError("the chat template renders earlier turns differently once later ones are added")
+        end = len(upto)
+        start = previous_end
+        if message["role"] == "assistant" and index:
+            # Skip the assistant header exactly as the model will see it at inference time.
+            start = len(render(template, messages[:index], tokenizer, add_generation_prompt=True))
+        content = message["content"].strip()  # templates often trim the content
+        found = full.find(content, start, end) if content else -1
+        content_end = found + len(content) if found >= 0 else end
+        if trained:
+            trained_chars.append((found if found >= 0 else start, content_end))
+        for (a, b), token in zip(offsets, ids, strict=True):
+            if a >= content_end and b <= end and token in specials:
+                eot_chars.append((a, b, trained))
+                break
+        previous_end = end
+    mode = spec.train_on_eos
+    chosen = [e for e in eot_chars if mode == "all" or (mode in ("turn", "last") and e[2])]
+    if mode == "last":
+        chosen = chosen[-1:]
+    spans = trained_chars + [(a, b) for a, b, _ in chosen]
+    labels = []
+    for (a, _b), token in zip(offsets, ids, strict=True):
+        keep = ctx.train_on_inputs or any(s <= a < e for s, e in spans)
+        labels.append(token if keep else IGNORE)
+    return [(list(ids), labels)]
+
+
+FORMATS: dict[str, Callable[[dict, FormatContext], list[Example]]] = {
+    "alpaca": alpaca,
+    "chat_template": chat_template,
+    "completion": completion,
+    "input_output": input_output,
+    "pretokenized": pretokenized,
+}
+
+
+def format_for(spec) -> Callable[[dict, FormatContext], list[Example]]:
+    if spec.type is None:
+        return pretokenized
+    return custom if not isinstance(spec.type, str) else FORMATS[spec.type]

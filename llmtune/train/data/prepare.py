@@ -1,0 +1,179 @@
+"""Raw datasets -> tokenized, length-checked, cached examples -> train/eval rows (packed or not).
+
+The tokenized examples are cached under `dataset_prepared_path/<key>`, where the key hashes the
+data files' contents, the tokenizer, and the recipe keys that change tokens. Splitting and
+packing are cheap and run after the cache, from the seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmtune.errors import UserError
+from llmtune.train.data.formats import IGNORE, FormatContext, RowError, format_for
+from llmtune.train.data.packing import pack_examples
+from llmtune.train.data.sources import fingerprint_source, read_rows
+
+CACHE_FORMAT = 1  # bump when tokenization changes meaning
+
+
+@dataclass
+class PreparedData:
+    train: list[dict]
+    eval: list[dict] | None
+    stats: dict = field(default_factory=dict)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    extra = json.dumps([type(tokenizer).__name__, tokenizer.chat_template, str(tokenizer.special_tokens_map)])
+    return hashlib.sha256((body + extra).encode()).hexdigest()
+
+
+def cache_key(recipe, tokenizer) -> str:
+    groups = {g: getattr(recipe, g) or [] for g in ("datasets", "test_datasets")}
+    payload = {
+        "format": CACHE_FORMAT,
+        "sources": {
+            g: [[fingerprint_source(s), s.model_dump(mode="json")] for s in specs] for g, specs in groups.items()
+        },
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "keys": {
+            k: getattr(recipe, k)
+            for k in (
+                "sequence_len",
+                "excess_length_strategy",
+                "train_on_inputs",
+                "chat_template",
+                "chat_template_jinja",
+            )
+        },  # fmt: skip
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _template_for(spec, recipe, tokenizer) -> str | None:
+    from llmtune.train.data.templates import resolve_chat_template
+
+    if spec.type != "chat_template":
+        return None
+    if spec.chat_template:
+        return resolve_chat_template(spec.chat_template, recipe.chat_template_jinja, tokenizer)
+    return resolve_chat_template(recipe.chat_template, recipe.chat_template_jinja, tokenizer)
+
+
+def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) -> list[dict]:
+    examples: list[dict] = []
+    for index, spec in enumerate(specs):
+        label = f"{group}[{index}]"
+        ctx = FormatContext(tokenizer, spec, recipe.train_on_inputs, recipe.sequence_len,
+                            _template_for(spec, recipe, tokenizer))  # fmt: skip
+        to_examples = format_for(spec)
+        for row, where in progress(read_rows(spec, label), f"tokenizing {label}"):
+            try:
+                pieces = to_examples(row, ctx)
+            except RowError as err:
+                raise UserError(f"{where}: {err} ({label}.type is {spec.type or 'pretokenized'})",
+                                "fix the row, or set the dataset's type/fields to match the data") from None  # fmt: skip
+            stats["rows"] += 1
+            for ids, labels in pieces:
+                if len(ids) > recipe.sequence_len:
+                    if recipe.excess_length_strategy == "drop":
+                        stats["dropped_too_long"] += 1
+                        continue
+                    ids, labels = ids[: recipe.sequence_len], labels[: recipe.sequence_len]
+                    stats["truncated"] += 1
+                if all(label_id == IGNORE for label_id in labels[1:]):
+                    stats["dropped_no_labels"] += 1
+                    continue
+                examples.append({"input_ids": ids, "labels": labels})
+    return examples
+
+
+def _save(directory: Path, groups: dict[str, list[dict]], stats: dict) -> None:
+    from datasets import Dataset
+
+    tmp = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for name, examples in groups.items():
+        Dataset.from_dict({"input_ids": [e["input_ids"] for e in examples],
+                           "labels": [e["labels"] for e in examples]}).save_to_disk(str(tmp / name))  # fmt: skip
+    (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
+    try:
+        os.replace(tmp, directory)
+    except OSError:  # another process finished first; its copy is the same
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load(directory: Path) -> tuple[dict[str, list[dict]], dict]:
+    from datasets import load_from_disk
+
+    groups = {}
+    for part in sorted(p for p in directory.iterdir() if p.is_dir()):
+        table = load_from_disk(str(part))
+        groups[part.name] = [
+            {"input_ids": i, "labels": lab} for i, lab in zip(table["input_ids"], table["labels"], strict=True)
+        ]
+    return groups, json.loads((directory / "stats.json").read_text())
+
+
+def no_progress(items, _description):
+    return items
+
+
+def tokenize_with_cache(recipe, tokenizer, progress=no_progress) -> tuple[dict[str, list[dict]], dict]:
+    """Tokenized examples per group ('train', and 'test' with test_datasets), from the cache when possible."""
+    directory = None
+    if recipe.dataset_prepared_path:
+        directory = Path(recipe.dataset_prepared_path) / cache_key(recipe, tokenizer)
+        if (directory / "stats.json").exists():
+            groups, stats = _load(directory)
+            return groups, {**stats, "cache_hit": True, "cache_dir": str(directory)}
+    stats = {"rows": 0, "dropped_too_long": 0, "truncated": 0, "dropped_no_labels": 0}
+    groups = {"train": tokenize_group(recipe.datasets, "datasets", recipe, tokenizer, stats, progress)}
+    if recipe.test_datasets:
+        groups["test"] = tokenize_group(recipe.test_datasets, "test_datasets", recipe, tokenizer, stats, progress)
+    if not groups["train"]:
+        raise UserError(
+            f"no usable training examples: {stats['rows']} rows read, {stats['dropped_too_long']} longer than "
+            f"sequence_len {recipe.sequence_len}, {stats['dropped_no_labels']} with no trained tokens",
+            "raise sequence_len, set excess_length_strategy: truncate, or check roles_to_train / the data",
+        )
+    if directory is not None:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        _save(directory, groups, stats)
+    return groups, {**stats, "cache_hit": False, "cache_dir": str(directory) if directory else None}
+
+
+def split_and_pack(recipe, groups: dict[str, list[dict]], stats: dict) -> PreparedData:
+    train = list(groups["train"])
+    if recipe.shuffle_merged_datasets:
+        random.Random(recipe.seed).shuffle(train)
+    evaluation = groups.get("test")
+    if recipe.val_set_size:
+        size = recipe.val_set_size
+        count = int(size) if size >= 1 else max(1, round(size * len(train)))
+        if count >= len(train):
+            raise UserError(f"val_set_size {size} leaves no training examples (there are {len(train)})")
+        evaluation, train = train[:count], train[count:]
+    stats = dict(stats, train_examples=len(train), eval_examples=len(evaluation or []))
+    stats["train_tokens"] = sum(len(e["input_ids"]) for e in train)
+    if recipe.sample_packing:
+        train, efficiency = pack_examples(train, recipe.sequence_len, recipe.seed)
+        stats["packing_efficiency"] = round(efficiency, 4)
+        if evaluation and (recipe.eval_sample_packing if recipe.eval_sample_packing is not None else True):
+            evaluation, _ = pack_examples(evaluation, recipe.sequence_len, recipe.seed)
+    stats["train_rows"] = len(train)
+    return PreparedData(train, evaluation, stats)
+
+
+def prepare_data(recipe, tokenizer, progress=no_progress) -> PreparedData:
+    groups, stats = tokenize_with_cache(recipe, tokenizer, progress)
+    return split_and_pack(recipe, groups, stats)

@@ -1,0 +1,56 @@
+"""Per-rank process-group set-up and tear-down, for GPUs (NCCL) and for CPU rehearsal (gloo)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    training_kwargs: dict = field(default_factory=dict)  # extra TrainingArguments this strategy needs
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(plan: dict) -> RankInfo:
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world != plan["world_size"]:
+        from llmtune.errors import UserError
+
+        raise UserError(f"the launcher started {world} process(es) but the plan has world size {plan['world_size']}")
+    return RankInfo(rank, local_rank, world)
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return float(tensor.item())
+
+
+def teardown() -> None:
+    """Barrier, then destroy the group: a rank that exits without both can abort the whole launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

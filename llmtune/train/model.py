@@ -1,0 +1,118 @@
+"""Load the tokenizer and the model a recipe names: hub id, local folder, or GGUF file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmtune.errors import UserError
+
+
+def model_source(recipe) -> tuple[str, str | None]:
+    """(what from_pretrained loads, the GGUF file it came from or None)."""
+    name = recipe.base_model
+    if name.endswith(".gguf"):
+        from llmtune.train.gguf import materialize_gguf
+
+        if not Path(name).is_file():
+            from huggingface_hub import hf_hub_download
+
+            repo, _, file = name.rpartition("/")
+            name_on_disk = hf_hub_download(repo, file, revision=recipe.revision_of_model)
+            return str(materialize_gguf(name_on_disk)), name
+        return str(materialize_gguf(name)), name
+    return name, None
+
+
+def _hub_error(err: Exception, what: str, name: str) -> UserError:
+    first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+    return UserError(f"could not load the {what} from '{name}' ({first})",
+                     "check base_model, your network or HF_TOKEN; a local folder or .gguf file also works")  # fmt: skip
+
+
+def load_tokenizer(recipe, source: str):
+    from transformers import AutoTokenizer
+
+    from llmtune.train.data.templates import resolve_chat_template
+
+    name = recipe.tokenizer_config or source
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            name, trust_remote_code=recipe.trust_remote_code, use_fast=recipe.tokenizer_use_fast,
+            revision=recipe.revision_of_model if name == recipe.base_model else None,
+        )  # fmt: skip
+    except (OSError, ValueError) as err:
+        raise _hub_error(err, "tokenizer", name) from None
+    if recipe.special_tokens:
+        tokenizer.add_special_tokens(dict(recipe.special_tokens))
+    if recipe.tokens:
+        tokenizer.add_tokens(list(recipe.tokens))
+    if tokenizer.pad_token is None:
+        # Padding is masked out by labels/attention, so reusing a token is safe.
+        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+    if tokenizer.eos_token is None:
+        raise UserError(f"the tokenizer of {name} has no eos_token", "set special_tokens: {eos_token: ...}")
+    if recipe.chat_template and recipe.chat_template != "tokenizer_default":
+        tokenizer.chat_template = resolve_chat_template(recipe.chat_template, recipe.chat_template_jinja, tokenizer)
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def weights_dtype(recipe, precision: str):
+    """Full fine-tunes keep fp32 master weights (autocast does the rest); adapters freeze the base in 16 bits."""
+    import torch
+
+    if recipe.adapter and precision in ("bf16", "fp16"):
+        return torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.float32
+
+
+def quantization_config(recipe, dtype):
+    if not (recipe.load_in_4bit or recipe.load_in_8bit):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if recipe.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=recipe.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=recipe.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,  # lets FSDP shard the packed 4-bit weights
+    )
+
+
+def load_model(recipe, source: str, tokenizer, precision: str, device_map=None):
+    from transformers import AutoModelForCausalLM
+
+    dtype = weights_dtype(recipe, precision)
+    kwargs = {"dtype": dtype, "trust_remote_code": recipe.trust_remote_code}
+    if recipe.attn_implementation:
+        kwargs["attn_implementation"] = recipe.attn_implementation
+    quant = quantization_config(recipe, dtype)
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+        kwargs["device_map"] = device_map or {"": "cpu"}
+    if source == recipe.base_model:
+        kwargs["revision"] = recipe.revision_of_model
+    try:
+        if recipe.base_model_config:
+            from transformers import AutoConfig
+
+            kwargs["config"] = AutoConfig.from_pretrained(
+                recipe.base_model_config, trust_remote_code=recipe.trust_remote_code
+            )
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _hub_error(err, "model", source) from None
+    if recipe.model_type and not recipe.model_type.startswith("Auto") and type(model).__name__ != recipe.model_type:
+        raise UserError(f"model_type is {recipe.model_type} but {source} loads as {type(model).__name__}",
+                        "remove model_type or set it to AutoModelForCausalLM")  # fmt: skip
+    embeddings = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    # Packed rows leak attention across examples when a KV cache exists (see DESIGN.md).
+    model.config.use_cache = False
+    if model.generation_config is not None:
+        model.generation_config.use_cache = True
+    return model

@@ -1,0 +1,32 @@
+"""The run's final outputs: model or adapter (safetensors), tokenizer, model card, metrics.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from llmtune.plan.files import atomic_write
+
+
+def model_card(recipe, plan: dict, metrics: dict, gguf_origin: str | None) -> str:
+    method = {"lora": "LoRA", "qlora": "QLoRA"}.get(recipe.adapter or "", "full fine-tune")
+    datasets = "\n".join(f"- `{d.path}` (type `{d.type or 'pretokenized'}`)" for d in recipe.datasets)
+    origin = f" (from the GGUF file `{gguf_origin}`, de-quantized)" if gguf_origin else ""
+    rows = "\n".join(f"| {k} | {v} |" for k, v in metrics.items() if not isinstance(v, (dict, list)))
+    front = {"library_name": "peft" if recipe.adapter else "transformers", "base_model": recipe.base_model,
+             "tags": ["llmtune", method.lower().replace(" ", "-")]}  # fmt: skip
+    return (
+        f"---\n{yaml.safe_dump(front, sort_keys=False)}---\n\n"
+        f"# {Path(recipe.output_dir).name}\n\n"
+        f"{method} of `{recipe.base_model}`{origin} with llmtune, strategy {plan['title']} "
+        f"on {plan['world_size']} process(es).\n\n## Data\n\n{datasets}\n\n"
+        f"## Metrics\n\n| metric | value |\n| --- | --- |\n{rows}\n\n"
+        "## Recipe\n\nThe resolved recipe and the launch plan are in `llmtune/` beside this card.\n"
+    )
+
+
+def write_run_files(output_dir: Path, recipe, plan: dict, metrics: dict, gguf_origin: str | None) -> None:
+    atomic_write(output_dir / "metrics.json", json.dumps(metrics, indent=2, default=str) + "\n")
+    atomic_write(output_dir / "README.md", model_card(recipe, plan, metrics, gguf_origin))

@@ -1,0 +1,123 @@
+"""The per-rank worker: `python -m llmtune.train <output_dir>/llmtune/plan.json`.
+
+Every strategy runs this same code in each rank; the plan says what the rank is part of.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from llmtune.errors import EXIT_USER_ERROR, UserError
+from llmtune.recipe import Recipe
+from llmtune.train import distributed
+from llmtune.train.progress import log, track
+
+
+def _tracking_env(recipe, output_dir: Path) -> None:
+    """Tracker settings go through the environment variables each integration reads (never secrets)."""
+    values = {
+        "WANDB_PROJECT": recipe.wandb_project, "WANDB_ENTITY": recipe.wandb_entity, "WANDB_MODE": recipe.wandb_mode,
+        "WANDB_RUN_ID": recipe.wandb_run_id, "WANDB_WATCH": recipe.wandb_watch, "WANDB_LOG_MODEL": recipe.wandb_log_model,
+        "MLFLOW_EXPERIMENT_NAME": recipe.mlflow_experiment_name,
+        "MLFLOW_TRACKING_URI": recipe.mlflow_tracking_uri or (f"file:{output_dir / 'mlruns'}" if "mlflow" in recipe.trackers else None),
+    }  # fmt: skip
+    for key, value in values.items():
+        if value is not None:
+            os.environ.setdefault(key, str(value))
+
+
+def find_resume_checkpoint(recipe) -> str | None:
+    if recipe.resume_from_checkpoint:
+        return recipe.resume_from_checkpoint
+    if not recipe.auto_resume_from_checkpoints or not Path(recipe.output_dir).is_dir():
+        return None
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(recipe.output_dir)
+
+
+def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
+    from accelerate import PartialState
+    from transformers import set_seed
+
+    from llmtune.train.adapters import attach_adapter, parameter_counts
+    from llmtune.train.arguments import training_arguments
+    from llmtune.train.data.collate import Collator
+    from llmtune.train.data.prepare import prepare_data
+    from llmtune.train.model import load_model, load_tokenizer, model_source
+    from llmtune.train.save import write_run_files
+    from llmtune.train.trainer import LlmtuneTrainer, Rows, StopOnNonFiniteLoss
+
+    output_dir = Path(recipe.output_dir)
+    state = PartialState()
+    set_seed(recipe.seed)
+    with state.main_process_first():
+        source, gguf_origin = model_source(recipe)
+        tokenizer = load_tokenizer(recipe, source)
+        data = prepare_data(recipe, tokenizer, track)
+    stats = data.stats
+    log(f"data: {stats['train_examples']} train / {stats['eval_examples']} eval examples "
+        f"({'cache hit' if stats['cache_hit'] else 'tokenized'}; {stats['dropped_too_long']} longer than sequence_len "
+        f"{'truncated' if recipe.excess_length_strategy == 'truncate' else 'dropped'}, {stats['dropped_no_labels']} "
+        f"without trained tokens)" + (f", packing efficiency {stats['packing_efficiency']:.1%}" if recipe.sample_packing else ""))  # fmt: skip
+    model = attach_adapter(load_model(recipe, source, tokenizer, plan["precision"]), recipe)
+    trainable, total = parameter_counts(model)
+    log(f"model: {type(model).__name__}, trainable {trainable:,} of {total:,} parameters ({trainable / total:.2%})")
+    _tracking_env(recipe, output_dir)
+    args = training_arguments(recipe, plan, len(data.train), data.eval is not None, **rank.training_kwargs)
+    trainer = LlmtuneTrainer(
+        model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(data.eval) if data.eval else None,
+        data_collator=Collator(tokenizer.pad_token_id, recipe.sequence_len if recipe.pad_to_sequence_len else None),
+        processing_class=tokenizer, callbacks=[StopOnNonFiniteLoss()],
+    )  # fmt: skip
+    resume = find_resume_checkpoint(recipe)
+    if resume:
+        log(f"resuming from {resume}")
+    started = time.time()
+    result = trainer.train(resume_from_checkpoint=resume)
+    seconds = time.time() - started
+    metrics = {"train_loss": result.training_loss}
+    if data.eval:
+        metrics.update(trainer.evaluate())
+    tokens = distributed.all_reduce_sum(trainer.tokens_seen)
+    rows = distributed.all_reduce_sum(trainer.rows_seen)
+    trainer.save_model(str(output_dir))
+    (output_dir / "training_args.bin").unlink(missing_ok=True)  # a pickle; plan.json records the same
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    metrics.update(
+        final_loss=losses[-1] if losses else None, steps=trainer.state.global_step,
+        rows_seen=int(rows), tokens_seen=int(tokens),
+        tokens_per_second=round(tokens / seconds, 2) if seconds else None, train_seconds=round(seconds, 2),
+        world_size=rank.world_size, strategy=plan["strategy"], title=plan["title"],
+        global_batch_size=plan["global_batch_size"], trainable_parameters=trainable, total_parameters=total,
+        packing_efficiency=stats.get("packing_efficiency"), data=stats, log_history=trainer.state.log_history,
+    )  # fmt: skip
+    if rank.is_main:
+        tokenizer.save_pretrained(str(output_dir))
+        write_run_files(output_dir, recipe, plan, metrics, gguf_origin)
+        log(f"saved to {output_dir} (train loss {metrics['train_loss']:.4f}"
+            + (f", eval loss {metrics['eval_loss']:.4f})" if "eval_loss" in metrics else ")"))  # fmt: skip
+    return metrics
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m llmtune.train <output_dir>/llmtune/plan.json", file=sys.stderr)
+        return EXIT_USER_ERROR
+    payload = json.loads(Path(argv[0]).read_text())
+    recipe = Recipe.model_validate(payload["recipe"])
+    plan = payload["plan"]
+    try:
+        rank = distributed.setup(plan)
+        try:
+            train(recipe, plan, rank)
+        finally:
+            distributed.teardown()
+    except UserError as err:
+        print(f"error: {err.one_line()}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
