@@ -171,7 +171,8 @@ def preprocess(recipe: RecipeArg) -> None:
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 2."""
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # click returns the exit code here instead of raising Exit
+        sys.exit(code if isinstance(code, int) else 0)
     except UserError as err:
         typer.echo(f"error: {err.one_line()}", err=True)
         sys.exit(EXIT_USER_ERROR)

@@ -45,12 +45,13 @@ def attach_adapter(model, recipe):
 
 
 def parameter_counts(model) -> tuple[int, int]:
-    """(trainable, total) parameters; 4-bit packed weights count as their logical size."""
+    """(trainable, total) parameters; 4-bit packed weights count as their logical (unpacked) size."""
+    import math
+
     trainable = total = 0
     for param in model.parameters():
-        count = param.numel()
-        if hasattr(param, "quant_state") and getattr(param, "quant_state", None) is not None:
-            count *= 2  # two 4-bit values per stored byte
+        state = getattr(param, "quant_state", None)
+        count = math.prod(state.shape) if state is not None and getattr(state, "shape", None) else param.numel()
         total += count
         trainable += count if param.requires_grad else 0
     return trainable, total

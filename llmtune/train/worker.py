@@ -40,6 +40,23 @@ def find_resume_checkpoint(recipe) -> str | None:
     return get_last_checkpoint(recipe.output_dir)
 
 
+def _write_probe(trainer, row: dict) -> None:
+    """For tests: logits of the in-memory model at the end of training on the first row (LLMTUNE_PROBE_FILE)."""
+    target = os.environ.get("LLMTUNE_PROBE_FILE")
+    if not target:
+        return
+    import torch
+    from safetensors.torch import save_file
+
+    model = trainer.model
+    model.eval()
+    ids = torch.tensor([row["input_ids"]], device=trainer.args.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float().cpu()
+    if int(os.environ.get("RANK", 0)) == 0:
+        save_file({"input_ids": ids.cpu(), "logits": logits.contiguous()}, target)
+
+
 def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from accelerate import PartialState
     from transformers import set_seed
@@ -96,6 +113,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         global_batch_size=plan["global_batch_size"], trainable_parameters=trainable, total_parameters=total,
         packing_efficiency=stats.get("packing_efficiency"), data=stats, log_history=trainer.state.log_history,
     )  # fmt: skip
+    _write_probe(trainer, data.train[0])
     if rank.is_main:
         tokenizer.save_pretrained(str(output_dir))
         write_run_files(output_dir, recipe, plan, metrics, gguf_origin)
