@@ -168,6 +168,28 @@ def preprocess(recipe: RecipeArg) -> None:
             typer.echo(f"  {key}: {stats[key]}")
 
 
+@app.command(name="eval")
+def eval_command(
+    target: Annotated[Path, typer.Argument(help="A run's output_dir, or a recipe (evaluates its base model).")],
+    data: Annotated[Optional[Path], typer.Option("--data", help="Eval file in the recipe's dataset format.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 8,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1)] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N examples.")] = None,
+    show: Annotated[int, typer.Option("--show", min=0, help="Print N generations.")] = 0,
+) -> None:
+    """Eval loss, perplexity and exact-match accuracy; writes eval.json."""
+    from llmtune.post.evaluate import evaluate
+
+    if data is not None and not data.exists():
+        raise UserError(f"--data {data} does not exist")
+    results = evaluate(target, data, batch_size, max_new_tokens, limit, show)
+    line = f"{results['target']}: eval loss {results['eval_loss']:.4f}, perplexity {results['perplexity']:.2f}"
+    if "exact_match" in results:
+        line += f", exact match {results['exact_match']:.1%} ({results['exact_match_examples']} examples)"
+    typer.echo(line)
+    typer.echo(f"wrote {results['written_to']}")
+
+
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 2."""
     try:

@@ -68,6 +68,8 @@ def build_accelerate_config(
         "tpu_use_sudo": False,
     }
     if deepspeed_path:
+        # With a DeepSpeed JSON, precision lives in the JSON; accelerate refuses both.
+        del config["mixed_precision"]
         config["deepspeed_config"] = {
             "deepspeed_config_file": deepspeed_path,
             "zero3_init_flag": zero_stage == 3,

@@ -16,6 +16,9 @@ def atomic_write(path: Path, text: str) -> None:
     """Write a file so that a reader never sees it half-written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a run's files are meant to be shared
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 
 
@@ -26,7 +27,27 @@ def setup(plan: dict) -> RankInfo:
         from llmtune.errors import UserError
 
         raise UserError(f"the launcher started {world} process(es) but the plan has world size {plan['world_size']}")
-    return RankInfo(rank, local_rank, world)
+    strategy = plan["strategy"]
+    kwargs: dict = {}
+    if plan["cluster"]["device"] == "cpu" and (world > 1 or strategy.startswith(("zero", "fsdp"))):
+        from llmtune.train import rehearsal
+
+        kwargs.update(rehearsal.configure(strategy))
+    if strategy.startswith("zero"):
+        kwargs["deepspeed"] = str(Path(plan["config_dir"]) / "deepspeed.json")
+    elif strategy.startswith("fsdp"):
+        kwargs.update(fsdp=True, fsdp_config=trainer_fsdp_config(plan["accelerate_config"]["fsdp_config"]))
+    return RankInfo(rank, local_rank, world, kwargs)
+
+
+def trainer_fsdp_config(section: dict) -> dict:
+    """TrainingArguments' fsdp_config from the accelerate config's fsdp section (one source of truth)."""
+    config = {key.removeprefix("fsdp_"): value for key, value in section.items()}
+    config["version"] = config.pop("version")
+    config["cpu_offload"] = config.pop("offload_params", False)
+    if config.get("version") == 1:
+        config["reshard_after_forward"] = config.pop("sharding_strategy", "FULL_SHARD")
+    return config
 
 
 def barrier() -> None:

@@ -36,8 +36,16 @@ class StopOnNonFiniteLoss(TrainerCallback):
 class LlmtuneTrainer(Trainer):
     tokens_seen = 0
     rows_seen = 0
+    plan: dict | None = None
+    rank_reports: list[dict] | None = None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.rank_reports is None and self.plan is not None:
+            from llmtune.train.ranks import check_first_batch
+
+            self.rank_reports = check_first_batch(
+                inputs["input_ids"], self.plan, self.accelerator.num_processes, len(self.train_dataset)
+            )
         self.tokens_seen += int(inputs.pop(REAL_TOKENS, 0))
         self.rows_seen += int(inputs["input_ids"].shape[0])
         return super().training_step(model, inputs, num_items_in_batch)

@@ -40,6 +40,13 @@ def find_resume_checkpoint(recipe) -> str | None:
     return get_last_checkpoint(recipe.output_dir)
 
 
+def _merge_reports(first_batches: list[dict] | None, shards: list[dict]) -> list[dict]:
+    by_rank = {r["rank"]: dict(r) for r in first_batches or []}
+    for shard in shards:
+        by_rank.setdefault(shard["rank"], {"rank": shard["rank"]}).update(shard)
+    return [by_rank[r] for r in sorted(by_rank)]
+
+
 def _write_probe(trainer, row: dict) -> None:
     """For tests: logits of the in-memory model at the end of training on the first row (LLMTUNE_PROBE_FILE)."""
     target = os.environ.get("LLMTUNE_PROBE_FILE")
@@ -91,6 +98,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         data_collator=Collator(tokenizer.pad_token_id, recipe.sequence_len if recipe.pad_to_sequence_len else None),
         processing_class=tokenizer, callbacks=[StopOnNonFiniteLoss()],
     )  # fmt: skip
+    trainer.plan = plan
     resume = find_resume_checkpoint(recipe)
     if resume:
         log(f"resuming from {resume}")
@@ -102,6 +110,9 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         metrics.update(trainer.evaluate())
     tokens = distributed.all_reduce_sum(trainer.tokens_seen)
     rows = distributed.all_reduce_sum(trainer.rows_seen)
+    from llmtune.train.ranks import gather, local_parameter_numel
+
+    shards = gather({"rank": rank.rank, "local_parameters": local_parameter_numel(trainer.model)})
     trainer.save_model(str(output_dir))
     (output_dir / "training_args.bin").unlink(missing_ok=True)  # a pickle; plan.json records the same
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -111,7 +122,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         tokens_per_second=round(tokens / seconds, 2) if seconds else None, train_seconds=round(seconds, 2),
         world_size=rank.world_size, strategy=plan["strategy"], title=plan["title"],
         global_batch_size=plan["global_batch_size"], trainable_parameters=trainable, total_parameters=total,
-        packing_efficiency=stats.get("packing_efficiency"), data=stats, log_history=trainer.state.log_history,
+        packing_efficiency=stats.get("packing_efficiency"), data=stats, ranks=_merge_reports(trainer.rank_reports, shards),
+        log_history=trainer.state.log_history,
     )  # fmt: skip
     _write_probe(trainer, data.train[0])
     if rank.is_main:

@@ -1,0 +1,38 @@
+"""CPU rehearsal: the few overrides that make accelerate run DeepSpeed and FSDP on CPU processes (gloo).
+
+On GPUs none of this runs. On CPU, accelerate would otherwise give DeepSpeed no process group
+(world size 1: every rank trains on the same batches) and turn FSDP into DDP. We create the
+process state ourselves with gloo and tell the Trainer to use it; nothing in the libraries is
+patched. Tests check the result behaves as on GPUs: sharded parameters, distinct data per
+rank, and the same loss as a single-process run.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def configure(strategy: str) -> dict:
+    """Create the gloo process state for this strategy; returns extra TrainingArguments."""
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    if strategy.startswith("zero"):
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # cpu=False routes through accelerate's DeepSpeed branch, which initialises deepspeed.comm with gloo.
+        state = PartialState(cpu=False, backend="gloo")
+        assert state.distributed_type == DistributedType.DEEPSPEED, state.distributed_type
+    else:
+        state = PartialState(cpu=True, backend="gloo")
+        if strategy.startswith("fsdp"):
+            # AcceleratorState keeps the Trainer's FSDP plugin (and switches to FSDP) only when the process
+            # state is a multi-accelerator one; for MULTI_CPU it drops the plugin and the Trainer runs DDP.
+            # So label the state as the GPU run's MULTI_GPU: the Trainer's Accelerator then takes the same
+            # FSDP path as on GPUs and relabels it FSDP. Device (cpu) and process group (gloo) stay as set.
+            state.distributed_type = DistributedType.MULTI_GPU
+            # accelerate names the CPU device "cpu:0"; FSDP1 compares it with torch's current CPU device "cpu"
+            # and refuses to wrap ("Inconsistent compute device"). Same device, index-free name.
+            state.device = torch.device("cpu")
+    return {"accelerator_config": {"use_configured_state": True}}
