@@ -36,3 +36,22 @@ def configure(strategy: str) -> dict:
             # and refuses to wrap ("Inconsistent compute device"). Same device, index-free name.
             state.device = torch.device("cpu")
     return {"accelerator_config": {"use_configured_state": True}}
+
+
+def fsdp_config(config: dict) -> dict:
+    """The Trainer's fsdp_config adjusted for CPU processes (FSDP1 needs it; FSDP2 runs as configured)."""
+    if config.get("version") != 1:
+        return config
+    if config.get("state_dict_type", "FULL_STATE_DICT") == "FULL_STATE_DICT":
+        from llmtune.errors import UserError
+
+        # accelerate gathers FSDP1 full state dicts with offload_to_cpu=True (hard-coded), and torch's
+        # FlatParamHandle.to_cpu() frees the storage it "moved" when it already lives on CPU: rank 0
+        # segfaults at the first checkpoint (pytorch/pytorch#188989).
+        raise UserError(
+            "FSDP1 cannot save a FULL_STATE_DICT on CPU (torch segfaults gathering it)",
+            hint="rehearse with fsdp_version: 2, or fsdp_config.state_dict_type: SHARDED_STATE_DICT",
+        )
+    # accelerate's FSDP1 plugin broadcasts rank 0's weights through an accelerator device and raises
+    # without one; every rank loads the same checkpoint from disk, so there is nothing to broadcast.
+    return {**config, "sync_module_states": False}

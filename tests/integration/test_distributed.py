@@ -87,3 +87,55 @@ def test_two_ranks_match_single_process(workspace, reference, name, changes, kin
         assert all(r["local_parameters"] == pytest.approx(full_size / 2, rel=0.01) for r in ranks)
     else:
         assert all(r["local_parameters"] == full_size for r in ranks) or name.startswith("zero3")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_two_machines(workspace, name: str, processes: int, **changes) -> dict:
+    """Two llmtune launchers on 127.0.0.1 (machine rank 0 and 1) forming one job, as on two nodes."""
+    import os
+    import subprocess
+    import sys
+
+    root, data, model = workspace
+    recipe = {
+        "base_model": str(model), "datasets": [{"path": str(data), "type": "alpaca"}], "sequence_len": 128,
+        "micro_batch_size": 4 * 2 // processes, "num_epochs": 1, "learning_rate": 1e-3, "lr_scheduler": "linear",
+        "save_strategy": "no", "dataset_prepared_path": str(root / "prepared"), "output_dir": str(root / name), **changes,
+    }  # fmt: skip
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    port = free_port()
+    flags = ["--num-machines", "2", "--num-processes", str(processes), "--main-process-ip", "127.0.0.1",
+             "--main-process-port", str(port)]  # fmt: skip
+    launchers = [
+        subprocess.Popen([sys.executable, "-m", "llmtune", "train", str(path), *flags, "--machine-rank", str(rank)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})  # fmt: skip
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [launcher.communicate(timeout=900)[0] for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    return read_metrics(path)
+
+
+@pytest.mark.parametrize("processes", [2, 4], ids=["2x1", "2x2"])
+def test_two_machines_on_localhost_form_one_job(workspace, reference, processes):
+    metrics = run_two_machines(workspace, f"machines-{processes}", processes)
+    assert metrics["world_size"] == processes
+    assert sorted(r["rank"] for r in metrics["ranks"]) == list(range(processes))
+    assert len({r["first_batch"] for r in metrics["ranks"]}) == processes
+    # 2 x 1 process, micro 4: the global batch of 8 equals the single-process reference
+    # 2 x 2 processes, micro 2: the same global batch of 8, split four ways
+    assert metrics["global_batch_size"] == 8
+    assert losses(metrics) == pytest.approx(losses(reference["full"][0]), abs=2e-5)
