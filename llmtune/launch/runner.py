@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 from llmtune.errors import UserError
 from llmtune.plan.planner import Plan
@@ -45,27 +46,43 @@ def run(plan: Plan, extra_launcher_args: list[str] | None = None) -> int:
     argv = executable_command(plan.commands[cluster.machine_rank], extra_launcher_args)
     env = {**os.environ, **plan.env}
     process = subprocess.Popen(argv, env=env, start_new_session=True)
+    return supervise(process)
 
-    def stop(signum, _frame):
-        _terminate_group(process)
-        raise SystemExit(128 + signum)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+def supervise(process: subprocess.Popen, grace: float = 10.0) -> int:
+    """Wait for the launched group; on SIGINT/SIGTERM stop all of it (SIGTERM, then SIGKILL after `grace`).
+
+    The signal handler only sends signals: waiting inside it would re-enter Popen.wait and deadlock.
+    """
+    stop_requested: list[tuple[int, float]] = []
+
+    def on_signal(signum, _frame):
+        stop_requested.append((signum, time.monotonic()))
+        _signal_group(process, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return process.wait()
+        while True:
+            try:
+                code = process.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if stop_requested and time.monotonic() - stop_requested[0][1] > grace:
+                    _signal_group(process, signal.SIGKILL)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if process.poll() is None:
-            _terminate_group(process)
+            _signal_group(process, signal.SIGKILL)
+            process.wait()
+        _signal_group(process, signal.SIGKILL)  # ranks left behind by a launcher that died first
+    if stop_requested:
+        return 128 + stop_requested[0][0]
+    return code
 
 
-def _terminate_group(process: subprocess.Popen, grace: float = 10.0) -> None:
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
     try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=grace)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -171,6 +171,11 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         version, settings = recipe.resolved_fsdp()
         if version == 2 and settings.sharding_strategy.startswith("HYBRID"):
             raise UserError("fsdp: HYBRID_SHARD needs fsdp_version: 1", "or use FULL_SHARD with FSDP2")
+        if version == 1 and cluster.rehearsal:
+            # torch 2.13 segfaults gathering an FSDP1 full state dict on CPU, and accelerate's FSDP1 sharded
+            # resume drops the optimizer state: a rehearsal that can't save or resume proves nothing.
+            raise UserError("fsdp_version: 1 can't be rehearsed on CPU (its state dict can't be saved there)",
+                            "rehearse with fsdp_version: 2 (FSDP1 is deprecated in transformers), or run on GPUs")  # fmt: skip
         fsdp = fsdp_section(version, settings, facts.no_split_class if facts else None)
         offload = "cpu" if settings.offload_params else "none"
         if world == 1:

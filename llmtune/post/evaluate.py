@@ -94,7 +94,12 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
             total_loss += model(**batch).loss.item() * tokens
             total_tokens += tokens
     loss = total_loss / max(total_tokens, 1)
-    results = {"target": info.label, "examples": len(examples), "eval_loss": loss, "perplexity": math.exp(min(loss, 50))}
+    results = {
+        "target": info.label,
+        "examples": len(examples),
+        "eval_loss": loss,
+        "perplexity": math.exp(min(loss, 50)),
+    }
     pairs = [p for p in (split_prompt(e, tokenizer.eos_token_id) for e in examples) if p]
     if pairs:
         results.update(exact_match(model, tokenizer, pairs, batch_size, max_new_tokens, show))
@@ -125,7 +130,9 @@ def exact_match(model, tokenizer, pairs, batch_size: int, max_new_tokens: int | 
             want = tokenizer.decode(answer, skip_special_tokens=True).strip()
             hits += got == want
             if len(samples) < show:
-                samples.append({"prompt": tokenizer.decode(prompt, skip_special_tokens=True)[-80:], "want": want, "got": got})
+                samples.append(
+                    {"prompt": tokenizer.decode(prompt, skip_special_tokens=True)[-80:], "want": want, "got": got}
+                )
     for sample in samples:
         log(f"want {sample['want']!r} got {sample['got']!r}")
     return {"exact_match": hits / len(pairs), "exact_match_examples": len(pairs), "samples": samples}

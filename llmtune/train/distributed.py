@@ -36,7 +36,12 @@ def setup(plan: dict) -> RankInfo:
     if strategy.startswith("zero"):
         kwargs["deepspeed"] = str(Path(plan["config_dir"]) / "deepspeed.json")
     elif strategy.startswith("fsdp"):
-        kwargs.update(fsdp=True, fsdp_config=trainer_fsdp_config(plan["accelerate_config"]["fsdp_config"]))
+        config = trainer_fsdp_config(plan["accelerate_config"]["fsdp_config"])
+        if plan["cluster"]["device"] == "cpu":
+            from llmtune.train import rehearsal
+
+            config = rehearsal.fsdp_config(config)
+        kwargs.update(fsdp=True, fsdp_config=config)
     return RankInfo(rank, local_rank, world, kwargs)
 
 

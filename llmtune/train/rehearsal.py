@@ -35,11 +35,15 @@ def configure(strategy: str) -> dict:
             # accelerate names the CPU device "cpu:0"; FSDP1 compares it with torch's current CPU device "cpu"
             # and refuses to wrap ("Inconsistent compute device"). Same device, index-free name.
             state.device = torch.device("cpu")
+            # No parameter offload on CPU (see fsdp_config); accelerate would otherwise read it from the launcher.
+            os.environ["FSDP_OFFLOAD_PARAMS"] = "false"
     return {"accelerator_config": {"use_configured_state": True}}
 
 
 def fsdp_config(config: dict) -> dict:
-    """The Trainer's fsdp_config adjusted for CPU processes (FSDP1 needs it; FSDP2 runs as configured)."""
+    """The Trainer's fsdp_config adjusted for CPU processes; distributed.setup passes FSDP plans through it."""
+    # Parameters already live in CPU memory, and FSDP2's offload policy pins memory, which needs an accelerator.
+    config = {**config, "cpu_offload": False}
     if config.get("version") != 1:
         return config
     if config.get("state_dict_type", "FULL_STATE_DICT") == "FULL_STATE_DICT":

@@ -40,6 +40,13 @@ def find_resume_checkpoint(recipe) -> str | None:
     return get_last_checkpoint(recipe.output_dir)
 
 
+def _full_state_dict_for_final_save(trainer) -> None:
+    """Checkpoints may be sharded, but the final model must be one HF folder: the Trainer saves nothing otherwise."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if plugin is not None and "SHARDED" in str(plugin.state_dict_type):
+        plugin.set_state_dict_type("FULL_STATE_DICT")
+
+
 def _merge_reports(first_batches: list[dict] | None, shards: list[dict]) -> list[dict]:
     by_rank = {r["rank"]: dict(r) for r in first_batches or []}
     for shard in shards:
@@ -113,6 +120,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from llmtune.train.ranks import gather, local_parameter_numel
 
     shards = gather({"rank": rank.rank, "local_parameters": local_parameter_numel(trainer.model)})
+    _full_state_dict_for_final_save(trainer)
     trainer.save_model(str(output_dir))
     (output_dir / "training_args.bin").unlink(missing_ok=True)  # a pickle; plan.json records the same
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]

