@@ -28,7 +28,7 @@ def example(rng: random.Random) -> dict:
     }
 
 
-def main(train_size: int = 2000, eval_size: int = 40) -> None:
+def main(train_size: int = 400, eval_size: int = 30) -> None:
     evaluation = [example(random.Random(f"eval-{i}")) for i in range(eval_size)]
     held_out = {row["messages"][0]["content"] for row in evaluation}
     rng = random.Random(42)
