@@ -34,6 +34,9 @@ MainPort = Annotated[Optional[int], typer.Option("--main-process-port", help="Re
 Device = Annotated[
     Optional[str], typer.Option("--device", help="cuda, or cpu to rehearse the same plan on CPU processes (gloo).")
 ]
+Rehearse = Annotated[
+    bool, typer.Option("--rehearse", help="Rehearse the plan on CPU processes over gloo (same as --device cpu).")
+]
 
 
 def _version(value: bool) -> None:
@@ -51,9 +54,13 @@ def _root(
     """Fine-tune causal LMs from one Axolotl-style recipe."""
 
 
-def _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device):
+def _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse=False):
     from llmtune.plan import make_cluster
 
+    if rehearse:
+        if device not in (None, "cpu"):
+            raise UserError(f"--rehearse runs on CPU but --device is {device}", "drop one of the two flags")
+        device = "cpu"
     return make_cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device)
 
 
@@ -66,13 +73,14 @@ def validate(
     main_process_ip: MainIp = None,
     main_process_port: MainPort = None,
     device: Device = None,
+    rehearse: Rehearse = False,
 ) -> None:
     """Check a recipe (keys, values, local files) and that it plans for this cluster."""
     from llmtune.plan import make_plan
     from llmtune.recipe import load_recipe
 
     loaded = load_recipe(recipe)
-    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device)
+    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse)
     plan = make_plan(loaded.recipe, cluster)
     for note in loaded.notes:
         typer.echo(f"note: {note}")
@@ -88,6 +96,7 @@ def plan(
     main_process_ip: MainIp = None,
     main_process_port: MainPort = None,
     device: Device = None,
+    rehearse: Rehearse = False,
     write: Annotated[
         Optional[Path],
         typer.Option("--write", help="Also write accelerate_config.yaml, deepspeed.json and plan.json here."),
@@ -103,7 +112,7 @@ def plan(
     from llmtune.recipe import load_recipe
 
     loaded = load_recipe(recipe)
-    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device)
+    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse)
     the_plan = make_plan(loaded.recipe, cluster, config_dir=str(write) if write else None)
     files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
     if json_output:
@@ -125,6 +134,7 @@ def train(
     main_process_ip: MainIp = None,
     main_process_port: MainPort = None,
     device: Device = None,
+    rehearse: Rehearse = False,
 ) -> None:
     """Fine-tune: validate, plan, write <output_dir>/llmtune/, run the ranks. Launcher flags may follow `--`."""
     from llmtune.launch.runner import run
@@ -134,7 +144,7 @@ def train(
     from llmtune.recipe import load_recipe
 
     loaded = load_recipe(recipe)
-    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device)
+    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse)
     the_plan = make_plan(loaded.recipe, cluster)
     files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
     for key, value in summary_lines(the_plan, loaded.recipe):

@@ -11,6 +11,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 
+from recipe_edits import DROP  # noqa: E402
+
 
 class CliResult:
     def __init__(self, code: int, out: str, err: str):
@@ -65,5 +67,3 @@ def write_recipe(tmp_path, data_file):
 
     return write
 
-
-DROP = object()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import llmtune, losses, read_metrics
+from harness import llmtune, losses, read_metrics
 from tiny import write_jsonl
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import llmtune, losses, read_metrics
+from harness import llmtune, losses, read_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -83,3 +83,47 @@ def test_bad_row_is_one_line_exit_2(make_recipe, tmp_path):
     assert result.returncode == 2
     assert "bad.jsonl line 2: field 'output' should be str" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def chat_rows(count: int) -> list[dict]:
+    words = ["apple", "river", "stone", "cloud", "green", "happy", "seven", "light"]
+    return [{"conversations": [{"from": "human", "value": f"Say {w} twice"}, {"from": "gpt", "value": f"{w} {w}"}]}
+            for w in (words * count)[:count]]  # fmt: skip
+
+
+def test_qlora_on_chat_data_with_the_tokenizers_template(make_recipe, tmp_path):
+    from tiny import write_jsonl
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(16))
+    recipe = make_recipe(
+        "qlora-chat", adapter="qlora", load_in_4bit=True, lora_r=8, lora_target_linear=True, learning_rate=1e-2,
+        chat_template="tokenizer_default", num_epochs=2, val_set_size=0.25,
+        datasets=[{"path": str(data), "type": "chat_template", "field_messages": "conversations",
+                   "message_property_mappings": {"role": "from", "content": "value"}}],
+    )  # fmt: skip
+    result = llmtune("train", recipe, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(recipe)
+    assert metrics["data"]["train_examples"] == 12 and metrics["data"]["eval_examples"] == 4
+    assert "eval_loss" in metrics
+    output_dir = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+    assert (output_dir / "adapter_model.safetensors").stat().st_size > 0
+
+
+def test_packed_full_fine_tune_on_plain_text(make_recipe, tmp_path):
+    from tiny import write_jsonl
+
+    texts = [{"text": " ".join(["the cat sat on the mat"] * (1 + i % 5))} for i in range(40)]
+    data = write_jsonl(tmp_path / "text.jsonl", texts)
+    recipe = make_recipe("packed", sample_packing=True, sequence_len=128, micro_batch_size=2, num_epochs=2,
+                         datasets=[{"path": str(data), "type": "completion"}])  # fmt: skip
+    result = llmtune("train", recipe, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(recipe)
+    # 40 short documents fit in far fewer 128-token rows, most of each row real tokens
+    assert metrics["data"]["train_rows"] < 40 / 2
+    assert metrics["packing_efficiency"] > 0.8
+    history = losses(metrics)
+    assert history[-1] < history[0] - 1.0, history
+    output_dir = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+    assert (output_dir / "model.safetensors").stat().st_size > 0

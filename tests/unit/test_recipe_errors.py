@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import DROP
+from recipe_edits import DROP
 
 BAD_RECIPES = [
     # (id, changes or raw text, words the one-line message must contain, extra CLI args)

@@ -1,0 +1,76 @@
+"""Integration harness: run the real `llmtune` CLI in a subprocess with a timeout, on tiny models."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from tiny import make_tiny_model, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def llmtune(*args, timeout: float = 600, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "llmtune", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=cwd or ROOT)  # fmt: skip
+
+
+def alpaca_rows(count: int = 24) -> list[dict]:
+    words = ["apple", "river", "stone", "cloud", "green", "happy", "seven", "light", "table", "music", "paper", "bread"]
+    return [{"instruction": f"Repeat the word {w}", "input": "", "output": f"{w} {w} {w}"} for w in words][:count]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny2", layers=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_4_layers(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny4", layers=4)
+
+
+@pytest.fixture
+def alpaca_file(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "alpaca.jsonl", alpaca_rows() * 2)
+
+
+@pytest.fixture
+def make_recipe(tmp_path, tiny_model, alpaca_file):
+    def make(name: str = "run", **changes) -> Path:
+        recipe = {
+            "base_model": str(tiny_model),
+            "datasets": [{"path": str(alpaca_file), "type": "alpaca"}],
+            "sequence_len": 256,
+            "micro_batch_size": 4,
+            "gradient_accumulation_steps": 1,
+            "num_epochs": 4,
+            "learning_rate": 3e-3,
+            "lr_scheduler": "constant",
+            "optimizer": "adamw_torch",
+            "logging_steps": 1,
+            "save_strategy": "no",
+            "dataset_prepared_path": str(tmp_path / "prepared"),
+            "output_dir": str(tmp_path / name),
+            **changes,
+        }
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        return path
+
+    return make
+
+
+def read_metrics(recipe_path: Path) -> dict:
+    recipe = yaml.safe_load(recipe_path.read_text())
+    return json.loads((Path(recipe["output_dir"]) / "metrics.json").read_text())
+
+
+def losses(metrics: dict) -> list[float]:
+    return [entry["loss"] for entry in metrics["log_history"] if "loss" in entry]
