@@ -137,13 +137,15 @@ def train(
     rehearse: Rehearse = False,
 ) -> None:
     """Fine-tune: validate, plan, write <output_dir>/llmtune/, run the ranks. Launcher flags may follow `--`."""
-    from llmtune.launch.runner import run
+    from llmtune.launch.runner import free_port, run
     from llmtune.plan import make_plan
     from llmtune.plan.files import plan_files, write_plan_files
     from llmtune.plan.render import summary_lines
     from llmtune.recipe import load_recipe
 
     loaded = load_recipe(recipe)
+    if main_process_port is None and num_machines == 1:
+        main_process_port = free_port()  # one machine: any free port will do, and two runs never collide
     cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse)
     the_plan = make_plan(loaded.recipe, cluster)
     files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)

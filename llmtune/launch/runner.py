@@ -28,6 +28,13 @@ def executable_command(command: list[str], extra_launcher_args: list[str] | None
     return list(command)
 
 
+def free_port() -> int:
+    """A port nothing listens on now: single-machine runs need no fixed rendezvous port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def check_port_free(host: str, port: int) -> None:
     """Fail before launching when the rendezvous port is taken (instead of a hang or a cryptic error)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

@@ -40,6 +40,43 @@ def find_resume_checkpoint(recipe) -> str | None:
     return get_last_checkpoint(recipe.output_dir)
 
 
+def _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_origin, trainable, total) -> dict:
+    from llmtune.train.adapters import attach_adapter
+    from llmtune.train.model import load_model
+    from llmtune.train.pipeline import gather_state_dict, train_pipeline
+    from llmtune.train.ranks import gather, local_parameter_numel
+    from llmtune.train.save import write_run_files
+
+    output_dir = Path(recipe.output_dir)
+    result = train_pipeline(recipe, plan, model, data, tokenizer, log)
+    grid = result["grid"]
+    reports = gather({"rank": rank.rank, "stage": grid.stage, "replica": grid.replica,
+                      "local_parameters": local_parameter_numel(result["stage_module"]), "world_size": rank.world_size})  # fmt: skip
+    state = gather_state_dict(result)
+    history = result["history"]
+    metrics = {
+        "train_loss": sum(e["loss"] for e in history) / len(history), "final_loss": history[-1]["loss"],
+        "steps": result["steps"], "rows_seen": result["rows_seen"], "tokens_seen": result["tokens_seen"],
+        "tokens_per_second": round(result["tokens_seen"] / result["seconds"], 2), "train_seconds": round(result["seconds"], 2),
+        "world_size": rank.world_size, "strategy": "pipeline", "title": plan["title"],
+        "global_batch_size": plan["global_batch_size"], "trainable_parameters": trainable, "total_parameters": total,
+        "pipeline": {**plan["pipeline"], "layer_bounds": result["layers"]}, "packing_efficiency": data.stats.get("packing_efficiency"),
+        "data": data.stats, "ranks": reports, "log_history": history,
+    }  # fmt: skip
+    if rank.is_main:
+        # One consolidated HF folder: a fresh model (or base + adapter) takes every stage's trained weights.
+        fresh = attach_adapter(load_model(recipe, source, tokenizer, plan["precision"]), recipe)
+        missing = set(dict(fresh.named_parameters())) - set(state)
+        if missing:
+            raise RuntimeError(f"pipeline save: no stage held {sorted(missing)[:3]}")
+        fresh.load_state_dict(state, strict=False)
+        fresh.save_pretrained(str(output_dir))
+        tokenizer.save_pretrained(str(output_dir))
+        write_run_files(output_dir, recipe, plan, metrics, gguf_origin)
+        log(f"saved to {output_dir} (final loss {metrics['final_loss']:.4f})")
+    return metrics
+
+
 def _full_state_dict_for_final_save(trainer) -> None:
     """Checkpoints may be sharded, but the final model must be one HF folder: the Trainer saves nothing otherwise."""
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
@@ -98,6 +135,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     model = attach_adapter(load_model(recipe, source, tokenizer, plan["precision"]), recipe)
     trainable, total = parameter_counts(model)
     log(f"model: {type(model).__name__}, trainable {trainable:,} of {total:,} parameters ({trainable / total:.2%})")
+    if plan["strategy"] == "pipeline":
+        return _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_origin, trainable, total)
     _tracking_env(recipe, output_dir)
     args = training_arguments(recipe, plan, len(data.train), data.eval is not None, **rank.training_kwargs)
     trainer = LlmtuneTrainer(
@@ -151,11 +190,11 @@ def main(argv: list[str]) -> int:
     plan = payload["plan"]
     try:
         rank = distributed.setup(plan)
-        try:
-            train(recipe, plan, rank)
-        finally:
-            distributed.teardown()
+        train(recipe, plan, rank)
     except UserError as err:
+        # No barrier on the way out: the other ranks may be inside a collective and would wait forever.
+        # The launcher sees this rank exit and stops the rest.
         print(f"error: {err.one_line()}", file=sys.stderr)
         return EXIT_USER_ERROR
+    distributed.teardown()
     return 0

@@ -74,3 +74,35 @@ def read_metrics(recipe_path: Path) -> dict:
 
 def losses(metrics: dict) -> list[float]:
     return [entry["loss"] for entry in metrics["log_history"] if "loss" in entry]
+
+
+REPEAT_WORDS = ["apple", "river", "stone", "cloud", "green", "happy", "seven", "light"]
+
+
+def repeat_words_data(root: Path) -> Path:
+    """32 alpaca rows: 4 steps of a global batch of 8, with no partial last batch to blur loss parity."""
+    rows = [{"instruction": f"Repeat {w}", "output": f"{w} {w}"} for w in REPEAT_WORDS * 4]
+    return write_jsonl(root / "data.jsonl", rows)
+
+
+def train_run(workspace: tuple, name: str, processes: int, **changes) -> tuple[dict, Path]:
+    """Train a tiny recipe with `llmtune train --num-processes N`; returns metrics.json and the output folder."""
+    root, data, model = workspace
+    recipe = {
+        "base_model": str(model), "datasets": [{"path": str(data), "type": "alpaca"}], "sequence_len": 128,
+        "micro_batch_size": 4, "num_epochs": 1, "learning_rate": 1e-3, "lr_scheduler": "linear",
+        "save_strategy": "no", "dataset_prepared_path": str(root / "prepared"), "output_dir": str(root / name),
+        **changes,
+    }  # fmt: skip
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    result = llmtune("train", path, "--num-processes", processes, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return read_metrics(path), root / name
+
+
+def saved_weights(output_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    name = "adapter_model.safetensors" if (output_dir / "adapter_config.json").exists() else "model.safetensors"
+    return load_file(str(output_dir / name))

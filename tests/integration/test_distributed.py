@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from harness import llmtune, losses, read_metrics
-from tiny import write_jsonl
+from harness import losses, read_metrics, repeat_words_data, saved_weights, train_run
 
 pytestmark = pytest.mark.integration
 
@@ -22,36 +21,16 @@ LORA = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("dist")
-    words = ["apple", "river", "stone", "cloud", "green", "happy", "seven", "light"]
-    data = write_jsonl(root / "data.jsonl", [{"instruction": f"Repeat {w}", "output": f"{w} {w}"} for w in words * 4])
-    return root, data, tiny_model
+    return root, repeat_words_data(root), tiny_model
 
 
 def run(workspace, name: str, processes: int, **changes) -> tuple[dict, Path]:
-    root, data, model = workspace
-    recipe = {
-        "base_model": str(model), "datasets": [{"path": str(data), "type": "alpaca"}], "sequence_len": 128,
-        "micro_batch_size": 4, "gradient_accumulation_steps": 2 // processes, "num_epochs": 1,
-        "learning_rate": 1e-3, "lr_scheduler": "linear", "save_strategy": "no",
-        "dataset_prepared_path": str(root / "prepared"), "output_dir": str(root / name), **changes,
-    }  # fmt: skip
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    result = llmtune("train", path, "--num-processes", processes, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return read_metrics(path), root / name
+    return train_run(workspace, name, processes, gradient_accumulation_steps=2 // processes, **changes)
 
 
 @pytest.fixture(scope="module")
 def reference(workspace):
     return {"full": run(workspace, "single-full", 1), "lora": run(workspace, "single-lora", 1, **LORA)}
-
-
-def saved_tensors(output_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    name = "adapter_model.safetensors" if (output_dir / "adapter_config.json").exists() else "model.safetensors"
-    return load_file(str(output_dir / name))
 
 
 CASES = [
@@ -80,7 +59,7 @@ def test_two_ranks_match_single_process(workspace, reference, name, changes, kin
     assert metrics["steps"] == ref_metrics["steps"] == 4
     assert losses(metrics) == pytest.approx(losses(ref_metrics), abs=2e-5)
     # the saved model (ZeRO-3: gathered from the shards) equals the single-process result
-    saved, expected = saved_tensors(output_dir), saved_tensors(ref_dir)
+    saved, expected = saved_weights(output_dir), saved_weights(ref_dir)
     assert saved.keys() == expected.keys() and len(saved) > 0
     for key, tensor in expected.items():
         assert saved[key].shape == tensor.shape and saved[key].abs().sum() > 0, key

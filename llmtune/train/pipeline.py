@@ -1,0 +1,275 @@
+"""Pipeline parallelism for Hugging Face decoder-only LMs, on torch.distributed.pipelining.
+
+The HF Trainer has no pipeline engine, so this is its own loop. The model is split generically:
+input embeddings -> decoder layers -> final norm -> output head, found from the model's structure.
+Ranks form a (data-parallel x stage) grid; each stage holds only its layers. The loss of a step is
+the token-weighted mean over the whole global batch, as in the HF Trainer, so a pipeline run and a
+single-process run with the same global batch give the same losses.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmtune.errors import UserError
+from llmtune.train.data.formats import IGNORE
+
+NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_layer_norm")
+
+
+@dataclass
+class Parts:
+    embed: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+    head: nn.Module
+    rotary: nn.Module | None
+
+
+def find_parts(model) -> Parts:
+    """The pieces of a decoder-only LM, found from its structure rather than a table of model names."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    lists = [m for m in vars(base).get("_modules", {}).values() if isinstance(m, nn.ModuleList)] if base else []
+    norm = next((getattr(base, n) for n in NORM_NAMES if base is not None and hasattr(base, n)), None)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not lists or norm is None or embed is None or head is None:
+        raise UserError(
+            f"pipeline parallelism can't split {type(model).__name__}: it needs input embeddings, a list of decoder "
+            "layers, a final norm and an output head",
+            "use deepspeed zero3 or fsdp for this model",
+        )
+    return Parts(embed, max(lists, key=len), norm, head, getattr(base, "rotary_emb", None))
+
+
+def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, L, L]: causal, and no attention across packed examples (positions restart at 0)."""
+    starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+    document = starts.cumsum(-1)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (document[:, :, None] == document[:, None, :]) & causal
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+class Stage(nn.Module):
+    def __init__(self, parts: Parts, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.embed = parts.embed if first else None
+        self.layers = nn.ModuleList(parts.layers[i] for i in layers)
+        self.norm = parts.norm if last else None
+        self.head = parts.head if last else None
+        self.rotary = parts.rotary
+
+    def forward(self, hidden, position_ids):
+        if self.embed is not None:
+            hidden = self.embed(hidden)
+        mask = block_causal_mask(position_ids, hidden.dtype)
+        rotary = self.rotary(hidden, position_ids) if self.rotary is not None else None
+        for layer in self.layers:
+            out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
+            hidden = out[0] if isinstance(out, tuple) else out
+        if self.head is not None:
+            return self.head(self.norm(hidden))
+        return hidden, position_ids
+
+
+@dataclass
+class Grid:
+    stages: int
+    replicas: int
+    stage: int
+    replica: int
+    pp_group: object
+    dp_group: object
+    tie_group: object | None
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+def make_grid(stages: int, tied: bool) -> Grid:
+    """Rank r is stage r % stages of replica r // stages. Every rank creates every group, as torch requires."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    replicas = world // stages
+    pp_group = dp_group = tie_group = None
+    for replica in range(replicas):
+        ranks = list(range(replica * stages, (replica + 1) * stages))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            pp_group = group
+        if tied and stages > 1:
+            group = dist.new_group([ranks[0], ranks[-1]])
+            if rank in (ranks[0], ranks[-1]):
+                tie_group = group
+    for stage in range(stages):
+        ranks = list(range(stage, world, stages))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = group
+    return Grid(stages, replicas, rank % stages, rank // stages, pp_group, dp_group, tie_group)
+
+
+def owned_names(model, stage: Stage) -> dict[str, nn.Parameter]:
+    """Full HF names of the parameters this stage holds (for saving under the model's own names)."""
+    mine = {id(p) for p in stage.parameters()}
+    return {name: p for name, p in model.named_parameters() if id(p) in mine}
+
+
+def step_order(rows: int, seed: int, epoch: int) -> list[int]:
+    """The same order the HF Trainer's seeded random sampler gives for this epoch."""
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    return torch.randperm(rows, generator=generator).tolist()
+
+
+def decay_groups(params: dict[str, nn.Parameter], weight_decay: float) -> list[dict]:
+    """Weight decay on weights, not on biases or norms (as the HF Trainer groups them)."""
+    decay = [p for n, p in params.items() if p.requires_grad and "bias" not in n and "norm" not in n.lower()]
+    rest = [p for n, p in params.items() if p.requires_grad and ("bias" in n or "norm" in n.lower())]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def clip_global_norm(params: list[nn.Parameter], max_norm: float, grid: Grid, skip=None) -> float:
+    """Clip by the norm over all stages' gradients (replicas hold the same gradients after the DP all-reduce)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    counted = [p.grad for p in params if p.grad is not None and p is not skip]
+    local = torch.stack([g.detach().float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
+    dist.all_reduce(local, group=grid.pp_group)
+    total = local.sqrt().item()
+    if max_norm > 0 and total > max_norm:
+        for g in grads:
+            g.mul_(max_norm / (total + 1e-6))
+    return total
+
+
+def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
+    """Run the pipeline loop; returns metrics for rank 0 (others return what they saw)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from transformers import get_scheduler
+
+    from llmtune.plan.pipeline import split_layers
+    from llmtune.train.data.collate import REAL_TOKENS, Collator
+
+    pipe = plan["pipeline"]
+    stages, microbatches = pipe["stages"], pipe["microbatches"]
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    parts = find_parts(core)
+    layers = len(parts.layers)
+    if stages > layers:
+        raise UserError(f"pipeline_parallel_size {stages} is more than the model's {layers} layers", "use fewer stages")
+    tied = parts.embed.weight is parts.head.weight
+    grid = make_grid(stages, tied)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in parts.layers]
+    ranges = split_layers(sizes, parts.embed.weight.numel(), parts.head.weight.numel() if not tied else 0, stages)
+    stage_module = Stage(parts, ranges[grid.stage], grid.first, grid.last)
+    params = owned_names(model, stage_module)
+    if tied:
+        # The first and last stage both hold the shared weight; their gradients are summed each step, so the
+        # two copies get identical updates and stay equal.
+        log("tied embeddings: the first and last stage keep the shared weight in sync")
+
+    total_tokens_box = [1.0]
+
+    def loss_fn(logits, labels):
+        shifted = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+        loss = nn.functional.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum")
+        return loss / total_tokens_box[0]
+
+    device = (
+        torch.device("cpu") if plan["cluster"]["device"] == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    )
+    stage_module.to(device)
+    pipeline_stage = PipelineStage(stage_module, grid.stage, stages, device, group=grid.pp_group)
+    schedule_class = ScheduleGPipe if pipe["schedule"] == "gpipe" else Schedule1F1B
+    schedule = schedule_class(pipeline_stage, microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    trainable = [p for p in params.values() if p.requires_grad]
+    # The last stage's copy of a tied weight is the same parameter as the first stage's: count it once in the norm.
+    shared_copy = parts.head.weight if tied and grid.last and not grid.first else None
+    optimizer = torch.optim.AdamW(decay_groups(params, recipe.weight_decay), lr=recipe.learning_rate,
+                                  betas=(recipe.adam_beta1, recipe.adam_beta2), eps=recipe.adam_epsilon)  # fmt: skip
+    global_batch = plan["global_batch_size"]
+    per_replica = global_batch // grid.replicas
+    rows = data.train
+    steps_per_epoch = len(rows) // global_batch
+    if steps_per_epoch == 0:
+        raise UserError(f"{len(rows)} training rows can't fill one global batch of {global_batch}")
+    total_steps = recipe.max_steps or math.ceil(recipe.num_epochs * steps_per_epoch)
+    warmup = (
+        recipe.warmup_steps if recipe.warmup_steps is not None else math.ceil((recipe.warmup_ratio or 0) * total_steps)
+    )
+    scheduler = get_scheduler(recipe.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+                              scheduler_specific_kwargs=recipe.lr_scheduler_kwargs or {})  # fmt: skip
+    # Stages exchange activations in buffers whose shapes are fixed at the first step: pad every row to sequence_len.
+    collate = Collator(tokenizer.pad_token_id, recipe.sequence_len)
+    history, tokens_seen, started = [], 0, time.time()
+    stage_module.train()
+    for step in range(total_steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        order = step_order(len(rows), recipe.seed, epoch)
+        batch_rows = [rows[i] for i in order[index * global_batch : (index + 1) * global_batch]]
+        every = collate(batch_rows)
+        total_tokens_box[0] = float((every["labels"][:, 1:] != IGNORE).sum())
+        tokens_seen += int(every[REAL_TOKENS])
+        mine = collate(batch_rows[grid.replica * per_replica : (grid.replica + 1) * per_replica])
+        positions = mine.get("position_ids")
+        if positions is None:
+            positions = torch.arange(mine["input_ids"].shape[1]).expand_as(mine["input_ids"]).contiguous()
+        losses: list = []
+        if grid.first:
+            schedule.step(
+                mine["input_ids"].to(device), positions.to(device), target=mine["labels"].to(device), losses=losses
+            )
+        else:
+            schedule.step(target=mine["labels"].to(device), losses=losses)
+        for p in trainable:
+            if p.grad is not None and grid.replicas > 1:
+                dist.all_reduce(p.grad, group=grid.dp_group)
+        if grid.tie_group is not None:
+            shared = parts.embed.weight if grid.first else parts.head.weight
+            if shared.grad is not None:
+                dist.all_reduce(shared.grad, group=grid.tie_group)
+        norm = clip_global_norm(trainable, recipe.max_grad_norm, grid, skip=shared_copy)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.tensor([float(sum(l.item() for l in losses)) if grid.last else 0.0], dtype=torch.float64)
+        dist.all_reduce(step_loss)  # only last stages contribute: the sum over replicas is the global mean
+        entry = {"loss": step_loss.item(), "grad_norm": norm, "learning_rate": scheduler.get_last_lr()[0],
+                 "epoch": (step + 1) / steps_per_epoch, "step": step + 1}  # fmt: skip
+        history.append(entry)
+        if (step + 1) % recipe.logging_steps == 0 or step == 0:
+            log(
+                f"step {step + 1}/{total_steps} loss {entry['loss']:.4f} grad norm {norm:.3f} lr {entry['learning_rate']:.3g}"
+            )
+    seconds = time.time() - started
+    return {
+        "grid": grid, "params": params, "history": history, "steps": total_steps, "seconds": seconds,
+        "tokens_seen": tokens_seen, "rows_seen": total_steps * global_batch, "stage_module": stage_module,
+        "layers": [r.start for r in ranges] + [layers],
+    }  # fmt: skip
+
+
+def gather_state_dict(result: dict) -> dict | None:
+    """Replica 0's stages send their parameters (HF names) to rank 0."""
+    grid = result["grid"]
+    mine = {n: p.detach().cpu().clone() for n, p in result["params"].items()} if grid.replica == 0 else {}
+    pieces: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, pieces, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    merged: dict = {}
+    for piece in pieces:
+        merged.update(piece)
+    return merged

@@ -1,0 +1,93 @@
+"""Pipeline parallelism on CPU: stages on separate processes reproduce a single-process run step by step."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from harness import llmtune, losses, repeat_words_data, saved_weights, train_run
+
+pytestmark = pytest.mark.integration
+
+LORA = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_model_4_layers):
+    root = tmp_path_factory.mktemp("pipe")
+    return root, repeat_words_data(root), tiny_model_4_layers
+
+
+run = train_run
+
+
+@pytest.fixture(scope="module")
+def reference(workspace):
+    return {
+        "full": run(workspace, "single-full", 1, gradient_accumulation_steps=2),
+        "lora": run(workspace, "single-lora", 1, gradient_accumulation_steps=2, **LORA),
+    }
+
+
+CASES = [
+    ("gpipe", 2, {"pipeline_schedule": "gpipe", "pipeline_microbatches": 2}, "full"),
+    ("1f1b", 2, {"pipeline_schedule": "1f1b", "pipeline_microbatches": 2}, "full"),
+    ("1f1b-lora", 2, {"pipeline_schedule": "1f1b", "pipeline_microbatches": 2, **LORA}, "lora"),
+    ("pp2xdp2", 4, {"pipeline_schedule": "1f1b", "pipeline_microbatches": 2, "micro_batch_size": 2}, "full"),
+]
+
+
+@pytest.mark.parametrize(("name", "processes", "changes", "kind"), CASES, ids=[c[0] for c in CASES])
+def test_pipeline_matches_single_process(workspace, reference, name, processes, changes, kind):
+    metrics, output_dir = run(workspace, name, processes, pipeline_parallel_size=2, **changes)
+    ref_metrics, ref_dir = reference[kind]
+    assert metrics["strategy"] == "pipeline" and metrics["world_size"] == processes
+    assert metrics["global_batch_size"] == 8 == ref_metrics["global_batch_size"]
+    assert losses(metrics) == pytest.approx(losses(ref_metrics), abs=1e-4)
+    stages = {(r["replica"], r["stage"]) for r in metrics["ranks"]}
+    assert stages == {(replica, stage) for replica in range(processes // 2) for stage in range(2)}
+    # each stage holds only its layers: neither holds the whole model
+    full = ref_metrics["ranks"][0]["local_parameters"]
+    assert all(0 < r["local_parameters"] < full for r in metrics["ranks"]), metrics["ranks"]
+    saved, expected = saved_weights(output_dir), saved_weights(ref_dir)
+    assert saved.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert (saved[key] - tensor).abs().max().item() < 1e-4, key
+
+
+def test_saved_pipeline_model_loads_in_transformers(workspace, reference):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, output_dir = run(workspace, "gpipe-load", 2, pipeline_parallel_size=2, pipeline_microbatches=2,
+                        pipeline_schedule="gpipe")  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(str(output_dir))
+    reference_model = AutoModelForCausalLM.from_pretrained(str(reference["full"][1]))
+    ids = torch.tensor([[1, 5, 9, 14, 20, 7]])
+    with torch.no_grad():
+        assert (model(ids).logits - reference_model(ids).logits).abs().max().item() < 1e-4
+
+
+def test_more_stages_than_layers_is_a_clear_error(workspace):
+    root, data, model = workspace
+    path = root / "too-many.yaml"
+    path.write_text(yaml.safe_dump({"base_model": str(model), "datasets": [{"path": str(data), "type": "alpaca"}],
+                                    "pipeline_parallel_size": 8, "output_dir": str(root / "too-many")}))  # fmt: skip
+    result = llmtune("plan", path, "--num-processes", "8")
+    assert result.returncode == 2
+    assert "needs at least 8 layers, but the model has 4" in result.stderr
+
+
+def test_tied_embeddings_stay_in_sync_across_stages(workspace, tmp_path_factory):
+    """SmolLM-style tied embeddings: the first and last stage share one weight; both copies must get every update."""
+    from tiny import make_tiny_model
+
+    tied = make_tiny_model(tmp_path_factory.mktemp("tied") / "tied4", layers=4, tie_word_embeddings=True)
+    root, data, _ = workspace
+    tied_space = (root, data, tied)
+    ref_metrics, ref_dir = run(tied_space, "tied-single", 1, gradient_accumulation_steps=2)
+    metrics, output_dir = run(tied_space, "tied-pipe", 2, pipeline_parallel_size=2, pipeline_microbatches=2)
+    assert losses(metrics) == pytest.approx(losses(ref_metrics), abs=1e-4)
+    saved, expected = saved_weights(output_dir), saved_weights(ref_dir)
+    assert "lm_head.weight" not in saved  # still tied on disk
+    for key, tensor in expected.items():
+        assert (saved[key] - tensor).abs().max().item() < 1e-4, key
