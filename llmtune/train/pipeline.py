@@ -244,7 +244,7 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.tensor([float(sum(l.item() for l in losses)) if grid.last else 0.0], dtype=torch.float64)
+        step_loss = torch.tensor([float(sum(part.item() for part in losses)) if grid.last else 0.0], dtype=torch.float64)
         dist.all_reduce(step_loss)  # only last stages contribute: the sum over replicas is the global mean
         entry = {"loss": step_loss.item(), "grad_norm": norm, "learning_rate": scheduler.get_last_lr()[0],
                  "epoch": (step + 1) / steps_per_epoch, "step": step + 1}  # fmt: skip
