@@ -10,14 +10,17 @@ single-process run with the same global batch give the same losses.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from llmtune.errors import UserError
+from llmtune.train import pipeline_checkpoint as checkpoints
 from llmtune.train.data.formats import IGNORE
 
 NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_layer_norm")
@@ -213,9 +216,16 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
                               scheduler_specific_kwargs=recipe.lr_scheduler_kwargs or {})  # fmt: skip
     # Stages exchange activations in buffers whose shapes are fixed at the first step: pad every row to sequence_len.
     collate = Collator(tokenizer.pad_token_id, recipe.sequence_len)
-    history, tokens_seen, started = [], 0, time.time()
+    history, tokens_seen, started, start = [], 0, time.time(), 0
+    output_dir = Path(recipe.output_dir)
+    resume = _resume_point(recipe, output_dir)
+    if resume is not None:
+        start, history = checkpoints.load(resume, grid, params, optimizer, scheduler)
+        log(f"resuming from {resume} at step {start}")
+    interval = checkpoints.save_interval(recipe, steps_per_epoch, total_steps)
+    crash_after = int(os.environ.get("LLMTUNE_TEST_EXIT_AFTER_STEP", 0))  # tests: die right after checkpoint k
     stage_module.train()
-    for step in range(total_steps):
+    for step in range(start, total_steps):
         epoch, index = divmod(step, steps_per_epoch)
         order = step_order(len(rows), recipe.seed, epoch)
         batch_rows = [rows[i] for i in order[index * global_batch : (index + 1) * global_batch]]
@@ -244,7 +254,9 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.tensor([float(sum(part.item() for part in losses)) if grid.last else 0.0], dtype=torch.float64)
+        step_loss = torch.tensor(
+            [float(sum(part.item() for part in losses)) if grid.last else 0.0], dtype=torch.float64
+        )
         dist.all_reduce(step_loss)  # only last stages contribute: the sum over replicas is the global mean
         entry = {"loss": step_loss.item(), "grad_norm": norm, "learning_rate": scheduler.get_last_lr()[0],
                  "epoch": (step + 1) / steps_per_epoch, "step": step + 1}  # fmt: skip
@@ -253,12 +265,25 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
             log(
                 f"step {step + 1}/{total_steps} loss {entry['loss']:.4f} grad norm {norm:.3f} lr {entry['learning_rate']:.3g}"
             )
+        if interval and (step + 1) % interval == 0 and step + 1 < total_steps:
+            checkpoints.save(output_dir, step + 1, grid, params, optimizer, scheduler, history, recipe.save_total_limit)
+            if crash_after == step + 1:
+                os._exit(17)
     seconds = time.time() - started
     return {
         "grid": grid, "params": params, "history": history, "steps": total_steps, "seconds": seconds,
-        "tokens_seen": tokens_seen, "rows_seen": total_steps * global_batch, "stage_module": stage_module,
+        "tokens_seen": tokens_seen, "rows_seen": (total_steps - start) * global_batch, "stage_module": stage_module,
         "layers": [r.start for r in ranges] + [layers],
     }  # fmt: skip
+
+
+def _resume_point(recipe, output_dir: Path) -> Path | None:
+    if recipe.resume_from_checkpoint:
+        return Path(recipe.resume_from_checkpoint)
+    if recipe.auto_resume_from_checkpoints and output_dir.is_dir():
+        found = checkpoints.complete_checkpoints(output_dir)
+        return found[-1] if found else None
+    return None
 
 
 def gather_state_dict(result: dict) -> dict | None:

@@ -91,3 +91,25 @@ def test_tied_embeddings_stay_in_sync_across_stages(workspace, tmp_path_factory)
     assert "lm_head.weight" not in saved  # still tied on disk
     for key, tensor in expected.items():
         assert (saved[key] - tensor).abs().max().item() < 1e-4, key
+
+
+def test_resume_after_a_crash_is_bit_exact(workspace):
+    """Die right after checkpoint 2 (test hook), rerun the same command: it resumes and ends bit-identical."""
+    import torch
+
+    common = {"pipeline_parallel_size": 2, "pipeline_microbatches": 2, "pipeline_schedule": "1f1b", "save_steps": 2, "save_strategy": "steps"}
+    _, straight = run(workspace, "resume-straight", 2, **common)
+    root = workspace[0]
+    path = root / "resume-crash.yaml"
+    recipe = yaml.safe_load((root / "resume-straight.yaml").read_text())
+    recipe["output_dir"] = str(root / "resume-crash")
+    path.write_text(yaml.safe_dump(recipe))
+    crashed = llmtune("train", path, "--num-processes", "2", env={"LLMTUNE_TEST_EXIT_AFTER_STEP": "2"})
+    assert crashed.returncode != 0
+    assert (root / "resume-crash" / "checkpoint-2" / "llmtune-complete.json").exists()
+    assert not (root / "resume-crash" / "model.safetensors").exists()
+    resumed = llmtune("train", path, "--num-processes", "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr and "at step 2" in resumed.stderr
+    a, b = saved_weights(straight), saved_weights(root / "resume-crash")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,71 @@
+"""Resumable checkpoints for the pipeline loop: each stage's weights, optimizer and scheduler, written atomically.
+
+Every stage of replica 0 writes its own file into a temporary folder; rank 0 then writes the
+marker and renames the folder into place, so a crash mid-save leaves nothing resume would pick.
+Data order is a function of (seed, epoch, step), so resuming needs only the step count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MARKER = "llmtune-complete.json"
+
+
+def save_interval(recipe, steps_per_epoch: int, total_steps: int) -> int | None:
+    if recipe.save_strategy == "no":
+        return None
+    if recipe.save_steps is not None:
+        return max(1, round(recipe.save_steps * total_steps)) if recipe.save_steps < 1 else int(recipe.save_steps)
+    if recipe.saves_per_epoch:
+        return max(1, steps_per_epoch // recipe.saves_per_epoch)
+    return steps_per_epoch
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    found = [p for p in output_dir.glob("checkpoint-*") if (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def save(output_dir: Path, step: int, grid, params: dict, optimizer, scheduler, history: list, limit: int | None):
+    final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".checkpoint-{step}.tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    if grid.replica == 0:
+        state = {"params": {n: p.detach().cpu().clone() for n, p in params.items()},
+                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}  # fmt: skip
+        torch.save(state, tmp / f"stage-{grid.stage}.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (tmp / MARKER).write_text(json.dumps({"step": step, "stages": grid.stages, "history": history}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        kept = complete_checkpoints(output_dir)
+        for old in kept[:-limit] if limit else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load(checkpoint: Path, grid, params: dict, optimizer, scheduler) -> tuple[int, list]:
+    """Restore this stage from a checkpoint; returns the step to continue from and the loss history so far."""
+    marker = json.loads((checkpoint / MARKER).read_text())
+    if marker["stages"] != grid.stages:
+        from llmtune.errors import UserError
+
+        raise UserError(f"{checkpoint} was written with {marker['stages']} pipeline stages, this run has {grid.stages}",
+                        "resume with the same pipeline_parallel_size, or start a new output_dir")  # fmt: skip
+    state = torch.load(checkpoint / f"stage-{grid.stage}.pt", weights_only=True)
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(state["params"][name])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["step"], marker["history"]
