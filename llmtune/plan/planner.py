@@ -102,8 +102,6 @@ def _pipeline_plan(recipe: Recipe, world: int, facts: ModelFacts | None) -> Pipe
             f"(world = stages x data-parallel replicas; {world} / {stages} = {world / stages:.2f})",
             f"use --num-processes {stages * max(1, world // stages) or stages}",
         )
-    if recipe.pipeline_schedule == "interleaved_1f1b":
-        raise UserError("pipeline_schedule: interleaved_1f1b is not implemented yet", "use 1f1b (or gpipe)")
     accumulation = recipe.gradient_accumulation_steps
     if recipe.pipeline_microbatches and accumulation > 1 and recipe.pipeline_microbatches != accumulation:
         raise UserError(

@@ -158,7 +158,7 @@ def clip_global_norm(params: list[nn.Parameter], max_norm: float, grid: Grid, sk
 
 def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
     """Run the pipeline loop; returns metrics for rank 0 (others return what they saw)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     from transformers import get_scheduler
 
     from llmtune.plan.pipeline import split_layers
@@ -174,8 +174,14 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
     tied = parts.embed.weight is parts.head.weight
     grid = make_grid(stages, tied)
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in parts.layers]
-    ranges = split_layers(sizes, parts.embed.weight.numel(), parts.head.weight.numel() if not tied else 0, stages)
-    stage_module = Stage(parts, ranges[grid.stage], grid.first, grid.last)
+    # interleaved_1f1b: each rank holds `virtual` chunks, stage r, r + P, r + 2P, ... of P x virtual in all.
+    virtual = pipe["virtual_stages"] if pipe["schedule"] == "interleaved_1f1b" else 1
+    chunks = stages * virtual
+    if chunks > layers:
+        raise UserError(f"{stages} stages x {virtual} virtual stages need {chunks} layers; the model has {layers}")
+    ranges = split_layers(sizes, parts.embed.weight.numel(), parts.head.weight.numel() if not tied else 0, chunks)
+    mine = [grid.stage + i * stages for i in range(virtual)]
+    stage_module = nn.ModuleList(Stage(parts, ranges[i], i == 0, i == chunks - 1) for i in mine)
     params = owned_names(model, stage_module)
     if tied:
         # The first and last stage both hold the shared weight; their gradients are summed each step, so the
@@ -193,9 +199,13 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         torch.device("cpu") if plan["cluster"]["device"] == "cpu" else torch.device("cuda", torch.cuda.current_device())
     )
     stage_module.to(device)
-    pipeline_stage = PipelineStage(stage_module, grid.stage, stages, device, group=grid.pp_group)
-    schedule_class = ScheduleGPipe if pipe["schedule"] == "gpipe" else Schedule1F1B
-    schedule = schedule_class(pipeline_stage, microbatches, loss_fn=loss_fn, scale_grads=False)
+    pipeline_stages = [PipelineStage(module, index, chunks, device, group=grid.pp_group)
+                       for module, index in zip(stage_module, mine, strict=True)]  # fmt: skip
+    if virtual > 1:
+        schedule = ScheduleInterleaved1F1B(pipeline_stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    else:
+        schedule_class = ScheduleGPipe if pipe["schedule"] == "gpipe" else Schedule1F1B
+        schedule = schedule_class(pipeline_stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
 
     trainable = [p for p in params.values() if p.requires_grad]
     # The last stage's copy of a tied weight is the same parameter as the first stage's: count it once in the norm.

@@ -31,6 +31,7 @@ def reference(workspace):
 CASES = [
     ("gpipe", 2, {"pipeline_schedule": "gpipe", "pipeline_microbatches": 2}, "full"),
     ("1f1b", 2, {"pipeline_schedule": "1f1b", "pipeline_microbatches": 2}, "full"),
+    ("interleaved", 2, {"pipeline_schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2, "pipeline_microbatches": 2}, "full"),
     ("1f1b-lora", 2, {"pipeline_schedule": "1f1b", "pipeline_microbatches": 2, **LORA}, "lora"),
     ("pp2xdp2", 4, {"pipeline_schedule": "1f1b", "pipeline_microbatches": 2, "micro_batch_size": 2}, "full"),
 ]
