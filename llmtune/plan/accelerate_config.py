@@ -9,8 +9,12 @@ from llmtune.plan.cluster import Cluster
 DISTRIBUTED_TYPE = {"single": "NO", "ddp": "MULTI_GPU", "pipeline": "MULTI_GPU", "fsdp1": "FSDP", "fsdp2": "FSDP"}
 
 
-def fsdp_section(version: int, fsdp, layer_class: str | None) -> dict[str, Any]:
-    """accelerate's fsdp_config keys from llmtune's FSDP settings."""
+def fsdp_section(version: int, fsdp) -> dict[str, Any]:
+    """accelerate's fsdp_config keys from llmtune's FSDP settings.
+
+    Without an explicit layer class, accelerate wraps the model's own `_no_split_modules` (its decoder layer
+    class): guessing a class name from the architecture would fail for models whose layers are named otherwise.
+    """
     section: dict[str, Any] = {
         "fsdp_version": version,
         "fsdp_auto_wrap_policy": fsdp.auto_wrap_policy,
@@ -19,8 +23,8 @@ def fsdp_section(version: int, fsdp, layer_class: str | None) -> dict[str, Any]:
         "fsdp_cpu_ram_efficient_loading": fsdp.cpu_ram_efficient_loading,
         "fsdp_activation_checkpointing": fsdp.activation_checkpointing,
     }
-    if fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and (fsdp.transformer_layer_cls_to_wrap or layer_class):
-        section["fsdp_transformer_layer_cls_to_wrap"] = fsdp.transformer_layer_cls_to_wrap or layer_class
+    if fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and fsdp.transformer_layer_cls_to_wrap:
+        section["fsdp_transformer_layer_cls_to_wrap"] = fsdp.transformer_layer_cls_to_wrap
     if fsdp.auto_wrap_policy == "SIZE_BASED_WRAP":
         section["fsdp_min_num_params"] = fsdp.min_num_params
     if version == 2:

@@ -22,7 +22,6 @@ class ModelFacts:
     intermediate_size: int
     vocab_size: int
     tie_word_embeddings: bool
-    no_split_class: str | None  # the decoder layer class, e.g. LlamaDecoderLayer
 
     @property
     def head_dim(self) -> int:
@@ -70,8 +69,6 @@ def read_model_facts(name: str) -> ModelFacts | None:
     try:
         hidden = config["hidden_size"]
         heads = config["num_attention_heads"]
-        architectures = config.get("architectures") or []
-        layer_class = architectures[0].replace("ForCausalLM", "DecoderLayer") if architectures else None
         return ModelFacts(
             model_type=config.get("model_type", "unknown"),
             hidden_size=hidden,
@@ -81,7 +78,6 @@ def read_model_facts(name: str) -> ModelFacts | None:
             intermediate_size=config.get("intermediate_size") or 4 * hidden,
             vocab_size=config["vocab_size"],
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            no_split_class=layer_class,
         )
     except (KeyError, TypeError, ZeroDivisionError):
         return None

@@ -176,7 +176,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
             # resume drops the optimizer state: a rehearsal that can't save or resume proves nothing.
             raise UserError("fsdp_version: 1 can't be rehearsed on CPU (its state dict can't be saved there)",
                             "rehearse with fsdp_version: 2 (FSDP1 is deprecated in transformers), or run on GPUs")  # fmt: skip
-        fsdp = fsdp_section(version, settings, facts.no_split_class if facts else None)
+        fsdp = fsdp_section(version, settings)
         offload = "cpu" if settings.offload_params else "none"
         if world == 1:
             notes.append("FSDP with one process shards nothing; it runs, but DDP/single would be faster")
