@@ -180,6 +180,53 @@ def preprocess(recipe: RecipeArg) -> None:
             typer.echo(f"  {key}: {stats[key]}")
 
 
+@app.command()
+def estimate(
+    recipe: RecipeArg,
+    gpus_per_machine: Annotated[int, typer.Option("--gpus-per-machine", min=1)] = 1,
+    num_machines: NumMachines = 1,
+    gpu_memory: Annotated[str, typer.Option("--gpu-memory", help="Memory of one GPU, e.g. 80GB.")] = "80GB",
+) -> None:
+    """Per-GPU memory under each strategy (ZeRO-paper accounting), what fits, and the recommended strategy."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from llmtune.plan.estimate import GB, parse_size, recommend
+    from llmtune.plan.estimate import estimate as estimate_memory
+    from llmtune.plan.model_facts import read_model_facts
+    from llmtune.recipe import load_recipe
+
+    loaded = load_recipe(recipe).recipe
+    facts = read_model_facts(loaded.base_model_config or loaded.base_model)
+    if facts is None:
+        raise UserError(f"can't read the config of {loaded.base_model} offline",
+                        "point base_model_config at a local config.json")  # fmt: skip
+    try:
+        memory = parse_size(gpu_memory)
+    except ValueError:
+        raise UserError(f"--gpu-memory {gpu_memory!r} is not a size", "write e.g. 80GB or 24GiB") from None
+    world = gpus_per_machine * num_machines
+    stages = loaded.pipeline_parallel_size
+    rows = estimate_memory(loaded, facts, world // stages if stages > 1 else world, gpus_per_machine, stages)
+    table = Table(title=f"{loaded.base_model}: {facts.total_params() / 1e9:.2f}B parameters, "
+                        f"{num_machines} x {gpus_per_machine} GPUs of {memory / GB:.0f} GB")  # fmt: skip
+    for column in ("strategy (GB per GPU)", "params", "grads", "optim", "activ", "other", "total", "fits", "CPU"):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for row in rows:
+        cells = [row.params, row.grads, row.optimizer, row.activations, row.overhead, row.total]
+        table.add_row(row.strategy, *(f"{c / GB:.1f}" for c in cells), "yes" if row.total <= memory else "no",
+                      f"{row.cpu / GB:.1f}" if row.cpu else ("NVMe" if row.nvme else ""))  # fmt: skip
+    console = Console()
+    console.print(table)
+    choice = recommend(rows, memory)
+    if choice is None:
+        console.print(
+            "[red]nothing fits[/]: use more GPUs, a smaller micro_batch_size, gradient_checkpointing, or LoRA"
+        )
+    else:
+        console.print(f"[bold]recommended:[/] {choice[0].strategy} ({choice[1]})")
+
+
 @app.command(name="eval")
 def eval_command(
     target: Annotated[Path, typer.Argument(help="A run's output_dir, or a recipe (evaluates its base model).")],
