@@ -156,7 +156,8 @@ def train(
     write_plan_files(Path(the_plan.config_dir), files)
     code = run(the_plan, ctx.args)
     if code:
-        raise typer.Exit(code if code == EXIT_USER_ERROR else 1)
+        # 2: a user error the worker already explained; 128+N: stopped by signal N (130 for Ctrl-C); else 1
+        raise typer.Exit(code if code == EXIT_USER_ERROR or code > 128 else 1)
 
 
 @app.command()
