@@ -45,17 +45,11 @@ def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset_rows
                 f"rank {seen['rank']} sees world size {seen['world_size']} (accelerate: {seen['accelerate_world_size']}) "
                 f"but the plan has {planned}; the ranks would not train as one job"
             )
-    per_replica = plan["micro_batch_size"] * plan["data_parallel_size"]
-    stages = (plan.get("pipeline") or {}).get("stages", 1)
-    if dataset_rows >= 2 * per_replica:  # smaller sets may legitimately repeat rows across ranks
-        first = {}
-        for seen in reports:
-            replica = seen["rank"] // stages
-            if replica in first and first[replica] != seen["first_batch"] and stages > 1:
-                continue
-            first.setdefault(replica, seen["first_batch"])
-        values = list(first.values())
-        if len(set(values)) != len(values):
+    # Every rank of a Trainer run is a data-parallel rank (pipeline runs use their own loop), so all first
+    # batches must differ; sets too small to give each rank its own rows may legitimately repeat some.
+    if dataset_rows >= 2 * plan["micro_batch_size"] * plan["data_parallel_size"]:
+        batches = [seen["first_batch"] for seen in reports]
+        if len(set(batches)) != len(batches):
             raise SilentlyWrongRun(
                 "two data-parallel ranks received the same first batch: the data is not being split across "
                 "ranks, so they would train on the same examples"
