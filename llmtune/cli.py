@@ -135,6 +135,13 @@ def train(
     main_process_port: MainPort = None,
     device: Device = None,
     rehearse: Rehearse = False,
+    gpu_memory: Annotated[
+        Optional[str],
+        typer.Option("--gpu-memory", help="Check the plan fits GPUs of this size (default on CUDA: measured)."),
+    ] = None,
+    no_memory_check: Annotated[
+        bool, typer.Option("--no-memory-check", help="Launch even if the estimate says it won't fit.")
+    ] = False,
 ) -> None:
     """Fine-tune: validate, plan, write <output_dir>/llmtune/, run the ranks. Launcher flags may follow `--`."""
     from llmtune.launch.runner import free_port, run
@@ -148,9 +155,12 @@ def train(
         main_process_port = free_port()  # one machine: any free port will do, and two runs never collide
     cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse)
     the_plan = make_plan(loaded.recipe, cluster)
+    fit = None if no_memory_check else _memory_check(loaded.recipe, the_plan, gpu_memory)
     files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
     for key, value in summary_lines(the_plan, loaded.recipe):
         typer.echo(f"{key:>14}  {value}", err=True)
+    if fit:
+        typer.echo(f"{'memory':>14}  {fit}", err=True)
     for note in [*the_plan.notes, *loaded.notes]:
         typer.echo(f"{'note':>14}  {note}", err=True)
     write_plan_files(Path(the_plan.config_dir), files)
@@ -158,6 +168,22 @@ def train(
     if code:
         # 2: a user error the worker already explained; 128+N: stopped by signal N (130 for Ctrl-C); else 1
         raise typer.Exit(code if code == EXIT_USER_ERROR or code > 128 else 1)
+
+
+def _memory_check(recipe, plan, gpu_memory: str | None) -> str | None:
+    """On GPUs (or when --gpu-memory is given), refuse a plan the estimate says can't fit."""
+    from llmtune.plan.estimate import check_fits, gpu_memory_of_this_machine, parse_size_option
+    from llmtune.plan.model_facts import read_model_facts
+
+    if gpu_memory is not None:
+        memory = parse_size_option("--gpu-memory", gpu_memory)
+    elif plan.cluster.device == "cuda":
+        memory = gpu_memory_of_this_machine()
+    else:
+        return None  # a CPU rehearsal: nothing to check against
+    if memory is None or read_model_facts(recipe.base_model_config or recipe.base_model) is None:
+        return None  # unknown GPU size or model shape: the estimate can't judge, so it doesn't block
+    return check_fits(recipe, plan, memory)
 
 
 @app.command()
@@ -187,45 +213,77 @@ def estimate(
     gpus_per_machine: Annotated[int, typer.Option("--gpus-per-machine", min=1)] = 1,
     num_machines: NumMachines = 1,
     gpu_memory: Annotated[str, typer.Option("--gpu-memory", help="Memory of one GPU, e.g. 80GB.")] = "80GB",
+    cpu_memory: Annotated[
+        Optional[str], typer.Option("--cpu-memory", help="CPU memory of one machine, for offload (e.g. 512GB).")
+    ] = None,
+    interconnect: Annotated[
+        str, typer.Option("--interconnect", help="Between machines: fast (InfiniBand/NVLink) or slow (Ethernet).")
+    ] = "fast",
+    json_output: Annotated[bool, typer.Option("--json", help="Print the estimates as JSON.")] = False,
 ) -> None:
     """Per-GPU memory under each strategy (ZeRO-paper accounting), what fits, and the recommended strategy."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from llmtune.plan.estimate import GB, parse_size, recommend
-    from llmtune.plan.estimate import estimate as estimate_memory
-    from llmtune.plan.model_facts import read_model_facts
+    from llmtune.plan.estimate import estimate_recipe, parse_size_option
+    from llmtune.plan.render import print_estimate
     from llmtune.recipe import load_recipe
 
+    if interconnect not in ("fast", "slow"):
+        raise UserError(f"--interconnect {interconnect!r} is not fast or slow")
     loaded = load_recipe(recipe).recipe
-    facts = read_model_facts(loaded.base_model_config or loaded.base_model)
-    if facts is None:
-        raise UserError(f"can't read the config of {loaded.base_model} offline",
-                        "point base_model_config at a local config.json")  # fmt: skip
-    try:
-        memory = parse_size(gpu_memory)
-    except ValueError:
-        raise UserError(f"--gpu-memory {gpu_memory!r} is not a size", "write e.g. 80GB or 24GiB") from None
-    world = gpus_per_machine * num_machines
-    stages = loaded.pipeline_parallel_size
-    rows = estimate_memory(loaded, facts, world // stages if stages > 1 else world, gpus_per_machine, stages)
-    table = Table(title=f"{loaded.base_model}: {facts.total_params() / 1e9:.2f}B parameters, "
-                        f"{num_machines} x {gpus_per_machine} GPUs of {memory / GB:.0f} GB")  # fmt: skip
-    for column in ("strategy (GB per GPU)", "params", "grads", "optim", "activ", "other", "total", "fits", "CPU"):
-        table.add_column(column, justify="left" if column == "strategy" else "right")
-    for row in rows:
-        cells = [row.params, row.grads, row.optimizer, row.activations, row.overhead, row.total]
-        table.add_row(row.strategy, *(f"{c / GB:.1f}" for c in cells), "yes" if row.total <= memory else "no",
-                      f"{row.cpu / GB:.1f}" if row.cpu else ("NVMe" if row.nvme else ""))  # fmt: skip
-    console = Console()
-    console.print(table)
-    choice = recommend(rows, memory)
-    if choice is None:
-        console.print(
-            "[red]nothing fits[/]: use more GPUs, a smaller micro_batch_size, gradient_checkpointing, or LoRA"
-        )
+    report = estimate_recipe(
+        loaded, gpus_per_machine, num_machines, parse_size_option("--gpu-memory", gpu_memory),
+        parse_size_option("--cpu-memory", cpu_memory) if cpu_memory else None, interconnect,
+    )  # fmt: skip
+    if json_output:
+        import json
+
+        typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        console.print(f"[bold]recommended:[/] {choice[0].strategy} ({choice[1]})")
+        print_estimate(report)
+
+
+def _ask_option(flag: str, help_text: str, kind=str):
+    return Annotated[Optional[kind], typer.Option(flag, help=help_text, show_default=False)]
+
+
+@app.command(name="config")
+def config_command(
+    output: Annotated[Path, typer.Option("--output", "-o", help="The recipe to write.")] = Path("recipe.yaml"),
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Take the default for every question not given as a flag.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --output if it exists.")] = False,
+    base_model: _ask_option("--base-model", "Hub id or local folder.") = None,
+    method: _ask_option("--method", "full, lora or qlora.") = None,
+    dataset: _ask_option("--dataset", "Local file or hub dataset id.") = None,
+    dataset_type: _ask_option("--dataset-type", "alpaca, chat_template, completion, input_output.") = None,
+    num_machines: _ask_option("--num-machines", "Machines in the job.", int) = None,
+    main_process_ip: _ask_option("--main-process-ip", "Address of machine rank 0.") = None,
+    main_process_port: _ask_option("--main-process-port", "Rendezvous port on machine rank 0.", int) = None,
+    interconnect: _ask_option("--interconnect", "Between machines: fast or slow.") = None,
+    gpus_per_machine: _ask_option("--gpus-per-machine", "GPUs on each machine.", int) = None,
+    gpu_ids: _ask_option("--gpu-ids", "GPU ids to use on each machine, comma separated, or all.") = None,
+    gpu_memory: _ask_option("--gpu-memory", "Memory of one GPU, e.g. 80GB.") = None,
+    mixed_precision: _ask_option("--mixed-precision", "bf16, fp16 or no.") = None,
+    sequence_len: _ask_option("--sequence-len", "Tokens per row.", int) = None,
+    micro_batch_size: _ask_option("--micro-batch-size", "Rows per GPU per step.", int) = None,
+    strategy: _ask_option("--strategy", "ddp, zero1, zero2, zero3, zero2_offload, zero3_offload, zero3_nvme, fsdp, "
+                                        "fsdp_hybrid, pipeline (default: the recommended one).") = None,  # fmt: skip
+    nvme_path: _ask_option("--nvme-path", "NVMe folder for zero3_nvme.") = None,
+    fsdp_version: _ask_option("--fsdp-version", "1 or 2.", int) = None,
+    fsdp_auto_wrap_policy: _ask_option("--fsdp-auto-wrap-policy", "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP.") = None,
+    fsdp_state_dict_type: _ask_option("--fsdp-state-dict-type", "FULL_STATE_DICT or SHARDED_STATE_DICT.") = None,
+    fsdp_offload_params: _ask_option("--fsdp-offload-params", "Offload FSDP parameters to CPU.", bool) = None,
+    pipeline_stages: _ask_option("--pipeline-stages", "Pipeline stages.", int) = None,
+    pipeline_schedule: _ask_option("--pipeline-schedule", "gpipe, 1f1b or interleaved_1f1b.") = None,
+    output_dir: _ask_option("--output-dir", "Where the run writes its model and checkpoints.") = None,
+) -> None:
+    """Answer a few questions (those `accelerate config` asks, plus model and data) and get a recipe."""
+    from llmtune.wizard import run_config
+
+    given = {k: v for k, v in locals().items() if k not in ("output", "yes", "force")}
+    written, commands = run_config(given, output, yes, force)
+    typer.echo(f"wrote {written}")
+    typer.echo("run it:" if len(commands) == 1 else "run on each machine:")
+    for line in commands:
+        typer.echo(f"  {line}")
 
 
 @app.command(name="eval")

@@ -48,6 +48,35 @@ def _hub_cache_config(repo_id: str) -> Path | None:
     return found[-1] if found else None
 
 
+# Shapes of common base models (from their public config.json), so estimates work before any download.
+# name: hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings
+KNOWN_MODELS = {
+    "meta-llama/Meta-Llama-3-8B": (4096, 32, 32, 8, 14336, 128256, False),
+    "meta-llama/Llama-3.1-8B": (4096, 32, 32, 8, 14336, 128256, False),
+    "meta-llama/Llama-3.1-70B": (8192, 80, 64, 8, 28672, 128256, False),
+    "meta-llama/Llama-3.2-1B": (2048, 16, 32, 8, 8192, 128256, True),
+    "meta-llama/Llama-3.2-3B": (3072, 28, 24, 8, 8192, 128256, True),
+    "mistralai/Mistral-7B-v0.1": (4096, 32, 32, 8, 14336, 32000, False),
+    "mistralai/Mistral-7B-v0.3": (4096, 32, 32, 8, 14336, 32768, False),
+    "Qwen/Qwen2.5-0.5B": (896, 24, 14, 2, 4864, 151936, True),
+    "Qwen/Qwen2.5-1.5B": (1536, 28, 12, 2, 8960, 151936, True),
+    "Qwen/Qwen2.5-7B": (3584, 28, 28, 4, 18944, 152064, False),
+    "HuggingFaceTB/SmolLM2-135M": (576, 30, 9, 3, 1536, 49152, True),
+    "HuggingFaceTB/SmolLM2-360M": (960, 32, 15, 5, 2560, 49152, True),
+    "HuggingFaceTB/SmolLM2-1.7B": (2048, 24, 32, 32, 8192, 49152, True),
+    "TinyLlama/TinyLlama-1.1B-Chat-v1.0": (2048, 22, 32, 4, 5632, 32000, False),
+}
+
+
+def known_model_facts(name: str) -> ModelFacts | None:
+    """A known base model, or its -Instruct / -Chat / -v0.2 variant."""
+    for known, shape in KNOWN_MODELS.items():
+        stem = known.split("/")[1].lower()
+        if name.lower() == known.lower() or name.split("/")[-1].lower().startswith(stem):
+            return ModelFacts("llama", *shape)
+    return None
+
+
 def find_config_json(name: str) -> Path | None:
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
@@ -63,7 +92,7 @@ def read_model_facts(name: str) -> ModelFacts | None:
     """Facts from a config.json for a decoder-only LM, or None if it can't be read offline."""
     config_path = find_config_json(name)
     if config_path is None:
-        return None
+        return known_model_facts(name) if not Path(name).expanduser().exists() else None
     config = json.loads(config_path.read_text())
     config = config.get("text_config", config)
     try:

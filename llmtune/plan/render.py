@@ -88,3 +88,29 @@ def print_plan(plan: Plan, recipe, files: dict[str, str], notes: list[str], show
             if name in files:
                 console.print(f"\n[bold]{name}[/]")
                 console.print(escape(files[name].rstrip()), soft_wrap=True, highlight=False)
+
+
+def print_estimate(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from llmtune.plan.estimate import GB
+
+    table = Table(title=f"{report.model}: {report.total_params / 1e9:.2f}B parameters "
+                        f"({report.trainable_params / 1e6:,.1f}M trainable), {report.num_machines} x "
+                        f"{report.gpus_per_machine} GPUs of {report.gpu_memory / GB:.0f} GB")  # fmt: skip
+    for column in ("strategy (GB per GPU)", "params", "grads", "optim", "buffers", "activ", "other", "total", "fits",
+                   "CPU/machine"):  # fmt: skip
+        table.add_column(column, justify="left" if column.startswith("strategy") else "right")
+    for row in report.rows:
+        cells = [row.params, row.grads, row.optimizer, row.buffers, row.activations, row.overhead, row.total]
+        fits = row.total <= report.gpu_memory and (report.cpu_memory is None or row.cpu <= report.cpu_memory)
+        table.add_row(row.strategy, *(f"{c / GB:.1f}" for c in cells), "yes" if fits else "no",
+                      f"{row.cpu / GB:.1f}" + (" + NVMe" if row.nvme else "") if row.cpu or row.nvme else "")  # fmt: skip
+    console = Console(width=None if Console().is_terminal else 140)
+    console.print(table)
+    console.print("buffers: the largest layer gathered (ZeRO-3/FSDP) and DeepSpeed's fp32 gradient copy at the step")
+    if report.choice is None:
+        console.print("[red]nothing fits[/]: use more GPUs, a smaller micro_batch_size, gradient_checkpointing, or LoRA")
+    else:
+        console.print(f"[bold]recommended:[/] {report.choice[0].strategy} ({report.choice[1]})")

@@ -148,8 +148,12 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     resume = find_resume_checkpoint(recipe)
     if resume:
         log(f"resuming from {resume}")
+    from llmtune.train.memory import ModelStateMeter
+
+    meter = ModelStateMeter(trainer.model, lambda: trainer.model_wrapped)
     started = time.time()
     result = trainer.train(resume_from_checkpoint=resume)
+    meter.close()
     seconds = time.time() - started
     metrics = {"train_loss": result.training_loss}
     if data.eval:
@@ -158,7 +162,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     rows = distributed.all_reduce_sum(trainer.rows_seen)
     from llmtune.train.ranks import gather, local_parameter_numel
 
-    shards = gather({"rank": rank.rank, "local_parameters": local_parameter_numel(trainer.model)})
+    shards = gather({"rank": rank.rank, "local_parameters": local_parameter_numel(trainer.model),
+                     "model_state_bytes": meter.result})  # fmt: skip
     _full_state_dict_for_final_save(trainer)
     trainer.save_model(str(output_dir))
     (output_dir / "training_args.bin").unlink(missing_ok=True)  # a pickle; plan.json records the same

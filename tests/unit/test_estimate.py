@@ -31,7 +31,7 @@ def test_mixed_precision_adam_is_16_bytes_per_parameter():
 
 @pytest.mark.parametrize(
     ("strategy", "expected_gb"),
-    [("single / DDP", 120), ("ZeRO-1", 31.4), ("ZeRO-2", 16.6), ("ZeRO-3 / FSDP full shard", 1.9)],
+    [("single / DDP", 120), ("ZeRO-1", 31.4), ("ZeRO-2", 16.6), ("ZeRO-3", 1.9)],
 )
 def test_model_states_match_the_zero_paper_table(strategy, expected_gb):
     # Table 1 of the ZeRO paper: Psi = 7.5B, K = 12, N_d = 64
@@ -44,7 +44,8 @@ def test_offload_moves_states_to_cpu():
     rows = {e.strategy: e for e in estimate(recipe(), FACTS, data_parallel=8, gpus_per_machine=8)}
     off = rows["ZeRO-3 + CPU offload"]
     assert off.params == 0 and off.optimizer == 0
-    assert off.cpu == pytest.approx((2 + 12) * 7.5e9)  # the whole machine's shards of params and optimizer
+    # the whole machine's shards: 16-bit params and grads, the fp32 gradient copy, the optimizer's 12 bytes
+    assert off.cpu == pytest.approx((2 + 2 + 4 + 12) * 7.5e9)
 
 
 def test_llama3_8b_parameter_count():
@@ -77,3 +78,66 @@ def test_estimate_command_recommends_by_the_seeds_rules(run_cli, tmp_path):
     assert "recommended: ZeRO-3 + CPU offload" in tiny.out or "nothing fits" in tiny.out
     bad = run_cli("estimate", path, "--gpu-memory", "lots")
     assert bad.code == 2 and "--gpu-memory" in bad.err
+
+
+LLAMA_7B = ModelFacts("llama", 4096, 32, 32, 32, 11008, 32000, False)
+
+
+@pytest.mark.parametrize(("nodes", "gpus"), [(1, 1), (1, 8), (4, 8)])
+def test_agrees_with_deepspeeds_own_estimates(nodes, gpus):
+    """DeepSpeed's estimate_zero{2,3}_model_states_mem_needs, term by term (GPU side)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    psi, n = LLAMA_7B.total_params(), nodes * gpus
+    largest = max(LLAMA_7B.layer_params(), LLAMA_7B.embedding_params())
+    rows = {e.strategy: e for e in estimate(recipe(), LLAMA_7B, data_parallel=n, gpus_per_machine=gpus)}
+    states = {name: row.model_states + row.step_copy for name, row in rows.items()}
+
+    # ZeRO-2: 2 (16-bit params) + 18/N (16-bit grads, fp32 grads, fp32 params, Adam moments): exactly ours
+    _, ds = estimate_zero2_model_states_mem_needs(psi, gpus, nodes, cpu_offload=False)
+    assert states["ZeRO-2"] == pytest.approx(ds, abs=1)
+    _, ds = estimate_zero2_model_states_mem_needs(psi, gpus, nodes, cpu_offload=True)
+    assert states["ZeRO-2 + CPU offload"] == pytest.approx(ds, abs=1)  # only the 16-bit params stay
+    # ZeRO-3 + full offload: only the largest layer, gathered with its gradient, stays on the GPU
+    _, ds, _ = estimate_zero3_model_states_mem_needs(psi, largest, gpus, nodes, cpu_offload=True)
+    assert rows["ZeRO-3 + CPU offload"].gathered + states["ZeRO-3 + CPU offload"] == pytest.approx(ds, abs=1)
+    # ZeRO-3: DeepSpeed counts 18/N; we also count the 16-bit gradient partition its stage-3 optimizer
+    # accumulates into before the fp32 copy (2/N more), which the CPU rehearsal measures (test_distributed)
+    _, ds, _ = estimate_zero3_model_states_mem_needs(psi, largest, gpus, nodes, cpu_offload=False)
+    assert rows["ZeRO-3"].gathered + states["ZeRO-3"] == pytest.approx(ds + 2 * psi / n, abs=1)
+
+
+def test_train_refuses_a_plan_that_cannot_fit(run_cli, tmp_path):
+    path = tmp_path / "r.yaml"
+    out = tmp_path / "out"
+    path.write_text(f"base_model: meta-llama/Llama-3.1-8B\ndatasets:\n  - path: org/d\n    type: alpaca\n"
+                    f"bf16: true\noutput_dir: {out}\n")  # fmt: skip
+    result = run_cli("train", path, "--num-processes", "8", "--gpu-memory", "40GB")
+    assert result.code == 2 and "needs about 142.0 GB per GPU under single / DDP" in result.err
+    assert "hint: pipeline (8 stages, per stage) would fit" in result.err and "--no-memory-check" in result.err
+    assert not out.exists()  # refused before anything is written
+
+
+def test_fit_check_passes_what_the_estimate_allows():
+    from llmtune.plan import make_cluster, make_plan
+    from llmtune.plan.estimate import check_fits, row_for_plan
+
+    lora = recipe(base_model="meta-llama/Llama-3.1-8B", adapter="lora", lora_r=16, lora_target_linear=True,
+                  gradient_checkpointing=True, deepspeed="zero3")  # fmt: skip
+    plan = make_plan(lora, make_cluster(num_processes=8, device="cpu"))
+    assert row_for_plan(plan) == "ZeRO-3"
+    assert "per GPU (ZeRO-3" in check_fits(lora, plan, 80e9)
+    with pytest.raises(Exception, match="needs about"):
+        check_fits(lora, plan, 4e9)
+
+
+def test_recommendation_follows_the_interconnect():
+    from llmtune.plan.estimate import estimate_recipe
+
+    llama = ModelFacts("llama", 4096, 32, 32, 8, 14336, 128256, False)
+    full = recipe(gradient_checkpointing=True, sequence_len=2048)
+    fast = estimate_recipe(full, 8, 4, 24e9, interconnect="fast", facts=llama)
+    slow = estimate_recipe(full, 8, 4, 24e9, interconnect="slow", facts=llama)
+    assert fast.choice[0].strategy == "ZeRO-3"
+    assert slow.choice[0].strategy.startswith("pipeline")  # DP + PP keeps the traffic inside machines

@@ -1,0 +1,267 @@
+"""`llmtune config`: the questions `accelerate config` asks, plus model, method and data, then a recipe.
+
+Every question has a flag; a question whose flag was given is not asked. `--yes` takes the default of
+every other question (for scripts). The strategy question shows the estimate table and preselects the
+recommended strategy.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import fields
+from datetime import date
+from pathlib import Path
+from typing import Any, Callable
+
+from llmtune.errors import UserError
+from llmtune.recipe.writer import ROW_TO_STRATEGY, STRATEGIES, Answers, guess_dataset_type, machine_commands
+from llmtune.recipe.writer import recipe_text
+
+DATASET_TYPES = ["alpaca", "chat_template", "completion", "input_output"]
+
+
+class Asker:
+    """Asks with arrow-key menus (questionary), or takes every default (--yes)."""
+
+    def __init__(self, interactive: bool) -> None:
+        self.interactive = interactive
+
+    def _run(self, question) -> Any:
+        answer = question.ask()
+        if answer is None:  # Ctrl-C inside questionary
+            raise KeyboardInterrupt
+        return answer
+
+    def select(self, message: str, choices: list[tuple[str, str]], default: str) -> str:
+        if not self.interactive:
+            return default
+        import questionary
+
+        options = [questionary.Choice(title=title, value=value) for value, title in choices]
+        return self._run(questionary.select(message, choices=options, default=next(o for o in options if o.value == default)))
+
+    def text(self, message: str, default: str, check: Callable[[str], str | None] | None = None) -> str:
+        if not self.interactive:
+            return default
+        import questionary
+
+        def validate(value: str):
+            problem = check(value) if check else None
+            return True if problem is None else problem
+
+        return self._run(questionary.text(message, default=default, validate=validate)).strip()
+
+    def confirm(self, message: str, default: bool) -> bool:
+        if not self.interactive:
+            return default
+        import questionary
+
+        return bool(self._run(questionary.confirm(message, default=default)))
+
+    def show(self, text: str) -> None:
+        print(text, file=sys.stderr if not self.interactive else sys.stdout)
+
+
+def _positive_int(value: str) -> str | None:
+    return None if value.strip().isdigit() and int(value) > 0 else "a whole number above 0"
+
+
+def _size(value: str) -> str | None:
+    from llmtune.plan.estimate import parse_size
+
+    try:
+        parse_size(value)
+        return None
+    except ValueError:
+        return "a size such as 80GB or 24GiB"
+
+
+def _detected_gpus() -> tuple[int, str | None]:
+    from llmtune.plan.cluster import count_local_gpus
+    from llmtune.plan.estimate import GB, gpu_memory_of_this_machine
+
+    count = count_local_gpus()
+    memory = gpu_memory_of_this_machine() if count else None
+    return count, (f"{memory / GB:.0f}GB" if memory else None)
+
+
+CHOICES = {
+    "method": ["full", "lora", "qlora"], "dataset_type": DATASET_TYPES, "mixed_precision": ["bf16", "fp16", "no"],
+    "interconnect": ["fast", "slow"], "strategy": list(STRATEGIES), "fsdp_version": [1, 2],
+    "fsdp_auto_wrap_policy": ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"],
+    "fsdp_state_dict_type": ["FULL_STATE_DICT", "SHARDED_STATE_DICT"],
+    "pipeline_schedule": ["gpipe", "1f1b", "interleaved_1f1b"],
+}  # fmt: skip
+
+
+def _check_flags(given: dict[str, Any]) -> None:
+    for name, allowed in CHOICES.items():
+        value = given.get(name)
+        if value is not None and value not in allowed:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, allowed))}")
+    if given.get("gpu_memory") is not None and _size(given["gpu_memory"]):
+        raise UserError(f"--gpu-memory {given['gpu_memory']!r} is not a size", "write e.g. 80GB or 24GiB")
+
+
+def ask_all(given: dict[str, Any], ask: Asker) -> tuple[Answers, str | None]:
+    """Fill Answers: flags first, then questions (or defaults). Returns the answers and the estimate line."""
+    _check_flags(given)
+    answers = Answers(**{k: v for k, v in given.items() if v is not None})
+    fixed = {k for k, v in given.items() if v is not None}
+
+    def want(name: str) -> bool:
+        return name not in fixed
+
+    if want("base_model"):
+        answers.base_model = ask.text("Model (hub id or local folder):", answers.base_model)
+    if want("method"):
+        answers.method = ask.select("Fine-tuning method:", [("lora", "LoRA (adapters, 16-bit base)"),
+                                    ("qlora", "QLoRA (adapters, 4-bit base)"), ("full", "Full fine-tune")], "lora")  # fmt: skip
+    if want("dataset"):
+        answers.dataset = ask.text("Dataset (local .jsonl/.json/.parquet file or hub id):", answers.dataset)
+    guessed = guess_dataset_type(Path(answers.dataset).expanduser()) if Path(answers.dataset).expanduser().is_file() else None
+    if guessed and want("dataset_type"):
+        answers.dataset_type, answers.dataset_extra = guessed
+    if want("dataset_type"):
+        answers.dataset_type = ask.select("Dataset format:", [(t, t) for t in DATASET_TYPES], answers.dataset_type)
+        if guessed and answers.dataset_type != guessed[0]:
+            answers.dataset_extra = {}
+    gpus, memory = _detected_gpus()
+    if want("num_machines"):
+        answers.num_machines = int(ask.text("How many machines?", "1", _positive_int))
+    if answers.num_machines > 1:
+        if want("main_process_ip"):
+            answers.main_process_ip = ask.text("IP address of machine rank 0 (the main process):", "",
+                                               lambda v: None if v.strip() else "the address the other machines reach")  # fmt: skip
+        if not answers.main_process_ip:
+            raise UserError("--main-process-ip is required with --num-machines > 1", "give the address of machine rank 0")
+        if want("main_process_port"):
+            answers.main_process_port = int(ask.text("Rendezvous port on machine rank 0:", "29500", _positive_int))
+        if want("interconnect"):
+            answers.interconnect = ask.select("Network between the machines:", [
+                ("fast", "fast (InfiniBand, RoCE, NVLink across nodes)"), ("slow", "slow (Ethernet)")], "fast")  # fmt: skip
+    if want("gpus_per_machine"):
+        answers.gpus_per_machine = int(ask.text("How many GPUs per machine?", str(gpus or 1), _positive_int))
+    if want("gpu_ids"):
+        answers.gpu_ids = ask.text("Which GPU ids on each machine (comma separated, or all)?", "all")
+    if want("gpu_memory"):
+        answers.gpu_memory = ask.text("Memory of one GPU:", memory or answers.gpu_memory, _size)
+    if want("mixed_precision"):
+        answers.mixed_precision = ask.select("Mixed precision:", [("bf16", "bf16 (Ampere and newer)"),
+                                             ("fp16", "fp16 (older GPUs)"), ("no", "no (fp32)")], "bf16")  # fmt: skip
+    if want("sequence_len"):
+        answers.sequence_len = int(ask.text("Sequence length (tokens):", str(answers.sequence_len), _positive_int))
+    if want("micro_batch_size"):
+        answers.micro_batch_size = int(ask.text("Micro-batch size per GPU:", str(answers.micro_batch_size), _positive_int))
+    estimate_line = _choose_strategy(answers, ask, want("strategy"))
+    _strategy_details(answers, ask, want)
+    if want("output_dir"):
+        default = f"./outputs/{answers.base_model.rstrip('/').split('/')[-1].lower()}-{answers.method}"
+        answers.output_dir = ask.text("Output folder:", default)
+    return answers, estimate_line
+
+
+def _draft_recipe(answers: Answers):
+    from llmtune.recipe.loader import recipe_from_mapping
+
+    mapping = {"base_model": answers.base_model, "datasets": [{"path": answers.dataset, "type": answers.dataset_type}],
+               "sequence_len": answers.sequence_len, "micro_batch_size": answers.micro_batch_size,
+               "gradient_checkpointing": answers.gradient_checkpointing}  # fmt: skip
+    if answers.method != "full":
+        mapping.update(adapter=answers.method, lora_r=16, lora_alpha=32, lora_target_linear=True)
+        if answers.method == "qlora":
+            mapping["load_in_4bit"] = True
+    if answers.mixed_precision != "no":
+        mapping[answers.mixed_precision] = True
+    return recipe_from_mapping(mapping, Path("llmtune-config.yaml"), check_files=False).recipe
+
+
+def _choose_strategy(answers: Answers, ask: Asker, asking: bool) -> str | None:
+    from llmtune.plan.estimate import GB, estimate_recipe, parse_size
+    from llmtune.plan.model_facts import read_model_facts
+
+    draft = _draft_recipe(answers)
+    facts = read_model_facts(draft.base_model)
+    estimate_line = None
+    recommended = "ddp"
+    if facts is None:
+        ask.show(f"(no estimate: the config of {answers.base_model} can't be read offline)")
+    else:
+        from llmtune.plan.render import print_estimate
+
+        report = estimate_recipe(draft, answers.gpus_per_machine, answers.num_machines, parse_size(answers.gpu_memory),
+                                 None, answers.interconnect, facts=facts)  # fmt: skip
+        if asking:
+            print_estimate(report)
+        if report.choice is not None:
+            row, reason = report.choice
+            recommended = ROW_TO_STRATEGY[row.strategy.split(" (")[0]]
+            estimate_line = (f"Estimated {row.total / GB:.1f} GB per GPU of {report.gpu_memory / GB:.0f} GB; "
+                             f"recommended because {reason}.")  # fmt: skip
+    if asking:
+        choices = [(key, label + ("  [recommended]" if key == recommended else "")) for key, (label, _) in STRATEGIES.items()]
+        answers.strategy = ask.select("Distributed strategy:", choices, recommended)
+    if answers.strategy not in STRATEGIES:
+        raise UserError(f"--strategy {answers.strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if estimate_line and answers.strategy != recommended:
+        estimate_line = f"Chosen instead of the recommended {STRATEGIES[recommended][0]}. " + estimate_line.split(";")[0] + "."
+    return estimate_line
+
+
+def _strategy_details(answers: Answers, ask: Asker, want: Callable[[str], bool]) -> None:
+    """The follow-up questions `accelerate config` asks for DeepSpeed and FSDP, and ours for pipeline."""
+    key = answers.strategy
+    if key == "zero3_nvme" and want("nvme_path"):
+        answers.nvme_path = ask.text("NVMe folder for offload (on every machine):", answers.nvme_path)
+    if key.startswith("fsdp"):
+        if key == "fsdp" and want("fsdp_version"):
+            answers.fsdp_version = int(ask.select("FSDP version:", [("2", "2 (per-parameter sharding, recommended)"),
+                                                                    ("1", "1 (flat parameters)")], "2"))  # fmt: skip
+        if want("fsdp_auto_wrap_policy"):
+            answers.fsdp_auto_wrap_policy = ask.select("Wrap policy:", [
+                ("TRANSFORMER_BASED_WRAP", "TRANSFORMER_BASED_WRAP (each decoder layer)"),
+                ("SIZE_BASED_WRAP", "SIZE_BASED_WRAP (by parameter count)"), ("NO_WRAP", "NO_WRAP")],
+                "TRANSFORMER_BASED_WRAP")  # fmt: skip
+        if want("fsdp_state_dict_type"):
+            answers.fsdp_state_dict_type = ask.select("Checkpoint state dict:", [
+                ("FULL_STATE_DICT", "FULL_STATE_DICT (one file set, gathered on rank 0)"),
+                ("SHARDED_STATE_DICT", "SHARDED_STATE_DICT (a shard per rank, faster for big models)")],
+                "FULL_STATE_DICT")  # fmt: skip
+        if want("fsdp_offload_params"):
+            answers.fsdp_offload_params = ask.confirm("Offload parameters and optimizer states to CPU?", False)
+    if key == "pipeline":
+        if want("pipeline_stages"):
+            default = str(max(2, answers.gpus_per_machine))
+            answers.pipeline_stages = int(ask.text("Pipeline stages:", default, _positive_int))
+        if want("pipeline_schedule"):
+            answers.pipeline_schedule = ask.select("Pipeline schedule:", [("1f1b", "1F1B (less activation memory)"),
+                                                   ("gpipe", "GPipe"), ("interleaved_1f1b", "interleaved 1F1B (smaller bubble)")],
+                                                   "1f1b")  # fmt: skip
+
+
+def run_config(given: dict[str, Any], output: Path, yes: bool, force: bool) -> tuple[Path, list[str]]:
+    import yaml
+
+    from llmtune.plan import make_cluster, make_plan
+    from llmtune.plan.files import atomic_write
+    from llmtune.recipe.loader import recipe_from_mapping
+
+    known = {f.name for f in fields(Answers)}
+    interactive = not yes
+    if interactive and not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UserError("llmtune config asks questions but this is not a terminal",
+                        "pass --yes to take the defaults, with flags for the answers you want")  # fmt: skip
+    if output.exists() and not force:
+        if yes or not Asker(True).confirm(f"{output} exists. Overwrite it?", False):
+            raise UserError(f"{output} already exists", "pass --force to overwrite it, or choose another --output")
+    ask = Asker(interactive)
+    answers, estimate_line = ask_all({k: v for k, v in given.items() if k in known}, ask)
+    text = recipe_text(answers, str(output), estimate_line, date.today().isoformat())
+    # The written recipe must validate and plan for the cluster it was written for, before it is written.
+    loaded = recipe_from_mapping(yaml.safe_load(text), output, check_files=True)
+    processes = answers.gpus_per_machine * answers.num_machines
+    make_plan(loaded.recipe, make_cluster(processes, answers.num_machines, 0, answers.main_process_ip,
+                                          answers.main_process_port, "cuda" if answers.gpus_per_machine else "cpu"))  # fmt: skip
+    atomic_write(output, text)
+    return output, machine_commands(answers, str(output))

@@ -1,0 +1,129 @@
+"""`llmtune config`: driven in a real pseudo-terminal with arrow keys, and non-interactively with flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmtune.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}  # fmt: skip
+
+
+@pytest.fixture
+def chat_file(tmp_path) -> Path:
+    path = tmp_path / "chat.jsonl"
+    row = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    path.write_text(json.dumps(row) + "\n")
+    return path
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    folder = tmp_path / "llama8b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
+    return folder
+
+
+def test_interactive_session_in_a_terminal(tmp_path, chat_file, model_dir):
+    pexpect = pytest.importorskip("pexpect")
+    output = tmp_path / "my.yaml"
+    env = {**os.environ, "TERM": "xterm", "COLUMNS": "160", "LINES": "60", "CUDA_VISIBLE_DEVICES": ""}
+    child = pexpect.spawn(sys.executable, ["-m", "llmtune", "config", "-o", str(output)], cwd=str(tmp_path),
+                          env=env, encoding="utf-8", timeout=30, dimensions=(60, 160))  # fmt: skip
+    down, enter, clear = "\x1b[B", "\r", "\x15"  # arrow down, Enter, Ctrl-U (clear the pre-filled default)
+    try:
+        child.expect("Model")
+        child.send(clear + str(model_dir) + enter)
+        child.expect("Fine-tuning method")
+        child.send(down + down + enter)  # LoRA -> QLoRA -> Full fine-tune
+        child.expect("Dataset")
+        child.send(clear + str(chat_file) + enter)
+        child.expect("Dataset format")
+        child.send(enter)  # chat_template, guessed from the file, is preselected
+        child.expect("How many machines")
+        child.send(enter)
+        child.expect("How many GPUs per machine")
+        child.send(clear + "8" + enter)
+        child.expect("Which GPU ids")
+        child.send(enter)
+        child.expect("Memory of one GPU")
+        child.send(clear + "80GB" + enter)
+        child.expect("Mixed precision")
+        child.send(enter)
+        child.expect("Sequence length")
+        child.send(enter)
+        child.expect("Micro-batch size")
+        child.send(clear + "1" + enter)
+        child.expect("Distributed strategy")
+        child.expect(r"ZeRO-1 \(optimizer states sharded\)  \[recommended\]")  # preselected in the menu
+        child.send(enter)  # take the preselected recommendation
+        child.expect("Output folder")
+        child.send(enter)
+        child.expect("wrote")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
+    text = output.read_text()
+    assert "recommended because" in text and f"llmtune train {output} --num-processes 8" in text
+    recipe = load_recipe(output).recipe
+    assert recipe.deepspeed == "zero1" and recipe.adapter is None and recipe.bf16 is True
+    assert recipe.datasets[0].type == "chat_template" and recipe.datasets[0].field_messages == "conversations"
+
+
+def test_yes_takes_defaults_and_flags_answer_questions(run_cli, tmp_path, chat_file, model_dir):
+    output = tmp_path / "r.yaml"
+    result = run_cli("config", "--yes", "-o", output, "--base-model", model_dir, "--dataset", chat_file,
+                     "--gpus-per-machine", "4", "--num-machines", "2", "--main-process-ip", "10.0.0.1",
+                     "--strategy", "fsdp", "--fsdp-state-dict-type", "SHARDED_STATE_DICT")  # fmt: skip
+    assert result.code == 0, result.err
+    raw = yaml.safe_load(output.read_text())
+    assert raw["fsdp_version"] == 2 and raw["fsdp_config"]["state_dict_type"] == "SHARDED_STATE_DICT"
+    assert raw["adapter"] == "lora"  # the default method
+    for rank in (0, 1):  # one command per machine, printed and in the recipe's header
+        line = f"--num-processes 8 --num-machines 2 --machine-rank {rank} --main-process-ip 10.0.0.1"
+        assert line in result.out and line in output.read_text()
+    assert load_recipe(output).recipe.fsdp_enabled
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--strategy", "zero4"], "--strategy 'zero4' is not one of"),
+        (["--method", "dora"], "--method 'dora' is not one of"),
+        (["--gpu-memory", "lots"], "--gpu-memory 'lots' is not a size"),
+        (["--num-machines", "2"], "--main-process-ip is required"),
+        (["--strategy", "pipeline", "--pipeline-stages", "3", "--gpus-per-machine", "2"], "pipeline"),
+        (["--dataset", "missing.jsonl"], "missing.jsonl"),
+    ],
+)
+def test_bad_answers_are_one_line_and_write_nothing(run_cli, tmp_path, model_dir, flags, message):
+    output = tmp_path / "r.yaml"
+    result = run_cli("config", "--yes", "-o", output, "--base-model", model_dir, *flags)
+    assert result.code == 2 and message in result.err and "Traceback" not in result.err
+    assert not output.exists()
+
+
+def test_existing_file_needs_force(run_cli, tmp_path, model_dir):
+    output = tmp_path / "r.yaml"
+    output.write_text("keep me\n")
+    result = run_cli("config", "--yes", "-o", output, "--base-model", model_dir)
+    assert result.code == 2 and "--force" in result.err and output.read_text() == "keep me\n"
+    assert run_cli("config", "--yes", "--force", "-o", output, "--base-model", model_dir).code == 0
+
+
+def test_not_a_terminal_without_yes_is_a_clear_error(tmp_path):
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "llmtune", "config", "-o", str(tmp_path / "r.yaml")],
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)  # fmt: skip
+    assert result.returncode == 2 and "--yes" in result.stderr
