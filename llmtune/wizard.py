@@ -182,7 +182,7 @@ def _choose_strategy(answers: Answers, ask: Asker, asking: bool) -> str | None:
     from llmtune.plan.model_facts import read_model_facts
 
     draft = _draft_recipe(answers)
-    facts = read_model_facts(draft.base_model)
+    facts = read_model_facts(draft.base_model, fetch=True)
     estimate_line = None
     recommended = "ddp"
     if facts is None:

@@ -141,6 +141,7 @@ def estimate(
         ("ZeRO-3 + CPU offload",       0.0,    0.0,     0.0,       (zp + zg + fp32_grads + zo) / n * per_machine, 0.0, largest, 0.0),
         ("ZeRO-3 + NVMe offload",      0.0,    0.0,     0.0,       (zg + fp32_grads) / n * per_machine, (zp + zo) / n * per_machine, largest, 0.0),
         ("FSDP full shard",            params / n, grads / n, optimizer / n, 0.0, 0.0, largest, 0.0),
+        ("FSDP shard grad op",         params, grads / n, optimizer / n, 0.0, 0.0, 0.0, 0.0),
         ("FSDP hybrid shard",          params / per_machine, grads / per_machine, optimizer / per_machine, 0.0, 0.0, largest, 0.0),
     ]  # fmt: skip
     estimates = [Estimate(name, p, g, o, acts, FRAMEWORK_OVERHEAD, cpu, nvme, gathered, step)
@@ -162,6 +163,7 @@ REASONS = {
     "pipeline": "the model doesn't fit one GPU but each stage's layers do; stages exchange only activations",
     "ZeRO-3": "only sharding the parameters too makes it fit (needed when even one layer is too big for a stage)",
     "FSDP full shard": "only sharding the parameters too makes it fit (needed when even one layer is too big for a stage)",
+    "FSDP shard grad op": "sharding gradients and optimizer states is enough; parameters stay whole (FSDP's ZeRO-2)",
     "FSDP hybrid shard": "sharding within each machine fits and keeps the all-gathers off the slow links between machines",
     "ZeRO-2 + CPU offload": "nothing fits on the GPUs alone; offloading optimizer states and gradients to CPU does",
     "ZeRO-3 + CPU offload": "nothing fits on the GPUs alone; offloading parameters and optimizer to CPU does",
@@ -222,9 +224,9 @@ def model_facts_for(recipe) -> ModelFacts:
     from llmtune.errors import UserError
     from llmtune.plan.model_facts import read_model_facts
 
-    facts = read_model_facts(recipe.base_model_config or recipe.base_model)
+    facts = read_model_facts(recipe.base_model_config or recipe.base_model, fetch=True)
     if facts is None:
-        raise UserError(f"can't read the config of {recipe.base_model} offline",
+        raise UserError(f"can't read the config of {recipe.base_model} (not local, not cached, Hub unreachable)",
                         "point base_model_config at a local config.json, or download the model first")  # fmt: skip
     return facts
 
@@ -253,8 +255,8 @@ def row_for_plan(plan) -> str:
             return f"{name} + CPU offload" if plan.zero_stage in (2, 3) else name
         return f"{name} + NVMe offload" if plan.offload == "nvme" else name
     if plan.strategy.startswith("fsdp"):
-        hybrid = "HYBRID" in str((plan.accelerate_config or {}).get("fsdp_config", {}).get("fsdp_sharding_strategy", ""))
-        return "FSDP hybrid shard" if hybrid else "FSDP full shard"
+        sharding = str((plan.accelerate_config or {}).get("fsdp_config", {}).get("fsdp_sharding_strategy", ""))
+        return {"HYBRID_SHARD": "FSDP hybrid shard", "SHARD_GRAD_OP": "FSDP shard grad op"}.get(sharding, "FSDP full shard")
     return "pipeline" if plan.strategy == "pipeline" else "single / DDP"
 
 

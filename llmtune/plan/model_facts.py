@@ -88,9 +88,40 @@ def find_config_json(name: str) -> Path | None:
     return None
 
 
-def read_model_facts(name: str) -> ModelFacts | None:
-    """Facts from a config.json for a decoder-only LM, or None if it can't be read offline."""
+def fetch_hub_config(repo_id: str, timeout: float = 5.0) -> Path | None:
+    """config.json from the Hub when it is reachable (one quick try, no retries), kept in llmtune's cache."""
+    import urllib.error
+    import urllib.request
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "") or repo_id.count("/") != 1:
+        return None
+    cache = Path(os.environ.get("LLMTUNE_CACHE", "~/.cache/llmtune")).expanduser() / "configs"
+    target = cache / f"{repo_id.replace('/', '--')}.json"
+    if target.is_file():
+        return target
+    request = urllib.request.Request(f"https://huggingface.co/{repo_id}/resolve/main/config.json")
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")  # gated models; never written anywhere
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+        json.loads(body)
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".tmp")
+    partial.write_bytes(body)
+    partial.replace(target)
+    return target
+
+
+def read_model_facts(name: str, fetch: bool = False) -> ModelFacts | None:
+    """Facts from a config.json for a decoder-only LM: local folder, HF cache, a known model, or (with
+    fetch) the Hub. None when none of them has it."""
     config_path = find_config_json(name)
+    if config_path is None and fetch and not Path(name).expanduser().exists():
+        config_path = fetch_hub_config(name)
     if config_path is None:
         return known_model_facts(name) if not Path(name).expanduser().exists() else None
     config = json.loads(config_path.read_text())
