@@ -142,6 +142,12 @@ def train(
     no_memory_check: Annotated[
         bool, typer.Option("--no-memory-check", help="Launch even if the estimate says it won't fit.")
     ] = False,
+    max_restarts: Annotated[
+        Optional[int], typer.Option("--max-restarts", min=0, help="Restart the ranks up to N times after a crash.")
+    ] = None,
+    rdzv_timeout: Annotated[
+        Optional[int], typer.Option("--rdzv-timeout", min=1, help="Seconds to wait for every machine to join.")
+    ] = None,
 ) -> None:
     """Fine-tune: validate, plan, write <output_dir>/llmtune/, run the ranks. Launcher flags may follow `--`."""
     from llmtune.launch.runner import free_port, run
@@ -151,6 +157,13 @@ def train(
     from llmtune.recipe import load_recipe
 
     loaded = load_recipe(recipe)
+    overrides = {k: v for k, v in {"max_restarts": max_restarts, "rdzv_timeout": rdzv_timeout}.items() if v is not None}
+    if overrides:
+        loaded.recipe = loaded.recipe.model_copy(update=overrides)
+    finished = _finished_run(loaded.recipe)
+    if finished:
+        typer.echo(finished, err=True)
+        return
     if main_process_port is None and num_machines == 1:
         main_process_port = free_port()  # one machine: any free port will do, and two runs never collide
     cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse)
@@ -164,10 +177,30 @@ def train(
     for note in [*the_plan.notes, *loaded.notes]:
         typer.echo(f"{'note':>14}  {note}", err=True)
     write_plan_files(Path(the_plan.config_dir), files)
-    code = run(the_plan, ctx.args)
+    code = run(the_plan, ctx.args, loaded.recipe.rdzv_timeout)
     if code:
         # 2: a user error the worker already explained; 128+N: stopped by signal N (130 for Ctrl-C); else 1
         raise typer.Exit(code if code == EXIT_USER_ERROR or code > 128 else 1)
+
+
+def _finished_run(recipe) -> str | None:
+    """Rerunning a finished run (same recipe, auto-resume on) trains nothing: say so instead of resuming at the end."""
+    import json
+
+    from llmtune.recipe.loader import recipe_fingerprint
+
+    metrics_file = Path(recipe.output_dir) / "metrics.json"
+    if not recipe.auto_resume_from_checkpoints or recipe.resume_from_checkpoint or not metrics_file.is_file():
+        return None
+    try:
+        metrics = json.loads(metrics_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if metrics.get("recipe_fingerprint") != recipe_fingerprint(recipe):
+        return None
+    return (f"{recipe.output_dir} already holds this recipe's finished run ({metrics.get('steps')} steps, final loss "
+            f"{metrics.get('final_loss')}); nothing to do. To train again, use another output_dir, remove it, "
+            "or set auto_resume_from_checkpoints: false")  # fmt: skip
 
 
 def _memory_check(recipe, plan, gpu_memory: str | None) -> str | None:

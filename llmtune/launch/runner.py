@@ -45,10 +45,21 @@ def check_port_free(host: str, port: int) -> None:
                             "choose another port, or stop the process holding it") from None  # fmt: skip
 
 
-def run(plan: Plan, extra_launcher_args: list[str] | None = None) -> int:
+def _log(message: str) -> None:
+    print(f"[llmtune] {message}", file=sys.stderr, flush=True)
+
+
+def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: float = 600) -> int:
     """Start this machine's command and wait; returns its exit code."""
+    from llmtune.launch import lobby
+
     cluster = plan.cluster
-    if plan.world_size > 1 and cluster.machine_rank == 0:
+    if cluster.num_machines > 1:  # every machine checks in first: a missing one is named, not waited on forever
+        if cluster.machine_rank == 0:
+            lobby.gather(plan, rdzv_timeout, _log)
+        else:
+            lobby.join(plan, rdzv_timeout, _log)
+    elif plan.world_size > 1:
         check_port_free(cluster.main_process_ip, cluster.main_process_port)
     argv = executable_command(plan.commands[cluster.machine_rank], extra_launcher_args)
     env = {**os.environ, **plan.env}

@@ -187,7 +187,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
             strategy, cluster, precision, ds_path, int(strategy[-1]) if ds_path else 0, fsdp
         )
     env = _environment(cluster, strategy)
-    commands = [_command(strategy, config_dir, rank) for rank in range(cluster.num_machines)]
+    commands = [_command(strategy, config_dir, rank, recipe, cluster) for rank in range(cluster.num_machines)]
     return Plan(
         strategy, offload, world, data_parallel, recipe.micro_batch_size, accumulation, global_batch, precision,
         cluster, config_dir, accelerate, deepspeed_config, env, commands, pipeline, notes,
@@ -205,11 +205,16 @@ def _environment(cluster: Cluster, strategy: str) -> dict[str, str]:
     return env
 
 
-def _command(strategy: str, config_dir: str, machine_rank: int) -> list[str]:
+def _command(strategy: str, config_dir: str, machine_rank: int, recipe: Recipe, cluster: Cluster) -> list[str]:
     plan_file = str(Path(config_dir) / "plan.json")
+    restarts = ["--max_restarts", str(recipe.max_restarts)] if recipe.max_restarts else []
     if strategy == "single":
+        if restarts:  # torchrun's elastic agent does the restarting, even for one process
+            return ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *restarts,
+                    "-m", "llmtune.train", plan_file]  # fmt: skip
         return ["python", "-m", "llmtune.train", plan_file]
+    rendezvous = ["--rdzv_conf", f"timeout={recipe.rdzv_timeout}"] if cluster.num_machines > 1 else []
     return [
         "accelerate", "launch", "--config_file", str(Path(config_dir) / "accelerate_config.yaml"),
-        "--machine_rank", str(machine_rank), "-m", "llmtune.train", plan_file,
+        "--machine_rank", str(machine_rank), *restarts, *rendezvous, "-m", "llmtune.train", plan_file,
     ]  # fmt: skip

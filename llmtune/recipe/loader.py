@@ -84,6 +84,12 @@ def recipe_from_mapping(raw: dict, path: Path, check_files: bool = True) -> Load
         raise UserError(f"{path}: a value is nested too deeply", REFERENCE_HINT) from None
     if check_files:
         check_local_paths(recipe, path)
+    if recipe.trust_remote_code:
+        notes.append(f"WARNING trust_remote_code: true: Python code shipped with {recipe.base_model} will run on "
+                     "every rank; use it only for models whose code you trust")  # fmt: skip
+    for index, spec in enumerate(recipe.datasets):
+        if spec.trust_remote_code:
+            notes.append(f"WARNING datasets[{index}].trust_remote_code: true: the loading script of {spec.path} will run")
     return LoadedRecipe(recipe=recipe, path=path, notes=notes)
 
 
@@ -116,3 +122,11 @@ def _first_error(err: ValidationError) -> str:
         message += f" (got {shown[:60] + '...' if len(shown) > 60 else shown})"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     return f"{where}: {message}{more}" if where else f"{message}{more}"
+
+
+def recipe_fingerprint(recipe) -> str:
+    """Identifies a recipe's resolved values: a finished run with the same fingerprint has nothing left to do."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(recipe.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]

@@ -27,6 +27,8 @@ def setup(plan: dict) -> RankInfo:
         from llmtune.errors import UserError
 
         raise UserError(f"the launcher started {world} process(es) but the plan has world size {plan['world_size']}")
+    if world > 1:
+        _join_restarted_group(plan, rank, world)
     strategy = plan["strategy"]
     kwargs: dict = {}
     if plan["cluster"]["device"] == "cpu" and (world > 1 or strategy.startswith(("zero", "fsdp"))):
@@ -43,6 +45,29 @@ def setup(plan: dict) -> RankInfo:
             config = rehearsal.fsdp_config(config)
         kwargs.update(fsdp=True, fsdp_config=config)
     return RankInfo(rank, local_rank, world, kwargs)
+
+
+def _join_restarted_group(plan: dict, rank: int, world: int) -> None:
+    """After an elastic restart, form the process group under a fresh key prefix.
+
+    torchrun's static rendezvous keeps one store for every attempt, so the restarted ranks would read the
+    dead ranks' addresses from it (gloo: connection refused). A prefix per attempt isolates them;
+    accelerate and DeepSpeed then find the group already formed.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        return
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=int(plan.get("collective_timeout", 1800)))
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout)  # fmt: skip
+    backend = "gloo" if plan["cluster"]["device"] == "cpu" else "nccl"
+    dist.init_process_group(backend, store=dist.PrefixStore(f"llmtune/attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)  # fmt: skip
 
 
 def trainer_fsdp_config(section: dict) -> dict:

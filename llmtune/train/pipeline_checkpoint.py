@@ -8,14 +8,13 @@ Data order is a function of (seed, epoch, step), so resuming needs only the step
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-MARKER = "llmtune-complete.json"
+from llmtune.train.checkpoints import MARKER, complete_checkpoints, publish, rotate
 
 
 def save_interval(recipe, steps_per_epoch: int, total_steps: int) -> int | None:
@@ -26,11 +25,6 @@ def save_interval(recipe, steps_per_epoch: int, total_steps: int) -> int | None:
     if recipe.saves_per_epoch:
         return max(1, steps_per_epoch // recipe.saves_per_epoch)
     return steps_per_epoch
-
-
-def complete_checkpoints(output_dir: Path) -> list[Path]:
-    found = [p for p in output_dir.glob("checkpoint-*") if (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 
 def save(output_dir: Path, step: int, grid, params: dict, optimizer, scheduler, history: list, limit: int | None):
@@ -45,12 +39,8 @@ def save(output_dir: Path, step: int, grid, params: dict, optimizer, scheduler, 
         torch.save(state, tmp / f"stage-{grid.stage}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
-        (tmp / MARKER).write_text(json.dumps({"step": step, "stages": grid.stages, "history": history}))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        kept = complete_checkpoints(output_dir)
-        for old in kept[:-limit] if limit else []:
-            shutil.rmtree(old, ignore_errors=True)
+        publish(tmp, final, {"step": step, "stages": grid.stages, "history": history})
+        rotate(output_dir, limit)
     dist.barrier()
 
 

@@ -1,16 +1,40 @@
-"""The HF Trainer with what llmtune adds: real-token counting, and a stop on a non-finite loss."""
+"""The HF Trainer with what llmtune adds: real-token counting, atomic checkpoints, a stop on a non-finite loss."""
 
 from __future__ import annotations
 
 import math
+import os
+import signal
+from pathlib import Path
 
 from transformers import Trainer, TrainerCallback
 
+from llmtune.errors import UserError
+from llmtune.train import checkpoints
 from llmtune.train.data.collate import REAL_TOKENS
 
+NONFINITE_HINT = ("lower learning_rate or add warmup, look for broken rows in the data, and prefer bf16 over fp16 "
+                  "(fp16 overflows); the last complete checkpoint is untouched")  # fmt: skip
 
-class NonFiniteLoss(RuntimeError):
+
+class NonFiniteLoss(UserError):
     pass
+
+
+def _test_kill(variable: str, step: int) -> None:
+    """Tests only: SIGKILL this rank at step k (LLMTUNE_TEST_...=k, on LLMTUNE_TEST_KILL_RANK, default the last)."""
+    wanted = os.environ.get(variable)
+    if not wanted or int(wanted) != step:
+        return
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if int(os.environ.get("RANK", 0)) != int(os.environ.get("LLMTUNE_TEST_KILL_RANK", world - 1)):
+        return
+    once = os.environ.get("LLMTUNE_TEST_KILL_ONCE_FILE")  # kill only the first time (elastic restart tests)
+    if once:
+        if os.path.exists(once):
+            return
+        Path(once).touch()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Rows:
@@ -30,7 +54,29 @@ class StopOnNonFiniteLoss(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         loss = (logs or {}).get("loss")
         if loss is not None and not math.isfinite(loss):
-            raise NonFiniteLoss(f"training loss became {loss} at step {state.global_step}")
+            raise NonFiniteLoss(f"training loss became {loss} at step {state.global_step}", NONFINITE_HINT)
+
+
+class TestKillAfterSave(TrainerCallback):
+    """Tests only: LLMTUNE_TEST_EXIT_AFTER_STEP=k kills one rank right after checkpoint k is complete."""
+
+    def on_save(self, args, state, control, **kwargs):
+        _test_kill("LLMTUNE_TEST_EXIT_AFTER_STEP", state.global_step)
+
+
+def _weights_finite(model) -> bool:
+    import torch
+
+    from llmtune.train.memory import _local
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad:  # frozen weights don't change (and 4-bit ones are packed bytes)
+                continue
+            local = _local(param)
+            if local is not None and local.numel() and local.is_floating_point() and not torch.isfinite(local).all():
+                return False
+    return True
 
 
 class LlmtuneTrainer(Trainer):
@@ -48,7 +94,72 @@ class LlmtuneTrainer(Trainer):
             )
         self.tokens_seen += int(inputs.pop(REAL_TOKENS, 0))
         self.rows_seen += int(inputs["input_ids"].shape[0])
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._nonfinite_guard(loss)
+        return loss
+
+    def _nonfinite_guard(self, loss) -> None:
+        """Remember (without a device sync) whether any loss since the last check was NaN/inf."""
+        import torch
+
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._bad_loss = bad if getattr(self, "_bad_loss", None) is None else (self._bad_loss | bad)
+
+    def _check_finite(self) -> None:
+        """Before any save: the losses since the last check and this rank's weights (its shard) are finite, on
+        every rank. A NaN loss shows one step after the update that broke the weights, so both are checked."""
+        import torch
+
+        bad = getattr(self, "_bad_loss", None)
+        flag = torch.zeros(2, dtype=torch.float32, device=self.args.device)
+        flag[0] = float(bool(bad)) if bad is not None else 0.0
+        flag[1] = float(not _weights_finite(self.model))
+        if self.accelerator.num_processes > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(flag)
+        self._bad_loss = None
+        if flag.any():
+            what = "training loss" if flag[0] else "the weights"
+            raise NonFiniteLoss(f"{what} became NaN or inf by step {self.state.global_step}; stopped before saving",
+                                NONFINITE_HINT)  # fmt: skip
+
+    _staging: bool = False
+
+    def _get_output_dir(self, trial):
+        if self._staging:
+            return os.path.join(self.args.output_dir, checkpoints.STAGING)
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        """Write into a staging folder, then (all ranks done) mark it complete and rename it into place."""
+        self._check_finite()  # a NaN/inf model is never checkpointed
+        step = self.state.global_step
+        staging_root = Path(self.args.output_dir) / checkpoints.STAGING
+        staged, final = staging_root / f"checkpoint-{step}", Path(self.args.output_dir) / f"checkpoint-{step}"
+        self._staging = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging = False
+        _test_kill("LLMTUNE_TEST_KILL_IN_SAVE", step)
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_local_main_process and staged.exists():  # one per node; shared storage: the first
+            try:
+                checkpoints.publish(staged, final, {"step": step, "world_size": self.accelerator.num_processes})
+            except FileNotFoundError:
+                pass  # another node's main process moved it (shared storage)
+            try:
+                staging_root.rmdir()
+            except OSError:
+                pass
+        best = self.state.best_model_checkpoint
+        if best and str(staging_root) in best:
+            self.state.best_model_checkpoint = str(final)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            checkpoints.rotate(Path(self.args.output_dir), self.args.save_total_limit,
+                               Path(self.state.best_model_checkpoint) if self.state.best_model_checkpoint else None)  # fmt: skip
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs.pop(REAL_TOKENS, None)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from llmtune.errors import EXIT_USER_ERROR, UserError
 from llmtune.recipe import Recipe
+from llmtune.recipe.loader import recipe_fingerprint
 from llmtune.train import distributed
 from llmtune.train.progress import log, track
 
@@ -31,13 +32,21 @@ def _tracking_env(recipe, output_dir: Path) -> None:
 
 
 def find_resume_checkpoint(recipe) -> str | None:
+    """resume_from_checkpoint, else (auto-resume) the newest checkpoint with llmtune's completion marker."""
+    from llmtune.train import checkpoints
+
     if recipe.resume_from_checkpoint:
         return recipe.resume_from_checkpoint
-    if not recipe.auto_resume_from_checkpoints or not Path(recipe.output_dir).is_dir():
+    output_dir = Path(recipe.output_dir)
+    if not recipe.auto_resume_from_checkpoints or not output_dir.is_dir():
         return None
-    from transformers.trainer_utils import get_last_checkpoint
+    last = checkpoints.last_complete(output_dir)
+    skipped = [p.name for p in checkpoints.incomplete_checkpoints(output_dir) if last is None or checkpoints.step_of(p) > checkpoints.step_of(last)]
+    if skipped:
+        log(f"ignoring {', '.join(skipped)}: not marked complete (a save was interrupted)")
+    return str(last) if last else None
 
-    return get_last_checkpoint(recipe.output_dir)
+
 
 
 def _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_origin, trainable, total) -> dict:
@@ -61,7 +70,7 @@ def _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_ori
         "world_size": rank.world_size, "strategy": "pipeline", "title": plan["title"],
         "global_batch_size": plan["global_batch_size"], "trainable_parameters": trainable, "total_parameters": total,
         "pipeline": {**plan["pipeline"], "layer_bounds": result["layers"]}, "packing_efficiency": data.stats.get("packing_efficiency"),
-        "data": data.stats, "ranks": reports, "log_history": history,
+        "data": data.stats, "ranks": reports, "log_history": history, "recipe_fingerprint": recipe_fingerprint(recipe),
     }  # fmt: skip
     if rank.is_main:
         # One consolidated HF folder: a fresh model (or base + adapter) takes every stage's trained weights.
@@ -118,7 +127,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from llmtune.train.data.prepare import prepare_data
     from llmtune.train.model import load_model, load_tokenizer, model_source
     from llmtune.train.save import write_run_files
-    from llmtune.train.trainer import LlmtuneTrainer, Rows, StopOnNonFiniteLoss
+    from llmtune.train.checkpoints import clear_staging
+    from llmtune.train.trainer import LlmtuneTrainer, Rows, StopOnNonFiniteLoss, TestKillAfterSave
 
     output_dir = Path(recipe.output_dir)
     state = PartialState()
@@ -142,9 +152,13 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     trainer = LlmtuneTrainer(
         model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(data.eval) if data.eval else None,
         data_collator=Collator(tokenizer.pad_token_id, recipe.sequence_len if recipe.pad_to_sequence_len else None),
-        processing_class=tokenizer, callbacks=[StopOnNonFiniteLoss()],
+        processing_class=tokenizer,
+        callbacks=[StopOnNonFiniteLoss()] + ([TestKillAfterSave()] if os.environ.get("LLMTUNE_TEST_EXIT_AFTER_STEP") else []),
     )  # fmt: skip
     trainer.plan = plan
+    if state.is_local_main_process:
+        clear_staging(output_dir)  # whatever a killed save left half-written
+    state.wait_for_everyone()
     resume = find_resume_checkpoint(recipe)
     if resume:
         log(f"resuming from {resume}")
@@ -164,6 +178,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
 
     shards = gather({"rank": rank.rank, "local_parameters": local_parameter_numel(trainer.model),
                      "model_state_bytes": meter.result})  # fmt: skip
+    trainer._check_finite()
     _full_state_dict_for_final_save(trainer)
     trainer.save_model(str(output_dir))
     (output_dir / "training_args.bin").unlink(missing_ok=True)  # a pickle; plan.json records the same
@@ -175,7 +190,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         world_size=rank.world_size, strategy=plan["strategy"], title=plan["title"],
         global_batch_size=plan["global_batch_size"], trainable_parameters=trainable, total_parameters=total,
         packing_efficiency=stats.get("packing_efficiency"), data=stats, ranks=_merge_reports(trainer.rank_reports, shards),
-        log_history=trainer.state.log_history,
+        log_history=trainer.state.log_history, recipe_fingerprint=recipe_fingerprint(recipe),
+        resumed_from=resume,
     )  # fmt: skip
     _write_probe(trainer, data.train[0])
     if rank.is_main:

@@ -61,3 +61,46 @@ def test_port_in_use_is_reported_before_launch(make_recipe):
         result = llmtune("train", make_recipe("port"), "--num-processes", "2", "--main-process-port", port, timeout=120)
     assert result.returncode == 2
     assert f"--main-process-port {port} is already in use" in result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _machine(recipe: Path, rank: int, port: int, processes: int = 2) -> list[str]:
+    return [sys.executable, "-m", "llmtune", "train", str(recipe), "--num-machines", "2", "--num-processes",
+            str(processes), "--machine-rank", str(rank), "--main-process-ip", "127.0.0.1", "--main-process-port", str(port)]  # fmt: skip
+
+
+@pytest.mark.parametrize("present", [0, 1], ids=["machine-1-never-starts", "machine-0-never-starts"])
+def test_a_missing_machine_is_named_within_the_rendezvous_timeout(make_recipe, present):
+    recipe = make_recipe(f"alone-{present}", rdzv_timeout=8)
+    started = time.monotonic()
+    result = subprocess.run(_machine(recipe, present, _free_port()), capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert elapsed < 8 + 15, f"took {elapsed:.0f} s with an 8 s rendezvous timeout"
+    last = result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr
+    if present == 0:
+        assert last.startswith("error: machine rank(s) 1 of 2 did not join within 8 s"), last
+    else:
+        assert last.startswith("error: could not reach machine rank 0 at 127.0.0.1:"), last
+
+
+def test_machines_started_with_different_flags_are_stopped_before_training(make_recipe):
+    recipe = make_recipe("mismatch", rdzv_timeout=60)
+    port = _free_port()
+    first = subprocess.Popen(_machine(recipe, 0, port, processes=2), stderr=subprocess.PIPE, text=True)
+    second = subprocess.Popen(_machine(recipe, 1, port, processes=4), stderr=subprocess.PIPE, text=True)
+    try:
+        errors = [first.communicate(timeout=120)[1], second.communicate(timeout=120)[1]]
+    finally:
+        for launcher in (first, second):
+            if launcher.poll() is None:
+                launcher.kill()
+    assert [first.returncode, second.returncode] == [2, 2], errors
+    assert "machine rank 1 (127.0.0.1) plans" in errors[0] and "'world_size': 4" in errors[0]
+    assert "machine rank 0 refused this machine" in errors[1]

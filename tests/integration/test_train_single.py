@@ -127,3 +127,37 @@ def test_packed_full_fine_tune_on_plain_text(make_recipe, tmp_path):
     assert history[-1] < history[0] - 1.0, history
     output_dir = Path(yaml.safe_load(recipe.read_text())["output_dir"])
     assert (output_dir / "model.safetensors").stat().st_size > 0
+
+
+SECRETS = {"HF_TOKEN": "hf_llmtuneFakeToken0123456789", "HUGGING_FACE_HUB_TOKEN": "hf_llmtuneOtherFake987",
+           "WANDB_API_KEY": "llmtune0fake0wandb0key0000000000000000000", "MLFLOW_TRACKING_PASSWORD": "llmtune-fake-pw"}  # fmt: skip
+
+
+def test_secrets_never_reach_a_file_or_log(make_recipe):
+    recipe = make_recipe("secrets", num_epochs=2, save_strategy="steps", save_steps=2, val_set_size=0.25)
+    result = llmtune("train", recipe, env=SECRETS, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output_dir = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+    files = [p for p in output_dir.rglob("*") if p.is_file()]
+    assert any(p.name == "trainer_state.json" for p in files) and any(p.name == "plan.json" for p in files)
+    for value in SECRETS.values():
+        assert value not in result.stdout + result.stderr
+        leaked = [str(p) for p in files if value.encode() in p.read_bytes()]
+        assert not leaked, f"{value[:8]}... written to {leaked}"
+
+
+def test_a_nan_loss_stops_with_the_step_and_saves_nothing_broken(make_recipe):
+    import torch
+    from safetensors.torch import load_file
+
+    recipe = make_recipe("nan", learning_rate=1e9, max_grad_norm=0, save_strategy="steps", save_steps=1, num_epochs=3)
+    result = llmtune("train", recipe, timeout=900)
+    assert result.returncode == 2, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "became NaN or inf by step" in last and "lower learning_rate" in last, last
+    assert "Traceback" not in result.stderr
+    output_dir = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+    assert not (output_dir / "model.safetensors").exists() and not (output_dir / "metrics.json").exists()
+    for checkpoint in output_dir.glob("checkpoint-*"):  # whatever was saved before is finite
+        weights = load_file(str(checkpoint / "model.safetensors"))
+        assert all(torch.isfinite(t).all() for t in weights.values()), checkpoint

@@ -1,0 +1,72 @@
+"""Checkpoints resume can trust, for the Trainer path and the pipeline loop alike.
+
+A checkpoint is written into a staging folder, gets a marker file once every rank has finished
+writing, and is renamed into `<output_dir>/checkpoint-N` in one step. Resume only picks folders
+with the marker, so a crash or kill during a save leaves nothing it would load. Rotation
+(`save_total_limit`) counts complete checkpoints only and never deletes the newest one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+MARKER = "llmtune-complete.json"
+STAGING = ".checkpoint-staging"
+
+
+def step_of(path: Path) -> int:
+    try:
+        return int(path.name.rsplit("-", 1)[-1])
+    except ValueError:
+        return -1
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if (p / MARKER).is_file()]
+    return sorted(found, key=step_of)
+
+
+def incomplete_checkpoints(output_dir: Path) -> list[Path]:
+    return sorted((p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and not (p / MARKER).is_file()),
+                  key=step_of)  # fmt: skip
+
+
+def last_complete(output_dir: Path) -> Path | None:
+    done = complete_checkpoints(output_dir)
+    return done[-1] if done else None
+
+
+def clear_staging(output_dir: Path) -> None:
+    """What a killed save left behind; called before training starts."""
+    shutil.rmtree(Path(output_dir) / STAGING, ignore_errors=True)
+    for stale in Path(output_dir).glob(".checkpoint-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def publish(staged: Path, final: Path, info: dict) -> None:
+    """Mark a fully written checkpoint complete and move it into place (one rename)."""
+    (staged / MARKER).write_text(json.dumps({**info, "time": time.time()}))
+    if final.exists():  # the same step saved again (e.g. after a resume): replace it
+        trash = final.with_name(f".{final.name}.old")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+        os.replace(staged, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staged, final)
+
+
+def rotate(output_dir: Path, limit: int | None, keep: Path | None = None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond `limit`; never the newest, never `keep` (the best)."""
+    if not limit:
+        return []
+    done = complete_checkpoints(output_dir)
+    newest = done[-1] if done else None
+    removable = [p for p in done[: max(0, len(done) - limit)] if p != newest and (keep is None or p.resolve() != keep.resolve())]
+    for old in removable:
+        shutil.rmtree(old, ignore_errors=True)
+    return removable

@@ -1,0 +1,142 @@
+"""Nodes die: kill -9 one rank of a 2-rank run right after checkpoint k, rerun the same command, and the
+final weights equal the uninterrupted run's bit for bit. Also: a kill during a save, an elastic restart,
+a rerun of a finished run, and the checkpoint rotation that never loses the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from harness import llmtune, read_metrics, repeat_words_data, saved_weights
+
+pytestmark = pytest.mark.integration
+
+# 32 rows, global batch 8 -> 4 steps per epoch, 2 epochs; checkpoints at 3 and 6 (6 is mid-epoch, so resuming
+# must restore the sampler position, not just the epoch)
+COMMON = {"num_epochs": 2, "save_strategy": "steps", "save_steps": 3, "save_total_limit": 2, "logging_steps": 1}
+STRATEGIES = {
+    "ddp": {},
+    "zero3": {"deepspeed": "zero3"},
+    "fsdp2": {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}},
+}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("resume")
+    return root, repeat_words_data(root), tiny_model
+
+
+def write(workspace, name: str, **changes) -> Path:
+    root, data, model = workspace
+    recipe = {
+        "base_model": str(model), "datasets": [{"path": str(data), "type": "alpaca"}], "sequence_len": 128,
+        "micro_batch_size": 4, "learning_rate": 1e-3, "lr_scheduler": "linear",
+        "dataset_prepared_path": str(root / "prepared"), "output_dir": str(root / name), **COMMON, **changes,
+    }  # fmt: skip
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def train(path: Path, env: dict | None = None, *flags: str):
+    return llmtune("train", path, "--num-processes", "2", *flags, env=env, timeout=900)
+
+
+def assert_bit_identical(a_dir: Path, b_dir: Path) -> None:
+    import torch
+
+    a, b = saved_weights(a_dir), saved_weights(b_dir)
+    assert a.keys() == b.keys() and len(a) > 0
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+@pytest.fixture(scope="module")
+def straight(workspace):
+    """Uninterrupted reference runs, one per strategy."""
+    runs = {}
+    for name, changes in STRATEGIES.items():
+        path = write(workspace, f"straight-{name}", **changes)
+        result = train(path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = path
+    return runs
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_kill_9_after_a_checkpoint_then_rerun_is_bit_exact(workspace, straight, strategy):
+    path = write(workspace, f"killed-{strategy}", **STRATEGIES[strategy])
+    out = Path(yaml.safe_load(path.read_text())["output_dir"])
+    crashed = train(path, {"LLMTUNE_TEST_EXIT_AFTER_STEP": "6"})  # rank 1 gets SIGKILL right after checkpoint 6
+    assert crashed.returncode != 0
+    assert (out / "checkpoint-6" / "llmtune-complete.json").is_file()
+    assert not (out / "metrics.json").exists()
+    resumed = train(path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoint-6'}" in resumed.stderr
+    metrics = read_metrics(path)
+    assert metrics["steps"] == 8 and metrics["resumed_from"] == str(out / "checkpoint-6")
+    # the resumed run logged only steps 7 and 8 itself, and they equal the reference's
+    reference = read_metrics(straight[strategy])
+    tail = [(e["step"], e["loss"]) for e in metrics["log_history"] if "loss" in e and e["step"] > 6]
+    expected = [(e["step"], e["loss"]) for e in reference["log_history"] if "loss" in e and e["step"] > 6]
+    assert tail == expected
+    assert_bit_identical(Path(yaml.safe_load(straight[strategy].read_text())["output_dir"]), out)
+    # save_total_limit 2 kept the two newest complete checkpoints (the Trainer also saves the last step)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+
+
+def test_kill_during_a_save_resumes_from_the_previous_checkpoint(workspace, straight):
+    path = write(workspace, "killed-in-save")
+    out = Path(yaml.safe_load(path.read_text())["output_dir"])
+    crashed = train(path, {"LLMTUNE_TEST_KILL_IN_SAVE": "6"})  # dies after writing checkpoint 6, before it is complete
+    assert crashed.returncode != 0
+    assert not (out / "checkpoint-6").exists() and (out / "checkpoint-3" / "llmtune-complete.json").is_file()
+    assert (out / ".checkpoint-staging" / "checkpoint-6").is_dir()  # the half-written save is there...
+    resumed = train(path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoint-3'}" in resumed.stderr  # ...and resume ignored it
+    assert not (out / ".checkpoint-staging").exists()
+    assert_bit_identical(Path(yaml.safe_load(straight["ddp"].read_text())["output_dir"]), out)
+
+
+def test_an_incomplete_checkpoint_is_never_picked(workspace, straight):
+    """A checkpoint folder without the marker (e.g. copied by hand, or from a kill before the marker) is skipped."""
+    import shutil
+
+    path = write(workspace, "unmarked")
+    out = Path(yaml.safe_load(path.read_text())["output_dir"])
+    assert train(path, {"LLMTUNE_TEST_EXIT_AFTER_STEP": "6"}).returncode != 0
+    (out / "checkpoint-6" / "llmtune-complete.json").unlink()
+    shutil.copytree(out / "checkpoint-6", out / "checkpoint-7")  # looks newer, is not complete
+    resumed = train(path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "ignoring checkpoint-6, checkpoint-7" in resumed.stderr
+    assert f"resuming from {out / 'checkpoint-3'}" in resumed.stderr
+    assert_bit_identical(Path(yaml.safe_load(straight["ddp"].read_text())["output_dir"]), out)
+
+
+def test_max_restarts_recovers_from_a_crash(workspace, straight, tmp_path):
+    """A rank dies once; torchrun's elastic agent restarts the ranks, which resume from checkpoint 6."""
+    path = write(workspace, "restarted", max_restarts=1)
+    out = Path(yaml.safe_load(path.read_text())["output_dir"])
+    once = tmp_path / "crashed-once"
+    result = train(path, {"LLMTUNE_TEST_EXIT_AFTER_STEP": "6", "LLMTUNE_TEST_KILL_ONCE_FILE": str(once)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert once.exists()  # the crash did happen
+    assert f"resuming from {out / 'checkpoint-6'}" in result.stderr
+    assert_bit_identical(Path(yaml.safe_load(straight["ddp"].read_text())["output_dir"]), out)
+
+
+def test_rerunning_a_finished_run_does_nothing(workspace, straight):
+    path = straight["ddp"]
+    out = Path(yaml.safe_load(path.read_text())["output_dir"])
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    again = train(path)
+    assert again.returncode == 0 and "already holds this recipe's finished run" in again.stderr
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 8
