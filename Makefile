@@ -29,7 +29,12 @@ demo: install
 	bash scripts/demo.sh
 
 bench: install
-	$(PYTHON) benchmarks/startup.py
+	bash scripts/demo.sh --fetch-only
+	cd benchmarks && $(PYTHON) startup.py
+	cd benchmarks && $(PYTHON) preprocess.py
+	cd benchmarks && $(PYTHON) throughput.py
+	cd benchmarks && $(PYTHON) packing.py
+	cd benchmarks && $(PYTHON) memory.py
 
 docs:
 	$(PYTHON) -m llmtune.recipe.reference > docs/recipe-reference.md

@@ -38,3 +38,16 @@ def record(name: str, rows: dict) -> None:
     history = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     history.append(entry)
     RESULTS.write_text(json.dumps(history, indent=2) + "\n")
+
+
+def bench_args():
+    """--quick (tiny model only), offline hub, and the test fixtures (tiny model builder) importable."""
+    import argparse
+    import os
+    import sys
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="tiny model only")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+    return parser.parse_args()

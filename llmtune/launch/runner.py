@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from llmtune.errors import UserError
 from llmtune.plan.planner import Plan
@@ -61,10 +62,22 @@ def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: 
             lobby.join(plan, rdzv_timeout, _log)
     elif plan.world_size > 1:
         check_port_free(cluster.main_process_ip, cluster.main_process_port)
-    argv = executable_command(plan.commands[cluster.machine_rank], extra_launcher_args)
+    command = plan.commands[cluster.machine_rank]
+    argv = executable_command(command, extra_launcher_args)
     env = {**os.environ, **plan.env}
-    process = subprocess.Popen(argv, env=env, start_new_session=True)
-    return supervise(process)
+    if command[:2] != ["accelerate", "launch"]:
+        return supervise(subprocess.Popen(argv, env=env, start_new_session=True))
+    from llmtune.launch.failures import StderrWatcher, report
+
+    process = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
+                               errors="replace", bufsize=1)  # fmt: skip
+    watcher = StderrWatcher(process.stderr)
+    watcher.start()
+    code = supervise(process)
+    watcher.join(timeout=10)
+    if code == 0 or code > 128:  # success, or stopped by Ctrl-C/SIGTERM
+        return code
+    return report(watcher, Path(plan.config_dir) / "logs")
 
 
 def supervise(process: subprocess.Popen, grace: float = 10.0) -> int:

@@ -196,6 +196,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
 
 def _environment(cluster: Cluster, strategy: str) -> dict[str, str]:
     env = {"TOKENIZERS_PARALLELISM": "false"}
+    if cluster.num_processes > 1:
+        env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
     if cluster.rehearsal:
         cores = os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = str(max(1, cores // cluster.processes_per_machine))
@@ -214,7 +216,9 @@ def _command(strategy: str, config_dir: str, machine_rank: int, recipe: Recipe, 
                     "-m", "llmtune.train", plan_file]  # fmt: skip
         return ["python", "-m", "llmtune.train", plan_file]
     rendezvous = ["--rdzv_conf", f"timeout={recipe.rdzv_timeout}"] if cluster.num_machines > 1 else []
+    # every rank's output also goes to <config_dir>/logs/.../attempt_N/<local rank>/, lines prefixed [rankR]:
+    logs = ["--tee", "3", "--log_dir", str(Path(config_dir) / "logs")]
     return [
         "accelerate", "launch", "--config_file", str(Path(config_dir) / "accelerate_config.yaml"),
-        "--machine_rank", str(machine_rank), *restarts, *rendezvous, "-m", "llmtune.train", plan_file,
+        "--machine_rank", str(machine_rank), *restarts, *rendezvous, *logs, "-m", "llmtune.train", plan_file,
     ]  # fmt: skip

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -57,11 +59,48 @@ class StopOnNonFiniteLoss(TrainerCallback):
             raise NonFiniteLoss(f"training loss became {loss} at step {state.global_step}", NONFINITE_HINT)
 
 
+class StepStats(TrainerCallback):
+    """Per optimizer step on this rank: wall seconds, real and padded tokens; and when the first step ended."""
+
+    def __init__(self, trainer: "LlmtuneTrainer") -> None:
+        self.trainer = trainer
+        self.seconds: list[float] = []
+        self.real: list[int] = []
+        self.padded: list[int] = []
+        self.first_step_end_unix: float | None = None
+        self._start = 0.0
+        self._tokens = (0, 0)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        import time
+
+        self._start = time.perf_counter()
+        self._tokens = (self.trainer.tokens_seen, self.trainer.padded_seen)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import time
+
+        self.seconds.append(round(time.perf_counter() - self._start, 6))
+        self.real.append(self.trainer.tokens_seen - self._tokens[0])
+        self.padded.append(self.trainer.padded_seen - self._tokens[1])
+        self.first_step_end_unix = self.first_step_end_unix or time.time()
+
+
 class TestKillAfterSave(TrainerCallback):
     """Tests only: LLMTUNE_TEST_EXIT_AFTER_STEP=k kills one rank right after checkpoint k is complete."""
 
     def on_save(self, args, state, control, **kwargs):
         _test_kill("LLMTUNE_TEST_EXIT_AFTER_STEP", state.global_step)
+
+
+def _disk_full(err: BaseException, folder: Path) -> bool:
+    """ENOSPC, or (torch.save reports a full disk as a bare iostream error) almost no space left."""
+    if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < 64 * 2**20
+    except OSError:
+        return False
 
 
 def _weights_finite(model) -> bool:
@@ -81,6 +120,7 @@ def _weights_finite(model) -> bool:
 
 class LlmtuneTrainer(Trainer):
     tokens_seen = 0
+    padded_seen = 0
     rows_seen = 0
     plan: dict | None = None
     rank_reports: list[dict] | None = None
@@ -94,6 +134,7 @@ class LlmtuneTrainer(Trainer):
             )
         self.tokens_seen += int(inputs.pop(REAL_TOKENS, 0))
         self.rows_seen += int(inputs["input_ids"].shape[0])
+        self.padded_seen += int(inputs["input_ids"].numel())
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._nonfinite_guard(loss)
         return loss
@@ -140,6 +181,14 @@ class LlmtuneTrainer(Trainer):
         self._staging = True
         try:
             super()._save_checkpoint(model, trial)
+        except (OSError, RuntimeError) as err:
+            if not _disk_full(err, Path(self.args.output_dir)):
+                raise
+            shutil.rmtree(staged, ignore_errors=True)  # give the space back; the last complete checkpoint stays
+            last = checkpoints.last_complete(Path(self.args.output_dir))
+            kept = f"{last.name} is intact and resume will start from it" if last else "there is no earlier checkpoint"
+            raise UserError(f"disk full while writing checkpoint-{step} in {self.args.output_dir}; {kept}",
+                            "free some space (or lower save_total_limit) and run the same command again") from None
         finally:
             self._staging = False
         _test_kill("LLMTUNE_TEST_KILL_IN_SAVE", step)

@@ -86,6 +86,13 @@ def _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_ori
     return metrics
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _full_state_dict_for_final_save(trainer) -> None:
     """Checkpoints may be sharded, but the final model must be one HF folder: the Trainer saves nothing otherwise."""
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
@@ -128,7 +135,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from llmtune.train.model import load_model, load_tokenizer, model_source
     from llmtune.train.save import write_run_files
     from llmtune.train.checkpoints import clear_staging
-    from llmtune.train.trainer import LlmtuneTrainer, Rows, StopOnNonFiniteLoss, TestKillAfterSave
+    from llmtune.train.trainer import LlmtuneTrainer, Rows, StepStats, StopOnNonFiniteLoss, TestKillAfterSave
 
     output_dir = Path(recipe.output_dir)
     state = PartialState()
@@ -156,6 +163,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         callbacks=[StopOnNonFiniteLoss()] + ([TestKillAfterSave()] if os.environ.get("LLMTUNE_TEST_EXIT_AFTER_STEP") else []),
     )  # fmt: skip
     trainer.plan = plan
+    step_stats = StepStats(trainer)
+    trainer.add_callback(step_stats)
     if state.is_local_main_process:
         clear_staging(output_dir)  # whatever a killed save left half-written
     state.wait_for_everyone()
@@ -177,7 +186,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from llmtune.train.ranks import gather, local_parameter_numel
 
     shards = gather({"rank": rank.rank, "local_parameters": local_parameter_numel(trainer.model),
-                     "model_state_bytes": meter.result})  # fmt: skip
+                     "model_state_bytes": meter.result, "peak_rss_bytes": peak_rss_bytes()})  # fmt: skip
     trainer._check_finite()
     _full_state_dict_for_final_save(trainer)
     trainer.save_model(str(output_dir))
@@ -191,6 +200,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         global_batch_size=plan["global_batch_size"], trainable_parameters=trainable, total_parameters=total,
         packing_efficiency=stats.get("packing_efficiency"), data=stats, ranks=_merge_reports(trainer.rank_reports, shards),
         log_history=trainer.state.log_history, recipe_fingerprint=recipe_fingerprint(recipe),
+        step_seconds=step_stats.seconds, step_real_tokens=step_stats.real, step_padded_tokens=step_stats.padded,
+        first_step_end_unix=step_stats.first_step_end_unix,
         resumed_from=resume,
     )  # fmt: skip
     _write_probe(trainer, data.train[0])

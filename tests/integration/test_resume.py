@@ -72,7 +72,10 @@ def test_kill_9_after_a_checkpoint_then_rerun_is_bit_exact(workspace, straight, 
     path = write(workspace, f"killed-{strategy}", **STRATEGIES[strategy])
     out = Path(yaml.safe_load(path.read_text())["output_dir"])
     crashed = train(path, {"LLMTUNE_TEST_EXIT_AFTER_STEP": "6"})  # rank 1 gets SIGKILL right after checkpoint 6
-    assert crashed.returncode != 0
+    assert crashed.returncode == 1
+    # the launcher names the rank that died and shows its last lines, instead of torchrun's stack trace
+    assert "error: rank 1 (local rank 1 on" in crashed.stderr and "was killed by signal 9 (SIGKILL)" in crashed.stderr
+    assert "last lines of rank 1" in crashed.stderr and "ChildFailedError" not in crashed.stderr
     assert (out / "checkpoint-6" / "llmtune-complete.json").is_file()
     assert not (out / "metrics.json").exists()
     resumed = train(path)

@@ -75,14 +75,15 @@ def test_preprocess_then_cache_hit(make_recipe):
     assert second.returncode == 0 and second.stdout.startswith("cache hit")
 
 
-def test_bad_row_is_one_line_exit_2(make_recipe, tmp_path):
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_bad_row_is_one_line_exit_2(make_recipe, tmp_path, processes):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": 5}\n')
     recipe = make_recipe("bad", datasets=[{"path": str(bad), "type": "alpaca"}])
-    result = llmtune("train", recipe)
+    result = llmtune("train", recipe, "--num-processes", processes)
     assert result.returncode == 2
-    assert "bad.jsonl line 2: field 'output' should be str" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert "bad.jsonl line 2: field 'output' should be str" in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
 
 
 def chat_rows(count: int) -> list[dict]:
@@ -161,3 +162,27 @@ def test_a_nan_loss_stops_with_the_step_and_saves_nothing_broken(make_recipe):
     for checkpoint in output_dir.glob("checkpoint-*"):  # whatever was saved before is finite
         weights = load_file(str(checkpoint / "model.safetensors"))
         assert all(torch.isfinite(t).all() for t in weights.values()), checkpoint
+
+
+def test_disk_full_during_a_save_keeps_the_last_checkpoint(make_recipe, tmp_path):
+    import subprocess
+
+    small = tmp_path / "small-disk"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"can't mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        # each checkpoint of the tiny model is ~1.7 MB (weights + Adam states): the third can't fit in 4 MB
+        recipe = make_recipe("full-disk", output_dir=str(small / "out"), save_strategy="steps", save_steps=1,
+                             num_epochs=3)  # fmt: skip
+        result = llmtune("train", recipe, timeout=900)
+        assert result.returncode == 2, result.stderr[-3000:]
+        last = result.stderr.strip().splitlines()[-1]
+        assert "disk full while writing checkpoint-" in last and "is intact and resume will start from it" in last
+        assert "Traceback" not in result.stderr
+        done = sorted((small / "out").glob("checkpoint-*"))
+        assert done and all((c / "llmtune-complete.json").is_file() for c in done)
+        assert not any((small / "out" / ".checkpoint-staging").glob("*"))
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)

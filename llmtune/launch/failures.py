@@ -1,0 +1,112 @@
+"""Turn torchrun's failure report into one clear statement: which rank died, how, and its last lines.
+
+The launcher's stderr is passed through line by line (rank lines carry a `[rankN]:` prefix). The
+elastic agent's own traceback at the end (a Python stack of the launcher, useless to the user) is held
+back; from its "Root Cause" section we name the failing rank and show the tail of that rank's log.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+RANK_LINE = re.compile(r"^\[rank(\d+)\]:")
+
+
+@dataclass
+class RootCause:
+    rank: int
+    local_rank: int
+    host: str
+    exitcode: int
+
+
+class StderrWatcher(threading.Thread):
+    def __init__(self, stream, out=None) -> None:
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.out = out or sys.stderr
+        self.held: list[str] = []
+        self.holding = False
+        self.last_error: dict[int, str] = {}
+
+    def run(self) -> None:
+        for line in iter(self.stream.readline, ""):
+            match = RANK_LINE.match(line)
+            user_error = bool(match) and line[match.end() :].startswith("error: ")
+            if user_error:
+                self.last_error[int(match.group(1))] = line[match.end() :].strip()
+            if not self.holding and not match and line.startswith("Traceback (most recent call last):"):
+                self.holding = True
+            if self.holding:
+                self.held.append(line)
+            else:
+                self.out.write(line)
+                self.out.flush()
+            if user_error:
+                # a rank stopped on a user error: what the other ranks print while the job goes down (broken
+                # connections, tracebacks) is a consequence; it is shown only if the error turns out not to be the cause
+                self.holding = True
+
+    def root_cause(self) -> RootCause | None:
+        text = "".join(self.held)
+        section = text.split("Root Cause (first observed failure):", 1)
+        if len(section) < 2:
+            return None
+        block = section[1]
+        rank = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", block)
+        code = re.search(r"exitcode\s*:\s*(-?\d+)", block)
+        host = re.search(r"host\s*:\s*(\S+)", block)
+        if not (rank and code):
+            return None
+        return RootCause(int(rank.group(1)), int(rank.group(2)), host.group(1) if host else "?", int(code.group(1)))
+
+    def flush_held(self) -> None:
+        self.out.write("".join(self.held))
+        self.out.flush()
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def rank_log_tail(log_dir: Path, local_rank: int, lines: int = 12) -> tuple[Path | None, list[str]]:
+    """The last lines of a local rank's stderr log from torchrun's newest attempt."""
+    logs = sorted(log_dir.glob(f"*/attempt_*/{local_rank}/stderr.log"), key=lambda p: p.stat().st_mtime)
+    if not logs:
+        return None, []
+    text = logs[-1].read_text(errors="replace")
+    shown = [part.split("\r")[-1].rstrip() for part in text.splitlines()]
+    return logs[-1], [line for line in shown if line.strip()][-lines:]
+
+
+def report(watcher: StderrWatcher, log_dir: Path, out=None) -> int:
+    """After a failed launch: print what happened; returns the exit code llmtune should end with."""
+    out = out or sys.stderr
+    cause = watcher.root_cause()
+    if cause is None:
+        watcher.flush_held()  # not a failure report we understand: show it as it came
+        return 1
+    if cause.exitcode == 2:  # a user error, already explained by the rank in one line: repeat it last
+        message = watcher.last_error.get(cause.rank)
+        if message:
+            print(message, file=out)
+        return 2
+    path, tail = rank_log_tail(log_dir, cause.local_rank)
+    print(f"error: rank {cause.rank} (local rank {cause.local_rank} on {cause.host}) {describe_exit(cause.exitcode)}; "
+          "the other ranks were stopped", file=out)  # fmt: skip
+    if tail:
+        print(f"last lines of rank {cause.rank} ({path}):", file=out)
+        for line in tail:
+            print(f"    {line}", file=out)
+    print("to resume from the last complete checkpoint, run the same command again", file=out)
+    return 1
