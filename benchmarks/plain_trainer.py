@@ -1,7 +1,8 @@
 """The baseline: the most straightforward HF Trainer script a user would write for the same job.
 
 Alpaca rows -> "prompt + response" text, tokenized with truncation, padded per batch by
-DataCollatorForLanguageModeling, plain Trainer, AdamW, same batch, learning rate and steps.
+DataCollatorForLanguageModeling, plain Trainer with its default optimizer (fused AdamW), same batch, learning
+rate and steps. (The benchmark gives llmtune the same optimizer: its default is Axolotl's adamw_torch.)
 Writes {"step_seconds": [...], "real_tokens": [...]} so the benchmark can compare step by step.
 
     python benchmarks/plain_trainer.py MODEL DATA.jsonl OUT.json --steps 12 --batch 4 --seq 256 [--lora]
@@ -41,11 +42,18 @@ class Timer(TrainerCallback):
 
 class CountingCollator(DataCollatorForLanguageModeling):
     real: list[int] = []
+    padded: list[int] = []
 
     def __call__(self, features, return_tensors=None):
         batch = super().__call__(features, return_tensors)
         self.real.append(int(batch["attention_mask"].sum()))
+        self.padded.append(int(batch["input_ids"].numel()))
         return batch
+
+
+# the Stanford Alpaca prompt, as everyone writes it
+PROMPT = ("Below is an instruction that describes a task. Write a response that appropriately completes the request."
+          "\n\n### Instruction:\n{instruction}\n\n### Response:\n")  # fmt: skip
 
 
 def main() -> None:
@@ -64,7 +72,7 @@ def main() -> None:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     rows = [json.loads(line) for line in open(args.data)]
-    texts = [f"{r['instruction']}\n{r.get('input', '')}\n{r['output']}{tokenizer.eos_token}" for r in rows]
+    texts = [PROMPT.format(instruction=r["instruction"]) + r["output"] + tokenizer.eos_token for r in rows]
     dataset = Dataset.from_dict({"text": texts}).map(
         lambda b: tokenizer(b["text"], truncation=True, max_length=args.seq), batched=True, remove_columns=["text"]
     )
@@ -83,6 +91,7 @@ def main() -> None:
     Trainer(model=model, args=training, train_dataset=dataset, data_collator=collator, callbacks=[timer]).train()
     with open(args.out, "w") as handle:
         json.dump({"step_seconds": timer.seconds, "real_tokens": collator.real[: len(timer.seconds)],
+                   "padded_tokens": collator.padded[: len(timer.seconds)],
                    "first_step_end_unix": timer.first_step_end}, handle)  # fmt: skip
 
 
