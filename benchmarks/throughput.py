@@ -114,7 +114,7 @@ def main() -> None:
         cases = [("tiny full", make_tiny_model(root / "tiny"), False, 30, 8)]
         smol = None if args.quick else smollm2_folder()
         if smol is not None:
-            cases += [("SmolLM2-135M full", smol, False, 10, 4), ("SmolLM2-135M LoRA", smol, True, 10, 4)]
+            cases += [("SmolLM2-135M full", smol, False, 16, 4), ("SmolLM2-135M LoRA", smol, True, 16, 4)]
         elif not args.quick:
             print("(SmolLM2 skipped: run `make demo` once to fetch its GGUF file)")
         print(f"\n{'case':20} {'llmtune s/step':>15} {'plain s/step':>13} {'llmtune tok/s':>14} {'plain tok/s':>12} "
