@@ -214,9 +214,10 @@ def _memory_check(recipe, plan, gpu_memory: str | None) -> str | None:
         memory = gpu_memory_of_this_machine()
     else:
         return None  # a CPU rehearsal: nothing to check against
-    if memory is None or read_model_facts(recipe.base_model_config or recipe.base_model, fetch=True) is None:
+    facts = read_model_facts(recipe.base_model_config or recipe.base_model, fetch=True) if memory else None
+    if facts is None:
         return None  # unknown GPU size or model shape: the estimate can't judge, so it doesn't block
-    return check_fits(recipe, plan, memory)
+    return check_fits(recipe, plan, memory, facts)
 
 
 @app.command()

@@ -8,14 +8,21 @@ recommended strategy.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 from datetime import date
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from llmtune.errors import UserError
-from llmtune.recipe.writer import ROW_TO_STRATEGY, STRATEGIES, Answers, guess_dataset_type, machine_commands
-from llmtune.recipe.writer import recipe_text
+from llmtune.recipe.writer import (
+    ROW_TO_STRATEGY,
+    STRATEGIES,
+    Answers,
+    guess_dataset_type,
+    machine_commands,
+    recipe_text,
+)
 
 DATASET_TYPES = ["alpaca", "chat_template", "completion", "input_output"]
 
@@ -100,8 +107,10 @@ def _check_flags(given: dict[str, Any]) -> None:
         if value is not None and value not in allowed:
             flag = "--" + name.replace("_", "-")
             raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, allowed))}")
-    if given.get("gpu_memory") is not None and _size(given["gpu_memory"]):
-        raise UserError(f"--gpu-memory {given['gpu_memory']!r} is not a size", "write e.g. 80GB or 24GiB")
+    if given.get("gpu_memory") is not None:
+        from llmtune.plan.estimate import parse_size_option
+
+        parse_size_option("--gpu-memory", given["gpu_memory"])
 
 
 def ask_all(given: dict[str, Any], ask: Asker) -> tuple[Answers, str | None]:
@@ -196,14 +205,12 @@ def _choose_strategy(answers: Answers, ask: Asker, asking: bool) -> str | None:
             print_estimate(report)
         if report.choice is not None:
             row, reason = report.choice
-            recommended = ROW_TO_STRATEGY[row.strategy.split(" (")[0]]
+            recommended = ROW_TO_STRATEGY[row.name]
             estimate_line = (f"Estimated {row.total / GB:.1f} GB per GPU of {report.gpu_memory / GB:.0f} GB; "
                              f"recommended because {reason}.")  # fmt: skip
     if asking:
         choices = [(key, label + ("  [recommended]" if key == recommended else "")) for key, (label, _) in STRATEGIES.items()]
         answers.strategy = ask.select("Distributed strategy:", choices, recommended)
-    if answers.strategy not in STRATEGIES:
-        raise UserError(f"--strategy {answers.strategy!r} is not one of {', '.join(STRATEGIES)}")
     if estimate_line and answers.strategy != recommended:
         estimate_line = f"Chosen instead of the recommended {STRATEGIES[recommended][0]}. " + estimate_line.split(";")[0] + "."
     return estimate_line

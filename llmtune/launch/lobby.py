@@ -14,6 +14,7 @@ import socket
 import time
 
 from llmtune.errors import UserError
+from llmtune.launch.runner import bind_port
 
 HINT_JOIN = "start `llmtune train` with the same recipe and flags on every machine, each with its own --machine-rank"
 
@@ -55,11 +56,10 @@ def gather(plan, timeout: float, log=print) -> None:
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        server.bind(("", cluster.main_process_port))
-    except OSError:
+        bind_port(server, cluster.main_process_port)
+    except UserError:
         server.close()
-        raise UserError(f"--main-process-port {cluster.main_process_port} is already in use on this machine",
-                        "choose another port, or stop the process holding it") from None  # fmt: skip
+        raise
     server.listen(cluster.num_machines)
     joined: dict[int, socket.socket] = {}
     deadline = time.monotonic() + timeout

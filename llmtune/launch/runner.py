@@ -39,11 +39,16 @@ def free_port() -> int:
 def check_port_free(host: str, port: int) -> None:
     """Fail before launching when the rendezvous port is taken (instead of a hang or a cryptic error)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("", port))
-        except OSError:
-            raise UserError(f"--main-process-port {port} is already in use on this machine",
-                            "choose another port, or stop the process holding it") from None  # fmt: skip
+        bind_port(probe, port)
+
+
+def bind_port(sock: socket.socket, port: int) -> None:
+    """Bind to the rendezvous port on every interface, or say clearly that it is taken."""
+    try:
+        sock.bind(("", port))
+    except OSError:
+        raise UserError(f"--main-process-port {port} is already in use on this machine",
+                        "choose another port, or stop the process holding it") from None  # fmt: skip
 
 
 def _log(message: str) -> None:

@@ -62,6 +62,14 @@ class Estimate:
     step_copy: float = 0.0  # DeepSpeed: the fp32 copy of the gradient partition its optimizer steps on
 
     @property
+    def name(self) -> str:
+        """The strategy without its detail: 'pipeline (4 stages, per stage)' -> 'pipeline'."""
+        return self.strategy.split(" (")[0]
+
+    def fits(self, gpu_memory: float, cpu_memory: float | None = None) -> bool:
+        return self.total <= gpu_memory and (cpu_memory is None or self.cpu <= cpu_memory)
+
+    @property
     def model_states(self) -> float:
         """Parameters, gradients and optimizer states: the ZeRO paper's (2 + 2 + K)·Ψ, partitioned."""
         return self.params + self.grads + self.optimizer
@@ -185,12 +193,11 @@ def recommend(
     cpu_memory: float | None = None,
 ) -> tuple[Estimate, str] | None:  # fmt: skip
     profile = "one machine" if num_machines <= 1 else interconnect
-    by_prefix = {e.strategy.split(" (")[0]: e for e in estimates}
+    by_name = {e.name: e for e in estimates}
     for name in PREFERENCE[profile]:
-        row = by_prefix.get(name)
-        if row is None or row.total > gpu_memory or (cpu_memory is not None and row.cpu > cpu_memory):
-            continue
-        return row, REASONS[name]
+        row = by_name.get(name)
+        if row is not None and row.fits(gpu_memory, cpu_memory):
+            return row, REASONS[name]
     return None
 
 
@@ -209,11 +216,14 @@ class Report:
     rows: list[Estimate] = field(default_factory=list)
     choice: tuple[Estimate, str] | None = None
 
+    def fits(self, row: Estimate) -> bool:
+        return row.fits(self.gpu_memory, self.cpu_memory)
+
     def row(self, name: str) -> Estimate:
-        return next(r for r in self.rows if r.strategy.split(" (")[0] == name)
+        return next(r for r in self.rows if r.name == name)
 
     def to_dict(self) -> dict:
-        rows = [{**asdict(r), "model_states": r.model_states, "total": r.total, "fits": r.total <= self.gpu_memory}
+        rows = [{**asdict(r), "model_states": r.model_states, "total": r.total, "fits": self.fits(r)}
                 for r in self.rows]  # fmt: skip
         choice = {"strategy": self.choice[0].strategy, "reason": self.choice[1]} if self.choice else None
         return {**{k: v for k, v in asdict(self).items() if k not in ("rows", "choice")}, "rows": rows,
@@ -283,18 +293,18 @@ def cpu_memory_of_this_machine() -> float | None:
         return None
 
 
-def check_fits(recipe, plan, gpu_memory: float) -> str:
+def check_fits(recipe, plan, gpu_memory: float, facts: ModelFacts | None = None) -> str:
     """Stop before launch when the planned strategy can't fit; returns a one-line summary when it does."""
     from llmtune.errors import UserError
 
-    facts = model_facts_for(recipe)
+    facts = facts or model_facts_for(recipe)
     cluster = plan.cluster
     report = estimate_recipe(recipe, cluster.processes_per_machine, cluster.num_machines, gpu_memory,
                              cpu_memory_of_this_machine(), facts=facts)  # fmt: skip
     name = row_for_plan(plan)
     row = report.row(name)
     summary = f"{row.total / GB:.1f} GB of {gpu_memory / GB:.0f} GB per GPU ({name}, by llmtune estimate)"
-    if row.total <= gpu_memory:
+    if row.fits(gpu_memory):
         return summary
     better = f"{report.choice[0].strategy} would fit ({report.choice[1]})" if report.choice else (
         "nothing fits on these GPUs: add GPUs, lower micro_batch_size, turn on gradient_checkpointing, or use LoRA")

@@ -104,8 +104,7 @@ def print_estimate(report) -> None:
         table.add_column(column, justify="left" if column.startswith("strategy") else "right")
     for row in report.rows:
         cells = [row.params, row.grads, row.optimizer, row.buffers, row.activations, row.overhead, row.total]
-        fits = row.total <= report.gpu_memory and (report.cpu_memory is None or row.cpu <= report.cpu_memory)
-        table.add_row(row.strategy, *(f"{c / GB:.1f}" for c in cells), "yes" if fits else "no",
+        table.add_row(row.strategy, *(f"{c / GB:.1f}" for c in cells), "yes" if report.fits(row) else "no",
                       f"{row.cpu / GB:.1f}" + (" + NVMe" if row.nvme else "") if row.cpu or row.nvme else "")  # fmt: skip
     console = Console(width=None if Console().is_terminal else 140)
     console.print(table)

@@ -40,6 +40,21 @@ def last_complete(output_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def resume_point(recipe, log) -> str | None:
+    """resume_from_checkpoint, else (auto-resume) the newest checkpoint with the completion marker."""
+    if recipe.resume_from_checkpoint:
+        return recipe.resume_from_checkpoint
+    output_dir = Path(recipe.output_dir)
+    if not recipe.auto_resume_from_checkpoints or not output_dir.is_dir():
+        return None
+    last = last_complete(output_dir)
+    newest = step_of(last) if last else -1
+    skipped = [p.name for p in incomplete_checkpoints(output_dir) if step_of(p) > newest]
+    if skipped:
+        log(f"ignoring {', '.join(skipped)}: not marked complete (a save was interrupted)")
+    return str(last) if last else None
+
+
 def clear_staging(output_dir: Path) -> None:
     """What a killed save left behind; called before training starts."""
     shutil.rmtree(Path(output_dir) / STAGING, ignore_errors=True)

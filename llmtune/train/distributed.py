@@ -19,7 +19,7 @@ class RankInfo:
         return self.rank == 0
 
 
-def setup(plan: dict) -> RankInfo:
+def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -28,7 +28,7 @@ def setup(plan: dict) -> RankInfo:
 
         raise UserError(f"the launcher started {world} process(es) but the plan has world size {plan['world_size']}")
     if world > 1:
-        _join_restarted_group(plan, rank, world)
+        _join_restarted_group(plan, rank, world, collective_timeout)
     strategy = plan["strategy"]
     kwargs: dict = {}
     if plan["cluster"]["device"] == "cpu" and (world > 1 or strategy.startswith(("zero", "fsdp"))):
@@ -47,7 +47,7 @@ def setup(plan: dict) -> RankInfo:
     return RankInfo(rank, local_rank, world, kwargs)
 
 
-def _join_restarted_group(plan: dict, rank: int, world: int) -> None:
+def _join_restarted_group(plan: dict, rank: int, world: int, collective_timeout: int) -> None:
     """After an elastic restart, form the process group under a fresh key prefix.
 
     torchrun's static rendezvous keeps one store for every attempt, so the restarted ranks would read the
@@ -61,7 +61,7 @@ def _join_restarted_group(plan: dict, rank: int, world: int) -> None:
 
     import torch.distributed as dist
 
-    timeout = timedelta(seconds=int(plan.get("collective_timeout", 1800)))
+    timeout = timedelta(seconds=collective_timeout)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_store and rank == 0, timeout=timeout)  # fmt: skip

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 
-def _local(tensor):
+def local_tensor(tensor):
+    """What this rank holds of a tensor: its ZeRO-3 partition, its FSDP2 local shard, else the tensor itself."""
     if tensor is None:
         return None
     if hasattr(tensor, "ds_tensor"):
@@ -29,7 +30,7 @@ class _Counter:
         self.bytes = {"params": 0, "grads": 0, "optimizer": 0}
 
     def add(self, kind: str, tensor) -> None:
-        tensor = _local(tensor)
+        tensor = local_tensor(tensor)
         if tensor is None or not hasattr(tensor, "untyped_storage") or tensor.numel() == 0:
             return
         storage = tensor.untyped_storage()

@@ -21,6 +21,7 @@ from torch import nn
 
 from llmtune.errors import UserError
 from llmtune.train import pipeline_checkpoint as checkpoints
+from llmtune.train.checkpoints import resume_point
 from llmtune.train.data.formats import IGNORE
 
 NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_layer_norm")
@@ -228,9 +229,9 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
     collate = Collator(tokenizer.pad_token_id, recipe.sequence_len)
     history, tokens_seen, started, start = [], 0, time.time(), 0
     output_dir = Path(recipe.output_dir)
-    resume = _resume_point(recipe, output_dir)
+    resume = resume_point(recipe, log)
     if resume is not None:
-        start, history = checkpoints.load(resume, grid, params, optimizer, scheduler)
+        start, history = checkpoints.load(Path(resume), grid, params, optimizer, scheduler)
         log(f"resuming from {resume} at step {start}")
     interval = checkpoints.save_interval(recipe, steps_per_epoch, total_steps)
     crash_after = int(os.environ.get("LLMTUNE_TEST_EXIT_AFTER_STEP", 0))  # tests: die right after checkpoint k
@@ -285,15 +286,6 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         "tokens_seen": tokens_seen, "rows_seen": (total_steps - start) * global_batch, "stage_module": stage_module,
         "layers": [r.start for r in ranges] + [layers],
     }  # fmt: skip
-
-
-def _resume_point(recipe, output_dir: Path) -> Path | None:
-    if recipe.resume_from_checkpoint:
-        return Path(recipe.resume_from_checkpoint)
-    if recipe.auto_resume_from_checkpoints and output_dir.is_dir():
-        found = checkpoints.complete_checkpoints(output_dir)
-        return found[-1] if found else None
-    return None
 
 
 def gather_state_dict(result: dict) -> dict | None:

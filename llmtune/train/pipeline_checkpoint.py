@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llmtune.train.checkpoints import MARKER, complete_checkpoints, publish, rotate
+from llmtune.train.checkpoints import MARKER, publish, rotate
 
 
 def save_interval(recipe, steps_per_epoch: int, total_steps: int) -> int | None:

@@ -59,12 +59,6 @@ def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset_rows
 
 def local_parameter_numel(model) -> int:
     """Parameters this rank actually holds: its ZeRO-3 partition or FSDP shard, else the full tensor."""
-    total = 0
-    for param in model.parameters():
-        if hasattr(param, "ds_tensor"):
-            total += param.ds_tensor.numel()
-        elif hasattr(param, "to_local"):
-            total += param.to_local().numel()
-        else:
-            total += param.numel()
-    return total
+    from llmtune.train.memory import local_tensor
+
+    return sum(local_tensor(param).numel() for param in model.parameters())

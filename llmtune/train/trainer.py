@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 from transformers import Trainer, TrainerCallback
@@ -62,7 +63,7 @@ class StopOnNonFiniteLoss(TrainerCallback):
 class StepStats(TrainerCallback):
     """Per optimizer step on this rank: wall seconds, real and padded tokens; and when the first step ended."""
 
-    def __init__(self, trainer: "LlmtuneTrainer") -> None:
+    def __init__(self, trainer: LlmtuneTrainer) -> None:
         self.trainer = trainer
         self.seconds: list[float] = []
         self.real: list[int] = []
@@ -72,14 +73,10 @@ class StepStats(TrainerCallback):
         self._tokens = (0, 0)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        import time
-
         self._start = time.perf_counter()
         self._tokens = (self.trainer.tokens_seen, self.trainer.padded_seen)
 
     def on_step_end(self, args, state, control, **kwargs):
-        import time
-
         self.seconds.append(round(time.perf_counter() - self._start, 6))
         self.real.append(self.trainer.tokens_seen - self._tokens[0])
         self.padded.append(self.trainer.padded_seen - self._tokens[1])
@@ -106,13 +103,13 @@ def _disk_full(err: BaseException, folder: Path) -> bool:
 def _weights_finite(model) -> bool:
     import torch
 
-    from llmtune.train.memory import _local
+    from llmtune.train.memory import local_tensor
 
     with torch.no_grad():
         for param in model.parameters():
             if not param.requires_grad:  # frozen weights don't change (and 4-bit ones are packed bytes)
                 continue
-            local = _local(param)
+            local = local_tensor(param)
             if local is not None and local.numel() and local.is_floating_point() and not torch.isfinite(local).all():
                 return False
     return True

@@ -31,24 +31,6 @@ def _tracking_env(recipe, output_dir: Path) -> None:
             os.environ.setdefault(key, str(value))
 
 
-def find_resume_checkpoint(recipe) -> str | None:
-    """resume_from_checkpoint, else (auto-resume) the newest checkpoint with llmtune's completion marker."""
-    from llmtune.train import checkpoints
-
-    if recipe.resume_from_checkpoint:
-        return recipe.resume_from_checkpoint
-    output_dir = Path(recipe.output_dir)
-    if not recipe.auto_resume_from_checkpoints or not output_dir.is_dir():
-        return None
-    last = checkpoints.last_complete(output_dir)
-    skipped = [p.name for p in checkpoints.incomplete_checkpoints(output_dir) if last is None or checkpoints.step_of(p) > checkpoints.step_of(last)]
-    if skipped:
-        log(f"ignoring {', '.join(skipped)}: not marked complete (a save was interrupted)")
-    return str(last) if last else None
-
-
-
-
 def _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_origin, trainable, total) -> dict:
     from llmtune.train.adapters import attach_adapter
     from llmtune.train.model import load_model
@@ -130,11 +112,11 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
 
     from llmtune.train.adapters import attach_adapter, parameter_counts
     from llmtune.train.arguments import training_arguments
+    from llmtune.train.checkpoints import clear_staging, resume_point
     from llmtune.train.data.collate import Collator
     from llmtune.train.data.prepare import prepare_data
     from llmtune.train.model import load_model, load_tokenizer, model_source
     from llmtune.train.save import write_run_files
-    from llmtune.train.checkpoints import clear_staging
     from llmtune.train.trainer import LlmtuneTrainer, Rows, StepStats, StopOnNonFiniteLoss, TestKillAfterSave
 
     output_dir = Path(recipe.output_dir)
@@ -168,7 +150,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     if state.is_local_main_process:
         clear_staging(output_dir)  # whatever a killed save left half-written
     state.wait_for_everyone()
-    resume = find_resume_checkpoint(recipe)
+    resume = resume_point(recipe, log)
     if resume:
         log(f"resuming from {resume}")
     from llmtune.train.memory import ModelStateMeter
@@ -221,7 +203,7 @@ def main(argv: list[str]) -> int:
     recipe = Recipe.model_validate(payload["recipe"])
     plan = payload["plan"]
     try:
-        rank = distributed.setup(plan)
+        rank = distributed.setup(plan, recipe.ddp_timeout)
         train(recipe, plan, rank)
     except UserError as err:
         # No barrier on the way out: the other ranks may be inside a collective and would wait forever.

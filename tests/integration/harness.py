@@ -85,8 +85,17 @@ def repeat_words_data(root: Path) -> Path:
     return write_jsonl(root / "data.jsonl", rows)
 
 
-def train_run(workspace: tuple, name: str, processes: int, **changes) -> tuple[dict, Path]:
-    """Train a tiny recipe with `llmtune train --num-processes N`; returns metrics.json and the output folder."""
+LORA = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True}
+
+
+def make_workspace(tmp_path_factory, name: str, model: Path) -> tuple[Path, Path, Path]:
+    """(root, data, model) for a module's runs: a fresh folder with the repeat-words data."""
+    root = tmp_path_factory.mktemp(name)
+    return root, repeat_words_data(root), model
+
+
+def write_run_recipe(workspace: tuple, name: str, **changes) -> Path:
+    """A tiny recipe in the workspace (output in root/name); `changes` override the defaults."""
     root, data, model = workspace
     recipe = {
         "base_model": str(model), "datasets": [{"path": str(data), "type": "alpaca"}], "sequence_len": 128,
@@ -96,6 +105,13 @@ def train_run(workspace: tuple, name: str, processes: int, **changes) -> tuple[d
     }  # fmt: skip
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def train_run(workspace: tuple, name: str, processes: int, **changes) -> tuple[dict, Path]:
+    """Train a tiny recipe with `llmtune train --num-processes N`; returns metrics.json and the output folder."""
+    root = workspace[0]
+    path = write_run_recipe(workspace, name, **changes)
     result = llmtune("train", path, "--num-processes", processes, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     return read_metrics(path), root / name

@@ -10,18 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
-from harness import losses, read_metrics, repeat_words_data, saved_weights, train_run
+from harness import LORA, losses, make_workspace, read_metrics, saved_weights, train_run, write_run_recipe
 
 pytestmark = pytest.mark.integration
-
-LORA = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True}
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, tiny_model):
-    root = tmp_path_factory.mktemp("dist")
-    return root, repeat_words_data(root), tiny_model
+    return make_workspace(tmp_path_factory, "dist", tiny_model)
 
 
 def run(workspace, name: str, processes: int, **changes) -> tuple[dict, Path]:
@@ -115,14 +111,7 @@ def run_two_machines(workspace, name: str, processes: int, **changes) -> dict:
     import subprocess
     import sys
 
-    root, data, model = workspace
-    recipe = {
-        "base_model": str(model), "datasets": [{"path": str(data), "type": "alpaca"}], "sequence_len": 128,
-        "micro_batch_size": 4 * 2 // processes, "num_epochs": 1, "learning_rate": 1e-3, "lr_scheduler": "linear",
-        "save_strategy": "no", "dataset_prepared_path": str(root / "prepared"), "output_dir": str(root / name), **changes,
-    }  # fmt: skip
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    path = write_run_recipe(workspace, name, micro_batch_size=4 * 2 // processes, **changes)
     port = free_port()
     flags = ["--num-machines", "2", "--num-processes", str(processes), "--main-process-ip", "127.0.0.1",
              "--main-process-port", str(port)]  # fmt: skip

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from harness import llmtune, losses, repeat_words_data, saved_weights, train_run
+from harness import LORA, llmtune, losses, make_workspace, saved_weights, train_run
 
 pytestmark = pytest.mark.integration
-
-LORA = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True}
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, tiny_model_4_layers):
-    root = tmp_path_factory.mktemp("pipe")
-    return root, repeat_words_data(root), tiny_model_4_layers
+    return make_workspace(tmp_path_factory, "pipe", tiny_model_4_layers)
 
 
 run = train_run

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from harness import llmtune, read_metrics, repeat_words_data, saved_weights
+from harness import llmtune, make_workspace, read_metrics, saved_weights, write_run_recipe
 
 pytestmark = pytest.mark.integration
 
@@ -26,20 +26,11 @@ STRATEGIES = {
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, tiny_model):
-    root = tmp_path_factory.mktemp("resume")
-    return root, repeat_words_data(root), tiny_model
+    return make_workspace(tmp_path_factory, "resume", tiny_model)
 
 
 def write(workspace, name: str, **changes) -> Path:
-    root, data, model = workspace
-    recipe = {
-        "base_model": str(model), "datasets": [{"path": str(data), "type": "alpaca"}], "sequence_len": 128,
-        "micro_batch_size": 4, "learning_rate": 1e-3, "lr_scheduler": "linear",
-        "dataset_prepared_path": str(root / "prepared"), "output_dir": str(root / name), **COMMON, **changes,
-    }  # fmt: skip
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    return write_run_recipe(workspace, name, **{**COMMON, **changes})
 
 
 def train(path: Path, env: dict | None = None, *flags: str):

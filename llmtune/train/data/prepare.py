@@ -109,9 +109,9 @@ def _save(directory: Path, groups: dict[str, list[dict]], stats: dict) -> None:
         lengths = [len(e["input_ids"]) for e in examples]
         offsets = np.zeros(len(examples) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        for field in ("input_ids", "labels"):
-            flat = np.fromiter((t for e in examples for t in e[field]), dtype=np.int64, count=int(offsets[-1]))
-            np.save(part / f"{field}.npy", flat.astype(np.int32))
+        for key in ("input_ids", "labels"):
+            flat = np.fromiter((t for e in examples for t in e[key]), dtype=np.int64, count=int(offsets[-1]))
+            np.save(part / f"{key}.npy", flat.astype(np.int32))
         np.save(part / "offsets.npy", offsets)
     (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
     try:
@@ -126,8 +126,8 @@ def _load(directory: Path) -> tuple[dict[str, list[dict]], dict]:
     groups = {}
     for part in sorted(p for p in directory.iterdir() if p.is_dir()):
         offsets = np.load(part / "offsets.npy").tolist()
-        ids, labels = (np.load(part / f"{field}.npy").tolist() for field in ("input_ids", "labels"))
-        groups[part.name] = [{"input_ids": ids[a:b], "labels": labels[a:b]} for a, b in zip(offsets, offsets[1:])]
+        ids, labels = (np.load(part / f"{key}.npy").tolist() for key in ("input_ids", "labels"))
+        groups[part.name] = [{"input_ids": ids[a:b], "labels": labels[a:b]} for a, b in zip(offsets, offsets[1:], strict=False)]
     return groups, json.loads((directory / "stats.json").read_text())
 
 
