@@ -1,5 +1,8 @@
 """Preprocessing: the first tokenization of a dataset against a cache hit, in tokens/s. Target: hit >= 20x faster.
 
+Both times are "ready to train": read or tokenize, split, pack, then read every packed row once (rows are
+built lazily from the cache's arrays, so reading them is counted; the data loader does the same work).
+
     python benchmarks/preprocess.py
 """
 
@@ -35,21 +38,22 @@ def main() -> None:
         for _ in range(2):
             start = time.perf_counter()
             groups, stats = tokenize_with_cache(recipe, tokenizer)
-            timings.append((time.perf_counter() - start, stats))
-        start = time.perf_counter()
-        packed = split_and_pack(recipe, groups, stats).stats
-        packing = time.perf_counter() - start
-    (first, s1), (hit, s2) = timings
-    s1 = {**s1, **{k: v for k, v in packed.items() if k not in s1}}
-    assert not s1["cache_hit"] and s2["cache_hit"]
+            loaded = time.perf_counter()
+            prepared = split_and_pack(recipe, groups, stats)
+            packed = time.perf_counter()
+            read = sum(len(row["input_ids"]) for row in prepared.train)
+            timings.append((time.perf_counter() - start, prepared.stats, loaded - start, packed - loaded))
+    (first, s1, _, _), (hit, s2, hit_load, packing) = timings
+    assert not s1["cache_hit"] and s2["cache_hit"] and read == s1["train_tokens"]
     tokens = s1["train_tokens"]
     print(f"{'':12} {'seconds':>8} {'tokens/s':>12}")
     print(f"{'first':12} {first:8.3f} {tokens / first:12.0f}")
     print(f"{'cache hit':12} {hit:8.3f} {tokens / hit:12.0f}")
-    print(f"cache hit is {first / hit:.1f}x faster (target >= 20x); {s1['rows']} rows, {tokens} tokens; "
-          f"packing them (not cached, runs every time) takes {packing:.3f} s")
+    print(f"cache hit is {first / hit:.1f}x faster (target >= 20x); {s1['rows']} rows, {tokens} tokens; of the hit, "
+          f"opening the cache takes {hit_load:.3f} s, packing {packing:.3f} s, reading every row the rest")
     record("preprocess", {"first_s": round(first, 4), "hit_s": round(hit, 4), "speedup": round(first / hit, 2),
-                          "packing_s": round(packing, 4), "rows": s1["rows"], "tokens": tokens})  # fmt: skip
+                          "hit_open_s": round(hit_load, 4), "packing_s": round(packing, 4), "rows": s1["rows"],
+                          "tokens": tokens})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """Training throughput: `llmtune train` against a plain HF Trainer script, and against this CPU's matmul peak.
 
 Same model, data, sequence length, micro-batch and steps; both pad each batch (no packing here).
-Reports the median step time after warm-up, real (non-padding) tokens/s, the ratio llmtune / plain,
-and model FLOPs utilisation against the measured matmul peak:
+The two run interleaved (llmtune, plain, llmtune, plain, ...) `--repeats` times. This VM's step times vary up to
+2x from one run to the next, so each step's time is its fastest over the repeats (both see the same batch at
+each step), and the spread of the per-pair ratios is printed beside it. Reports the median step time after
+warm-up, real (non-padding) tokens/s, the ratio llmtune / plain, and model FLOPs utilisation against the
+measured matmul peak:
   full fine-tune: 6 * N * tokens processed per step
   LoRA:           4 * N * tokens (forward 2N, backward through the frozen weights 2N, no weight gradients)
                   + 6 * N_lora * tokens
@@ -101,8 +104,13 @@ def summarize(step_seconds: list[float], real_tokens: list[int]) -> tuple[float,
     return statistics.median(steps), sum(tokens) / sum(steps)
 
 
+def fastest_steps(runs: list[list[float]]) -> list[float]:
+    """Each step's fastest time over repeated runs of the same batches."""
+    return [min(times) for times in zip(*runs, strict=True)]
+
+
 def main() -> None:
-    args = bench_args()
+    args = bench_args(repeats=2)
     from tiny import make_tiny_model
 
     peak = {dtype: matmul_peak(dtype) for dtype in ("float32", "bfloat16")}
@@ -114,31 +122,42 @@ def main() -> None:
         cases = [("tiny full", make_tiny_model(root / "tiny"), False, 30, 8)]
         smol = None if args.quick else smollm2_folder()
         if smol is not None:
-            cases += [("SmolLM2-135M full", smol, False, 16, 4), ("SmolLM2-135M LoRA", smol, True, 16, 4)]
+            cases += [("SmolLM2-135M full", smol, False, 10, 4), ("SmolLM2-135M LoRA", smol, True, 10, 4)]
         elif not args.quick:
             print("(SmolLM2 skipped: run `make demo` once to fetch its GGUF file)")
         print(f"\n{'case':20} {'llmtune s/step':>15} {'plain s/step':>13} {'llmtune tok/s':>14} {'plain tok/s':>12} "
-              f"{'ratio':>6} {'MFU llmtune':>12} {'MFU plain':>10}")  # fmt: skip
+              f"{'ratio':>6} {'per repeat':>10} {'MFU llmtune':>12} {'MFU plain':>10}")  # fmt: skip
         for name, model, lora, steps, batch in cases:
-            work = root / name.replace(" ", "-")
-            (work / "l").mkdir(parents=True)
-            (work / "p").mkdir(parents=True)
-            seq = 256
-            metrics = run_llmtune(model, data, work / "l", steps, batch, seq, lora)
-            plain = run_plain(model, data, work / "p", steps, batch, seq, lora)
-            l_step, l_tps = summarize(metrics["step_seconds"], metrics["step_real_tokens"])
-            p_step, p_tps = summarize(plain["step_seconds"], plain["real_tokens"])
+            seq, llm_runs, plain_runs, pair_ratios = 256, [], [], []
+            for repeat in range(args.repeats):
+                work = root / name.replace(" ", "-") / str(repeat)
+                (work / "l").mkdir(parents=True)
+                (work / "p").mkdir(parents=True)
+                metrics = run_llmtune(model, data, work / "l", steps, batch, seq, lora)
+                plain = run_plain(model, data, work / "p", steps, batch, seq, lora)
+                assert metrics["step_padded_tokens"][:steps] == plain["padded_tokens"][:steps], "not the same batches"
+                llm_runs.append(metrics["step_seconds"])
+                plain_runs.append(plain["step_seconds"])
+                pair_ratios.append(summarize(plain["step_seconds"], plain["real_tokens"])[0]
+                                   / summarize(metrics["step_seconds"], metrics["step_real_tokens"])[0])  # fmt: skip
+            l_seconds, p_seconds = fastest_steps(llm_runs), fastest_steps(plain_runs)
+            l_step, l_tps = summarize(l_seconds, metrics["step_real_tokens"])
+            p_step, p_tps = summarize(p_seconds, plain["real_tokens"])
             total, trainable = metrics["total_parameters"], metrics["trainable_parameters"]
             frozen = total - trainable if lora else 0
             flops_per_token = (4 * frozen + 6 * trainable) if lora else 6 * total
             # MFU: model FLOPs of the tokens each run processed (padding included) over its measured time
-            mfu_l = flops_per_token * sum(metrics["step_padded_tokens"][WARMUP:]) / sum(metrics["step_seconds"][WARMUP:]) / peak["float32"]
-            mfu_p = flops_per_token * sum(plain["padded_tokens"][WARMUP:]) / sum(plain["step_seconds"][WARMUP:]) / peak["float32"]
+            padded = sum(metrics["step_padded_tokens"][WARMUP:steps])
+            mfu_l = flops_per_token * padded / sum(l_seconds[WARMUP:]) / peak["float32"]
+            mfu_p = flops_per_token * padded / sum(p_seconds[WARMUP:]) / peak["float32"]
             ratio = l_tps / p_tps
-            print(f"{name:20} {l_step:15.3f} {p_step:13.3f} {l_tps:14.0f} {p_tps:12.0f} {ratio:6.2f} {mfu_l:12.1%} {mfu_p:10.1%}")
+            spread = f"{min(pair_ratios):.2f}-{max(pair_ratios):.2f}"
+            print(f"{name:20} {l_step:15.3f} {p_step:13.3f} {l_tps:14.0f} {p_tps:12.0f} {ratio:6.2f} {spread:>10} "
+                  f"{mfu_l:12.1%} {mfu_p:10.1%}")  # fmt: skip
             rows[name] = {"llmtune_step_s": round(l_step, 4), "plain_step_s": round(p_step, 4),
                           "llmtune_tokens_per_s": round(l_tps, 1), "plain_tokens_per_s": round(p_tps, 1),
-                          "ratio": round(ratio, 3), "mfu_llmtune": round(mfu_l, 4), "mfu_plain": round(mfu_p, 4)}  # fmt: skip
+                          "ratio": round(ratio, 3), "ratio_per_repeat": [round(r, 3) for r in pair_ratios],
+                          "repeats": args.repeats, "mfu_llmtune": round(mfu_l, 4), "mfu_plain": round(mfu_p, 4)}  # fmt: skip
     record("throughput", rows)
 
 

@@ -160,6 +160,7 @@ def train(
     overrides = {k: v for k, v in {"max_restarts": max_restarts, "rdzv_timeout": rdzv_timeout}.items() if v is not None}
     if overrides:
         loaded.recipe = loaded.recipe.model_copy(update=overrides)
+    _check_trackers(loaded.recipe)
     finished = _finished_run(loaded.recipe)
     if finished:
         typer.echo(finished, err=True)
@@ -181,6 +182,19 @@ def train(
     if code:
         # 2: a user error the worker already explained; 128+N: stopped by signal N (130 for Ctrl-C); else 1
         raise typer.Exit(code if code == EXIT_USER_ERROR or code > 128 else 1)
+
+
+TRACKER_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+
+
+def _check_trackers(recipe) -> None:
+    """A tracker the recipe asks for must be installed: say so before any process starts, not in every rank."""
+    import importlib.util
+
+    missing = [name for name in recipe.trackers if importlib.util.find_spec(TRACKER_MODULES[name]) is None]
+    if missing:
+        raise UserError(f"report_to asks for {', '.join(missing)}, which is not installed",
+                        "pip install 'llmtune[trackers]' (or the package itself), or remove it from report_to")  # fmt: skip
 
 
 def _finished_run(recipe) -> str | None:
@@ -282,7 +296,9 @@ def _ask_option(flag: str, help_text: str, kind=str):
 @app.command(name="config")
 def config_command(
     output: Annotated[Path, typer.Option("--output", "-o", help="The recipe to write.")] = Path("recipe.yaml"),
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Take the default for every question not given as a flag.")] = False,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Take the default for every question not given as a flag.")
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --output if it exists.")] = False,
     base_model: _ask_option("--base-model", "Hub id or local folder.") = None,
     method: _ask_option("--method", "full, lora or qlora.") = None,
@@ -298,11 +314,16 @@ def config_command(
     mixed_precision: _ask_option("--mixed-precision", "bf16, fp16 or no.") = None,
     sequence_len: _ask_option("--sequence-len", "Tokens per row.", int) = None,
     micro_batch_size: _ask_option("--micro-batch-size", "Rows per GPU per step.", int) = None,
-    strategy: _ask_option("--strategy", "ddp, zero1, zero2, zero3, zero2_offload, zero3_offload, zero3_nvme, fsdp, "
-                                        "fsdp_hybrid, pipeline (default: the recommended one).") = None,  # fmt: skip
+    strategy: _ask_option(
+        "--strategy",
+        "ddp, zero1, zero2, zero3, zero2_offload, zero3_offload, zero3_nvme, fsdp, "
+        "fsdp_hybrid, pipeline (default: the recommended one).",
+    ) = None,  # fmt: skip
     nvme_path: _ask_option("--nvme-path", "NVMe folder for zero3_nvme.") = None,
     fsdp_version: _ask_option("--fsdp-version", "1 or 2.", int) = None,
-    fsdp_auto_wrap_policy: _ask_option("--fsdp-auto-wrap-policy", "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP.") = None,
+    fsdp_auto_wrap_policy: _ask_option(
+        "--fsdp-auto-wrap-policy", "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP."
+    ) = None,
     fsdp_state_dict_type: _ask_option("--fsdp-state-dict-type", "FULL_STATE_DICT or SHARDED_STATE_DICT.") = None,
     fsdp_offload_params: _ask_option("--fsdp-offload-params", "Offload FSDP parameters to CPU.", bool) = None,
     pipeline_stages: _ask_option("--pipeline-stages", "Pipeline stages.", int) = None,
@@ -340,6 +361,95 @@ def eval_command(
         line += f", exact match {results['exact_match']:.1%} ({results['exact_match_examples']} examples)"
     typer.echo(line)
     typer.echo(f"wrote {results['written_to']}")
+
+
+@app.command()
+def merge(
+    run: Annotated[Path, typer.Argument(help="A run's output_dir.", show_default=False)],
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="Where to write (default RUN/merged).")
+    ] = None,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard.")] = "5GB",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32 (default: the recipe's).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
+) -> None:
+    """Fold a LoRA/QLoRA adapter into its base (or consolidate a full fine-tune) into one HF model folder."""
+    from llmtune.post.merge import merge_run
+    from llmtune.train.progress import track
+
+    if not run.is_dir():
+        raise UserError(f"{run} is not a folder", "pass a run's output_dir")
+    result = merge_run(run, output, max_shard_size, dtype, force, track)
+    typer.echo(f"merged {result.source}")
+    typer.echo(f"wrote {result.output}: {len(result.shards)} shard(s), {result.total_bytes / 1e6:.1f} MB {result.dtype}"
+               + (f", {result.merged_modules} LoRA modules folded in" if result.merged_modules else ""))  # fmt: skip
+
+
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens to generate per answer.")]
+Temperature = Annotated[float, typer.Option("--temperature", min=0.0, help="0 is greedy; above 0 samples.")]
+TopP = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)]
+Seed = Annotated[int, typer.Option("--seed")]
+Raw = Annotated[bool, typer.Option("--raw", help="Send prompts as plain text, without the chat template.")]
+ModelArg = Annotated[str, typer.Argument(help="A run's output_dir, a merged/HF model folder, or a hub id.")]
+
+
+@app.command()
+def infer(
+    target: ModelArg,
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = None,
+    file: Annotated[
+        Optional[Path], typer.Option("--file", help="prompts.jsonl (prompt/messages/instruction) or .txt")
+    ] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write rows + outputs as JSONL.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 8,
+    max_new_tokens: MaxNewTokens = 128,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
+    seed: Seed = 0,
+    raw: Raw = False,
+) -> None:
+    """Batched generation for prompts given on the command line or in a file."""
+    import json
+
+    from llmtune.post.generate import Sampling
+    from llmtune.post.generate import infer as run_infer
+    from llmtune.train.progress import track
+
+    if prompt and file:
+        raise UserError("--prompt and --file both given", "use one of them")
+    sampling = Sampling(max_new_tokens, temperature, top_p, seed=seed)
+    results = run_infer(target, prompt or [], file, output, sampling, batch_size, raw, track)
+    if output is None:
+        for row in results:
+            typer.echo(json.dumps(row, ensure_ascii=False))
+    else:
+        typer.echo(f"wrote {len(results)} outputs to {output}")
+
+
+@app.command()
+def chat(
+    target: ModelArg,
+    system: Annotated[Optional[str], typer.Option("--system", help="A system message.")] = None,
+    max_new_tokens: MaxNewTokens = 256,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
+    seed: Seed = 0,
+    raw: Raw = False,
+) -> None:
+    """Talk to a model in the terminal, streamed, with its chat template (/reset, /exit)."""
+    from llmtune.post.generate import Sampling
+    from llmtune.post.generate import chat as run_chat
+
+    run_chat(target, Sampling(max_new_tokens, temperature, top_p, seed=seed), system, raw)
+
+
+@app.command()
+def report(run: Annotated[Path, typer.Argument(help="A run's output_dir.", show_default=False)]) -> None:
+    """Rebuild RUN/report/: loss curve, throughput, summary."""
+    from llmtune.post.report import write_report
+
+    folder = write_report(run)
+    typer.echo(f"wrote {folder}: loss.png, throughput.png, summary.md, curves.json")
 
 
 def main() -> None:

@@ -45,7 +45,9 @@ class Asker:
         import questionary
 
         options = [questionary.Choice(title=title, value=value) for value, title in choices]
-        return self._run(questionary.select(message, choices=options, default=next(o for o in options if o.value == default)))
+        return self._run(
+            questionary.select(message, choices=options, default=next(o for o in options if o.value == default))
+        )
 
     def text(self, message: str, default: str, check: Callable[[str], str | None] | None = None) -> str:
         if not self.interactive:
@@ -129,7 +131,9 @@ def ask_all(given: dict[str, Any], ask: Asker) -> tuple[Answers, str | None]:
                                     ("qlora", "QLoRA (adapters, 4-bit base)"), ("full", "Full fine-tune")], "lora")  # fmt: skip
     if want("dataset"):
         answers.dataset = ask.text("Dataset (local .jsonl/.json/.parquet file or hub id):", answers.dataset)
-    guessed = guess_dataset_type(Path(answers.dataset).expanduser()) if Path(answers.dataset).expanduser().is_file() else None
+    guessed = (
+        guess_dataset_type(Path(answers.dataset).expanduser()) if Path(answers.dataset).expanduser().is_file() else None
+    )
     if guessed and want("dataset_type"):
         answers.dataset_type, answers.dataset_extra = guessed
     if want("dataset_type"):
@@ -144,7 +148,9 @@ def ask_all(given: dict[str, Any], ask: Asker) -> tuple[Answers, str | None]:
             answers.main_process_ip = ask.text("IP address of machine rank 0 (the main process):", "",
                                                lambda v: None if v.strip() else "the address the other machines reach")  # fmt: skip
         if not answers.main_process_ip:
-            raise UserError("--main-process-ip is required with --num-machines > 1", "give the address of machine rank 0")
+            raise UserError(
+                "--main-process-ip is required with --num-machines > 1", "give the address of machine rank 0"
+            )
         if want("main_process_port"):
             answers.main_process_port = int(ask.text("Rendezvous port on machine rank 0:", "29500", _positive_int))
         if want("interconnect"):
@@ -162,7 +168,9 @@ def ask_all(given: dict[str, Any], ask: Asker) -> tuple[Answers, str | None]:
     if want("sequence_len"):
         answers.sequence_len = int(ask.text("Sequence length (tokens):", str(answers.sequence_len), _positive_int))
     if want("micro_batch_size"):
-        answers.micro_batch_size = int(ask.text("Micro-batch size per GPU:", str(answers.micro_batch_size), _positive_int))
+        answers.micro_batch_size = int(
+            ask.text("Micro-batch size per GPU:", str(answers.micro_batch_size), _positive_int)
+        )
     estimate_line = _choose_strategy(answers, ask, want("strategy"))
     _strategy_details(answers, ask, want)
     if want("output_dir"):
@@ -209,10 +217,14 @@ def _choose_strategy(answers: Answers, ask: Asker, asking: bool) -> str | None:
             estimate_line = (f"Estimated {row.total / GB:.1f} GB per GPU of {report.gpu_memory / GB:.0f} GB; "
                              f"recommended because {reason}.")  # fmt: skip
     if asking:
-        choices = [(key, label + ("  [recommended]" if key == recommended else "")) for key, (label, _) in STRATEGIES.items()]
+        choices = [
+            (key, label + ("  [recommended]" if key == recommended else "")) for key, (label, _) in STRATEGIES.items()
+        ]
         answers.strategy = ask.select("Distributed strategy:", choices, recommended)
     if estimate_line and answers.strategy != recommended:
-        estimate_line = f"Chosen instead of the recommended {STRATEGIES[recommended][0]}. " + estimate_line.split(";")[0] + "."
+        estimate_line = (
+            f"Chosen instead of the recommended {STRATEGIES[recommended][0]}. " + estimate_line.split(";")[0] + "."
+        )
     return estimate_line
 
 

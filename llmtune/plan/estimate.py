@@ -102,7 +102,9 @@ def is_mixed(recipe) -> bool:
 def trainable_parameters(recipe, facts: ModelFacts) -> int:
     if not recipe.adapter:
         return facts.total_params()
-    return lora_parameters(facts, recipe.lora_r, "all-linear" if recipe.lora_target_linear else recipe.lora_target_modules)
+    return lora_parameters(
+        facts, recipe.lora_r, "all-linear" if recipe.lora_target_linear else recipe.lora_target_modules
+    )
 
 
 def _states(recipe, facts: ModelFacts, mixed: bool, deepspeed: bool) -> tuple[float, float, float]:
@@ -266,7 +268,9 @@ def row_for_plan(plan) -> str:
         return f"{name} + NVMe offload" if plan.offload == "nvme" else name
     if plan.strategy.startswith("fsdp"):
         sharding = str((plan.accelerate_config or {}).get("fsdp_config", {}).get("fsdp_sharding_strategy", ""))
-        return {"HYBRID_SHARD": "FSDP hybrid shard", "SHARD_GRAD_OP": "FSDP shard grad op"}.get(sharding, "FSDP full shard")
+        return {"HYBRID_SHARD": "FSDP hybrid shard", "SHARD_GRAD_OP": "FSDP shard grad op"}.get(
+            sharding, "FSDP full shard"
+        )
     return "pipeline" if plan.strategy == "pipeline" else "single / DDP"
 
 
@@ -306,8 +310,13 @@ def check_fits(recipe, plan, gpu_memory: float, facts: ModelFacts | None = None)
     summary = f"{row.total / GB:.1f} GB of {gpu_memory / GB:.0f} GB per GPU ({name}, by llmtune estimate)"
     if row.fits(gpu_memory):
         return summary
-    better = f"{report.choice[0].strategy} would fit ({report.choice[1]})" if report.choice else (
-        "nothing fits on these GPUs: add GPUs, lower micro_batch_size, turn on gradient_checkpointing, or use LoRA")
+    better = (
+        f"{report.choice[0].strategy} would fit ({report.choice[1]})"
+        if report.choice
+        else (
+            "nothing fits on these GPUs: add GPUs, lower micro_batch_size, turn on gradient_checkpointing, or use LoRA"
+        )
+    )
     raise UserError(f"the plan needs about {row.total / GB:.1f} GB per GPU under {name} but the GPUs have "
                     f"{gpu_memory / GB:.0f} GB", f"{better}; see `llmtune estimate`, or pass --no-memory-check")  # fmt: skip
 

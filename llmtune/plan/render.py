@@ -110,6 +110,8 @@ def print_estimate(report) -> None:
     console.print(table)
     console.print("buffers: the largest layer gathered (ZeRO-3/FSDP) and DeepSpeed's fp32 gradient copy at the step")
     if report.choice is None:
-        console.print("[red]nothing fits[/]: use more GPUs, a smaller micro_batch_size, gradient_checkpointing, or LoRA")
+        console.print(
+            "[red]nothing fits[/]: use more GPUs, a smaller micro_batch_size, gradient_checkpointing, or LoRA"
+        )
     else:
         console.print(f"[bold]recommended:[/] {report.choice[0].strategy} ({report.choice[1]})")

@@ -78,10 +78,18 @@ class DistributedKeys(Section):
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field("1f1b", description="Pipeline schedule.")
     pipeline_virtual_stages: int = Field(2, gt=0, description="Stages per rank for interleaved_1f1b.")
     ddp_timeout: int = Field(1800, gt=0, description="Seconds a collective may wait before the job fails.")
-    max_restarts: int = Field(0, ge=0, description="After a rank crashes, restart all ranks up to N times "
-                              "(torchrun's elastic agent); they resume from the last complete checkpoint.")
-    rdzv_timeout: int = Field(600, gt=0, description="Seconds to wait for every machine to join the rendezvous "
-                              "before failing with the machines that are missing.")
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="After a rank crashes, restart all ranks up to N times "
+        "(torchrun's elastic agent); they resume from the last complete checkpoint.",
+    )
+    rdzv_timeout: int = Field(
+        600,
+        gt=0,
+        description="Seconds to wait for every machine to join the rendezvous "
+        "before failing with the machines that are missing.",
+    )
     ddp_find_unused_parameters: bool | None = Field(None, description="DDP: look for parameters without gradients.")
     ddp_bucket_cap_mb: int | None = Field(None, gt=0, description="DDP gradient bucket size.")
 

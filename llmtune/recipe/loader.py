@@ -89,7 +89,9 @@ def recipe_from_mapping(raw: dict, path: Path, check_files: bool = True) -> Load
                      "every rank; use it only for models whose code you trust")  # fmt: skip
     for index, spec in enumerate(recipe.datasets):
         if spec.trust_remote_code:
-            notes.append(f"WARNING datasets[{index}].trust_remote_code: true: the loading script of {spec.path} will run")
+            notes.append(
+                f"WARNING datasets[{index}].trust_remote_code: true: the loading script of {spec.path} will run"
+            )
     return LoadedRecipe(recipe=recipe, path=path, notes=notes)
 
 

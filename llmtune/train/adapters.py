@@ -51,7 +51,10 @@ def parameter_counts(model) -> tuple[int, int]:
     trainable = total = 0
     for param in model.parameters():
         state = getattr(param, "quant_state", None)
-        count = math.prod(state.shape) if state is not None and getattr(state, "shape", None) else param.numel()
+        if state is not None and getattr(state, "shape", None):
+            count = math.prod(state.shape)
+        else:  # a ZeRO-3 partitioned parameter is empty here; ds_numel is its full size
+            count = getattr(param, "ds_numel", param.numel())
         total += count
         trainable += count if param.requires_grad else 0
     return trainable, total

@@ -81,7 +81,9 @@ def rotate(output_dir: Path, limit: int | None, keep: Path | None = None) -> lis
         return []
     done = complete_checkpoints(output_dir)
     newest = done[-1] if done else None
-    removable = [p for p in done[: max(0, len(done) - limit)] if p != newest and (keep is None or p.resolve() != keep.resolve())]
+    removable = [
+        p for p in done[: max(0, len(done) - limit)] if p != newest and (keep is None or p.resolve() != keep.resolve())
+    ]
     for old in removable:
         shutil.rmtree(old, ignore_errors=True)
     return removable

@@ -108,7 +108,8 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None):
     if recipe.model_type and not recipe.model_type.startswith("Auto") and type(model).__name__ != recipe.model_type:
         raise UserError(f"model_type is {recipe.model_type} but {source} loads as {type(model).__name__}",
                         "remove model_type or set it to AutoModelForCausalLM")  # fmt: skip
-    embeddings = model.get_input_embeddings().weight.shape[0]
+    weight = model.get_input_embeddings().weight
+    embeddings = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 partitioned: the full shape is ds_shape
     if len(tokenizer) > embeddings:
         model.resize_token_embeddings(len(tokenizer))
     # Packed rows leak attention across examples when a KV cache exists (see DESIGN.md).

@@ -15,8 +15,8 @@ def log(message: str) -> None:
         print(f"[llmtune] {message}", file=sys.stderr, flush=True)
 
 
-def track(items, description: str):
-    """Iterate with a progress counter on rank 0 (the total is often unknown: rows stream from files)."""
+def track(items, description: str, total: int | None = None):
+    """Iterate with a progress bar on rank 0 (the total is often unknown: rows stream from files)."""
     if not is_main_rank() or not sys.stderr.isatty():
         yield from items
         return
@@ -30,7 +30,7 @@ def track(items, description: str):
         TimeElapsedColumn(),
     )
     with Progress(*columns, transient=True) as progress:
-        task = progress.add_task(description, total=None)
+        task = progress.add_task(description, total=total)
         for item in items:
             yield item
             progress.advance(task)

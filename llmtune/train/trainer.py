@@ -184,8 +184,10 @@ class LlmtuneTrainer(Trainer):
             shutil.rmtree(staged, ignore_errors=True)  # give the space back; the last complete checkpoint stays
             last = checkpoints.last_complete(Path(self.args.output_dir))
             kept = f"{last.name} is intact and resume will start from it" if last else "there is no earlier checkpoint"
-            raise UserError(f"disk full while writing checkpoint-{step} in {self.args.output_dir}; {kept}",
-                            "free some space (or lower save_total_limit) and run the same command again") from None
+            raise UserError(
+                f"disk full while writing checkpoint-{step} in {self.args.output_dir}; {kept}",
+                "free some space (or lower save_total_limit) and run the same command again",
+            ) from None
         finally:
             self._staging = False
         _test_kill("LLMTUNE_TEST_KILL_IN_SAVE", step)

@@ -25,6 +25,10 @@ def _tracking_env(recipe, output_dir: Path) -> None:
         "WANDB_RUN_ID": recipe.wandb_run_id, "WANDB_WATCH": recipe.wandb_watch, "WANDB_LOG_MODEL": recipe.wandb_log_model,
         "MLFLOW_EXPERIMENT_NAME": recipe.mlflow_experiment_name,
         "MLFLOW_TRACKING_URI": recipe.mlflow_tracking_uri or (f"file:{output_dir / 'mlruns'}" if "mlflow" in recipe.trackers else None),
+        # MLflow 3 refuses file stores unless told: the default here is a local file store in the output folder
+        "MLFLOW_ALLOW_FILE_STORE": "true" if "mlflow" in recipe.trackers and not recipe.mlflow_tracking_uri else None,
+        # wandb writes its run folder (offline: the whole run) under WANDB_DIR, else the current directory
+        "WANDB_DIR": str(output_dir) if "wandb" in recipe.trackers else None,
     }  # fmt: skip
     for key, value in values.items():
         if value is not None:
@@ -131,13 +135,18 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         f"({'cache hit' if stats['cache_hit'] else 'tokenized'}; {stats['dropped_too_long']} longer than sequence_len "
         f"{'truncated' if recipe.excess_length_strategy == 'truncate' else 'dropped'}, {stats['dropped_no_labels']} "
         f"without trained tokens)" + (f", packing efficiency {stats['packing_efficiency']:.1%}" if recipe.sample_packing else ""))  # fmt: skip
+    args = None
+    if plan["strategy"] != "pipeline":
+        # Built before the model: under ZeRO-3 this registers DeepSpeed's config, so from_pretrained creates the
+        # parameters already partitioned (zero3_init_flag) and no rank ever holds the whole model.
+        _tracking_env(recipe, output_dir)
+        args = training_arguments(recipe, plan, len(data.train), data.eval is not None, **rank.training_kwargs)
     model = attach_adapter(load_model(recipe, source, tokenizer, plan["precision"]), recipe)
+    loaded_rss = peak_rss_bytes()  # the peak so far: loading the model (and, under ZeRO-3, partitioning it)
     trainable, total = parameter_counts(model)
     log(f"model: {type(model).__name__}, trainable {trainable:,} of {total:,} parameters ({trainable / total:.2%})")
-    if plan["strategy"] == "pipeline":
+    if args is None:
         return _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_origin, trainable, total)
-    _tracking_env(recipe, output_dir)
-    args = training_arguments(recipe, plan, len(data.train), data.eval is not None, **rank.training_kwargs)
     trainer = LlmtuneTrainer(
         model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(data.eval) if data.eval else None,
         data_collator=Collator(tokenizer.pad_token_id, recipe.sequence_len if recipe.pad_to_sequence_len else None),
@@ -168,7 +177,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from llmtune.train.ranks import gather, local_parameter_numel
 
     shards = gather({"rank": rank.rank, "local_parameters": local_parameter_numel(trainer.model),
-                     "model_state_bytes": meter.result, "peak_rss_bytes": peak_rss_bytes()})  # fmt: skip
+                     "model_state_bytes": meter.result, "peak_rss_bytes": peak_rss_bytes(),
+                     "peak_rss_at_load_bytes": loaded_rss})  # fmt: skip
     trainer._check_finite()
     _full_state_dict_for_final_save(trainer)
     trainer.save_model(str(output_dir))

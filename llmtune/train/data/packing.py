@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import bisect
 import random
+from collections.abc import Sequence
 
-from llmtune.train.data.formats import IGNORE
+from llmtune.train.data.rows import PackedRows, lengths_of
 
 
 def pack_indices(lengths: list[int], capacity: int, seed: int) -> list[list[int]]:
@@ -37,18 +38,9 @@ def pack_indices(lengths: list[int], capacity: int, seed: int) -> list[list[int]
     return bins
 
 
-def pack_examples(examples: list[dict], capacity: int, seed: int) -> tuple[list[dict], float]:
-    """Packed rows (input_ids, labels, position_ids) and the packing efficiency (real tokens / slots)."""
-    lengths = [len(e["input_ids"]) for e in examples]
-    rows = []
-    for group in pack_indices(lengths, capacity, seed):
-        ids, labels, positions = [], [], []
-        for number, index in enumerate(group):
-            example = examples[index]
-            ids += example["input_ids"]
-            first = example["labels"][:1] if number == 0 else [IGNORE]
-            labels += first + example["labels"][1:]
-            positions += list(range(len(example["input_ids"])))
-        rows.append({"input_ids": ids, "labels": labels, "position_ids": positions})
-    efficiency = sum(lengths) / (len(rows) * capacity) if rows else 0.0
+def pack_examples(examples: Sequence, capacity: int, seed: int) -> tuple[PackedRows, float]:
+    """Packed rows (input_ids, labels, position_ids; built when read) and the packing efficiency (real tokens / slots)."""
+    lengths = lengths_of(examples)
+    rows = PackedRows(examples, pack_indices(lengths, capacity, seed))
+    efficiency = sum(lengths) / (len(rows) * capacity) if len(rows) else 0.0
     return rows, efficiency

@@ -12,12 +12,14 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmtune.errors import UserError
 from llmtune.train.data.formats import IGNORE, FormatContext, RowError, format_for
 from llmtune.train.data.packing import pack_examples
+from llmtune.train.data.rows import TokenRows
 from llmtune.train.data.sources import fingerprint_source, read_rows
 
 CACHE_FORMAT = 2  # bump when tokenization or the cache layout changes (2: flat numpy arrays)
@@ -25,8 +27,8 @@ CACHE_FORMAT = 2  # bump when tokenization or the cache layout changes (2: flat 
 
 @dataclass
 class PreparedData:
-    train: list[dict]
-    eval: list[dict] | None
+    train: Sequence[dict]  # TokenRows, or PackedRows with sample_packing
+    eval: Sequence[dict] | None
     stats: dict = field(default_factory=dict)
 
 
@@ -97,22 +99,12 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
     return examples
 
 
-def _save(directory: Path, groups: dict[str, list[dict]], stats: dict) -> None:
-    """Each group as three flat arrays (token ids, labels, row offsets): loads in a fraction of a second."""
-    import numpy as np
-
+def _save(directory: Path, groups: dict[str, TokenRows], stats: dict) -> None:
+    """Each group as three flat arrays (token ids, labels, row offsets), published by one rename."""
     tmp = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    for name, examples in groups.items():
-        part = tmp / name
-        part.mkdir(parents=True)
-        lengths = [len(e["input_ids"]) for e in examples]
-        offsets = np.zeros(len(examples) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        for key in ("input_ids", "labels"):
-            flat = np.fromiter((t for e in examples for t in e[key]), dtype=np.int64, count=int(offsets[-1]))
-            np.save(part / f"{key}.npy", flat.astype(np.int32))
-        np.save(part / "offsets.npy", offsets)
+    for name, rows in groups.items():
+        rows.save(tmp / name)
     (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
     try:
         os.replace(tmp, directory)
@@ -120,14 +112,8 @@ def _save(directory: Path, groups: dict[str, list[dict]], stats: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load(directory: Path) -> tuple[dict[str, list[dict]], dict]:
-    import numpy as np
-
-    groups = {}
-    for part in sorted(p for p in directory.iterdir() if p.is_dir()):
-        offsets = np.load(part / "offsets.npy").tolist()
-        ids, labels = (np.load(part / f"{key}.npy").tolist() for key in ("input_ids", "labels"))
-        groups[part.name] = [{"input_ids": ids[a:b], "labels": labels[a:b]} for a, b in zip(offsets, offsets[1:], strict=False)]
+def _load(directory: Path) -> tuple[dict[str, TokenRows], dict]:
+    groups = {part.name: TokenRows.load(part) for part in sorted(p for p in directory.iterdir() if p.is_dir())}
     return groups, json.loads((directory / "stats.json").read_text())
 
 
@@ -144,10 +130,16 @@ def tokenize_with_cache(recipe, tokenizer, progress=no_progress) -> tuple[dict[s
             groups, stats = _load(directory)
             return groups, {**stats, "cache_hit": True, "cache_dir": str(directory)}
     stats = {"rows": 0, "dropped_too_long": 0, "truncated": 0, "dropped_no_labels": 0}
-    groups = {"train": tokenize_group(recipe.datasets, "datasets", recipe, tokenizer, stats, progress)}
+    groups = {
+        "train": TokenRows.from_examples(
+            tokenize_group(recipe.datasets, "datasets", recipe, tokenizer, stats, progress)
+        )
+    }
     if recipe.test_datasets:
-        groups["test"] = tokenize_group(recipe.test_datasets, "test_datasets", recipe, tokenizer, stats, progress)
-    if not groups["train"]:
+        groups["test"] = TokenRows.from_examples(
+            tokenize_group(recipe.test_datasets, "test_datasets", recipe, tokenizer, stats, progress)
+        )
+    if not len(groups["train"]):
         raise UserError(
             f"no usable training examples: {stats['rows']} rows read, {stats['dropped_too_long']} longer than "
             f"sequence_len {recipe.sequence_len}, {stats['dropped_no_labels']} with no trained tokens",
@@ -160,9 +152,11 @@ def tokenize_with_cache(recipe, tokenizer, progress=no_progress) -> tuple[dict[s
 
 
 def split_and_pack(recipe, groups: dict[str, list[dict]], stats: dict) -> PreparedData:
-    train = list(groups["train"])
+    train = groups["train"]
     if recipe.shuffle_merged_datasets:
-        random.Random(recipe.seed).shuffle(train)
+        order = list(range(len(train)))
+        random.Random(recipe.seed).shuffle(order)
+        train = train.reorder(order)
     evaluation = groups.get("test")
     if recipe.val_set_size:
         size = recipe.val_set_size
@@ -170,8 +164,8 @@ def split_and_pack(recipe, groups: dict[str, list[dict]], stats: dict) -> Prepar
         if count >= len(train):
             raise UserError(f"val_set_size {size} leaves no training examples (there are {len(train)})")
         evaluation, train = train[:count], train[count:]
-    stats = dict(stats, train_examples=len(train), eval_examples=len(evaluation or []))
-    stats["train_tokens"] = sum(len(e["input_ids"]) for e in train)
+    stats = dict(stats, train_examples=len(train), eval_examples=len(evaluation) if evaluation is not None else 0)
+    stats["train_tokens"] = train.total_tokens()
     if recipe.sample_packing:
         train, efficiency = pack_examples(train, recipe.sequence_len, recipe.seed)
         stats["packing_efficiency"] = round(efficiency, 4)

@@ -1,0 +1,215 @@
+"""`llmtune chat` and `llmtune infer`: generate with a run's adapter, a merged folder, any HF folder or a hub id.
+
+Prompts go through the model's chat template when it has one (`--raw` sends them as plain text).
+Batched generation pads on the left, so every prompt's answer starts at the same column.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmtune.errors import UserError
+
+
+@dataclass
+class Loaded:
+    model: object
+    tokenizer: object
+    label: str
+
+
+def load_for_generation(target: str, trust_remote_code: bool = False) -> Loaded:
+    """A run folder (adapter on its base, or its full model), a model folder, or a hub id."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(target)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    adapter = None
+    model_dir, tokenizer_dir, label = target, target, target
+    if path.is_dir():
+        plan_file = path / "llmtune" / "plan.json"
+        if (path / "adapter_config.json").exists():
+            adapter = str(path)
+            if plan_file.exists():
+                from llmtune.recipe import Recipe
+                from llmtune.train.model import model_source
+
+                recipe = Recipe.model_validate(json.loads(plan_file.read_text())["recipe"])
+                model_dir = model_source(recipe)[0]
+                trust_remote_code = trust_remote_code or recipe.trust_remote_code
+            else:
+                model_dir = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+            label = f"{target} (adapter on {model_dir})"
+        elif not (path / "config.json").exists():
+            raise UserError(f"{target} has no model (config.json) or adapter (adapter_config.json)",
+                            "pass a run's output_dir, a merged folder, or a hub id")  # fmt: skip
+    elif path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        raise UserError(f"{target} is not a model folder", "pass a run's output_dir, a merged folder, or a hub id")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(f"could not load '{model_dir}' ({str(err).splitlines()[0][:160]})",
+                        "check the path or hub id, your network or HF_TOKEN") from None  # fmt: skip
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    model.to(device).eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return Loaded(model, tokenizer, label)
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def kwargs(self, tokenizer) -> dict:
+        options = {"max_new_tokens": self.max_new_tokens, "pad_token_id": tokenizer.pad_token_id,
+                   "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
+        if self.temperature > 0:
+            options.update(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        else:
+            options.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        return options
+
+
+def render(tokenizer, prompt, raw: bool) -> str:
+    """A prompt (text, or a list of chat messages) as the text the model sees."""
+    if isinstance(prompt, list):
+        if tokenizer.chat_template is None:
+            raise UserError("chat messages need a chat template, and this tokenizer has none", "pass plain prompts")
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    if raw or tokenizer.chat_template is None:
+        return prompt
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def generate_batch(loaded: Loaded, texts: list[str], sampling: Sampling) -> list[str]:
+    import torch
+
+    tokenizer, model = loaded.tokenizer, loaded.model
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    with torch.no_grad():
+        out = model.generate(**batch, **sampling.kwargs(tokenizer))
+    width = batch["input_ids"].shape[1]
+    return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]
+
+
+def read_prompts(path: Path) -> list[tuple[dict, object]]:
+    """(row, prompt) from a .jsonl file (fields prompt / instruction(+input) / messages) or a text file, one per line."""
+    if not path.exists():
+        raise UserError(f"--file {path} does not exist")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            rows.append(({"prompt": line}, line))
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"{path} line {number}: not valid JSON", "one JSON object per line") from None
+        if isinstance(row, str):
+            row = {"prompt": row}
+        if not isinstance(row, dict):
+            raise UserError(f"{path} line {number}: expected an object with a 'prompt' field")
+        if isinstance(row.get("prompt"), str):
+            prompt = row["prompt"]
+        elif isinstance(row.get("messages"), list):
+            messages = row["messages"]  # a trailing assistant turn is the reference answer: the model writes its own
+            prompt = messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
+        elif isinstance(row.get("instruction"), str):
+            prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+        else:
+            raise UserError(f"{path} line {number}: no 'prompt', 'messages' or 'instruction' field",
+                            "write {\"prompt\": \"...\"} per line")  # fmt: skip
+        rows.append((row, prompt))
+    if not rows:
+        raise UserError(f"--file {path} has no prompts")
+    return rows
+
+
+def infer(target: str, prompts: list[str], file: Path | None, output: Path | None, sampling: Sampling,
+          batch_size: int = 8, raw: bool = False, progress=lambda items, _d, total=None: items) -> list[dict]:  # fmt: skip
+    from transformers import set_seed
+
+    rows = read_prompts(file) if file is not None else [({"prompt": p}, p) for p in prompts]
+    if not rows:
+        raise UserError("no prompt given", "pass --prompt TEXT (repeatable) or --file prompts.jsonl")
+    loaded = load_for_generation(target)
+    set_seed(sampling.seed)
+    texts = [render(loaded.tokenizer, prompt, raw) for _, prompt in rows]
+    results = []
+    starts = range(0, len(texts), batch_size)
+    for start in progress(starts, "generating", total=len(starts)):
+        outputs = generate_batch(loaded, texts[start : start + batch_size], sampling)
+        results += [
+            {**row, "output": text} for (row, _), text in zip(rows[start : start + batch_size], outputs, strict=True)
+        ]
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = output.with_name(f".{output.name}.tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
+        tmp.replace(output)
+    return results
+
+
+def chat(
+    target: str, sampling: Sampling, system: str | None = None, raw: bool = False, stdin=None, stdout=None
+) -> None:
+    """A conversation on the terminal, streamed token by token. /reset forgets it, /exit (or Ctrl-D) ends it."""
+    import torch
+    from transformers import TextStreamer, set_seed
+
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    loaded = load_for_generation(target)
+    tokenizer, model = loaded.tokenizer, loaded.model
+    set_seed(sampling.seed)
+
+    class Streamer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False):
+            stdout.write(text + ("\n" if stream_end else ""))
+            stdout.flush()
+
+    start = [{"role": "system", "content": system}] if system else []
+    history = list(start)
+    stdout.write(f"chatting with {loaded.label}: /reset starts over, /exit ends\n")
+    while True:
+        stdout.write("you> ")
+        stdout.flush()
+        line = stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            stdout.write("\n" if not line else "")
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/reset":
+            history = list(start)
+            stdout.write("(conversation cleared)\n")
+            continue
+        history.append({"role": "user", "content": text})
+        prompt = text if raw or tokenizer.chat_template is None else render(tokenizer, history, raw)
+        batch = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
+        stdout.write("model> ")
+        stdout.flush()
+        with torch.no_grad():
+            out = model.generate(**batch, **sampling.kwargs(tokenizer),
+                                 streamer=Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True))  # fmt: skip
+        answer = tokenizer.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+        history.append({"role": "assistant", "content": answer})

@@ -1,0 +1,121 @@
+"""The training report: `<output_dir>/report/` with the loss curve, throughput over time and a summary.
+
+Written by rank 0 at the end of every run, and rebuilt from metrics.json by `llmtune report RUN_DIR`.
+The plotted numbers are written beside the pictures (curves.json), so anything can re-plot or check them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llmtune.errors import UserError
+
+
+def curves(metrics: dict) -> dict:
+    """Train loss and learning rate, eval loss, and throughput, each against the optimizer step."""
+    history = metrics.get("log_history") or []
+    train = [e for e in history if "loss" in e and "step" in e]
+    evals = [e for e in history if "eval_loss" in e and "step" in e]
+    seconds, real = metrics.get("step_seconds") or [], metrics.get("step_real_tokens") or []
+    return {
+        "train": {"step": [e["step"] for e in train], "loss": [e["loss"] for e in train],
+                  "learning_rate": [e.get("learning_rate") for e in train]},
+        "eval": {"step": [e["step"] for e in evals], "loss": [e["eval_loss"] for e in evals]},
+        "throughput": {"step": list(range(1, len(seconds) + 1)),
+                       "tokens_per_second": [t / s if s else None for t, s in zip(real, seconds, strict=False)]},
+    }  # fmt: skip
+
+
+def _plot_loss(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
+    axis.plot(data["train"]["step"], data["train"]["loss"], label="train loss", color="tab:blue")
+    if data["eval"]["step"]:
+        axis.plot(data["eval"]["step"], data["eval"]["loss"], "o-", label="eval loss", color="tab:orange")
+    axis.set_xlabel("step")
+    axis.set_ylabel("loss")
+    axis.grid(alpha=0.3)
+    lines, labels = axis.get_legend_handles_labels()
+    rates = data["train"]["learning_rate"]
+    if any(r is not None for r in rates):
+        second = axis.twinx()
+        second.plot(data["train"]["step"], rates, "--", color="tab:gray", label="learning rate")
+        second.set_ylabel("learning rate")
+        more_lines, more_labels = second.get_legend_handles_labels()
+        lines, labels = lines + more_lines, labels + more_labels
+    axis.legend(lines, labels, loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def _plot_throughput(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 3.5), dpi=100)
+    axis.plot(data["throughput"]["step"], data["throughput"]["tokens_per_second"], color="tab:green")
+    axis.set_xlabel("step")
+    axis.set_ylabel("real tokens/s (rank 0)")
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def _summary(run: Path, metrics: dict, plan: dict, recipe: dict) -> str:
+    method = {"lora": "LoRA", "qlora": "QLoRA"}.get(recipe.get("adapter") or "", "full fine-tune")
+    evals = [e["eval_loss"] for e in metrics.get("log_history") or [] if "eval_loss" in e]
+    final_eval = metrics.get("eval_loss", evals[-1] if evals else None)
+    minutes = (metrics.get("train_seconds") or 0) / 60
+    rows = [
+        ("model", f"`{recipe.get('base_model')}` ({method})"),
+        ("strategy", f"{plan.get('title', metrics.get('strategy'))}, world size {metrics.get('world_size')}"),
+        ("global batch", f"{plan.get('global_batch_size')} = micro-batch {plan.get('micro_batch_size')} x "
+                         f"accumulation {plan.get('gradient_accumulation_steps')} x data-parallel {plan.get('data_parallel_size')}"),
+        ("steps", metrics.get("steps")),
+        ("tokens seen", f"{metrics.get('tokens_seen'):,}" if metrics.get("tokens_seen") is not None else None),
+        ("training time", f"{minutes:.1f} min ({metrics.get('tokens_per_second')} tokens/s)"),
+        ("final train loss", _fmt(metrics.get("final_loss"))),
+        ("mean train loss", _fmt(metrics.get("train_loss"))),
+        ("final eval loss", _fmt(final_eval)),
+        ("model saved in", f"`{run}`" + (" (adapter: `llmtune merge` folds it into the base)" if recipe.get("adapter") else "")),
+    ]  # fmt: skip
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows if v is not None)
+    datasets = "\n".join(
+        f"- `{d.get('path')}` ({d.get('type') or 'pretokenized'})" for d in recipe.get("datasets") or []
+    )
+    return (
+        f"# Training report: {run.name}\n\n| | |\n| --- | --- |\n{table}\n\n## Data\n\n{datasets}\n\n"
+        "## Curves\n\n![loss](loss.png)\n\n![throughput](throughput.png)\n\n"
+        "The plotted numbers are in `curves.json`; the full recipe and plan in `../llmtune/`.\n"
+    )
+
+
+def _fmt(value) -> str | None:
+    return None if value is None else f"{value:.4f}"
+
+
+def write_report(run: Path, metrics: dict | None = None) -> Path:
+    """(Re)build run/report/ from the run's metrics.json and plan; returns the folder."""
+    metrics_file, plan_file = run / "metrics.json", run / "llmtune" / "plan.json"
+    if metrics is None:
+        if not metrics_file.exists():
+            raise UserError(f"{run} has no metrics.json", "pass the output_dir of a finished run")
+        metrics = json.loads(metrics_file.read_text())
+    payload = json.loads(plan_file.read_text()) if plan_file.exists() else {}
+    folder = run / "report"
+    folder.mkdir(parents=True, exist_ok=True)
+    data = curves(metrics)
+    (folder / "curves.json").write_text(json.dumps(data, indent=1) + "\n")
+    _plot_loss(data, folder / "loss.png")
+    _plot_throughput(data, folder / "throughput.png")
+    (folder / "summary.md").write_text(_summary(run, metrics, payload.get("plan", {}), payload.get("recipe", {})))
+    return folder

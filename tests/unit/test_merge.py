@@ -1,0 +1,115 @@
+"""llmtune merge on adapters PEFT writes: every LoRA flavour folds in to the logits base + adapter gives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tiny import make_tiny_model
+
+from llmtune.errors import UserError
+
+PROBE = [[1, 17, 42, 99, 5, 23, 64, 8]]
+
+
+def fake_run(tmp_path: Path, base: Path, **lora) -> tuple[Path, object]:
+    """A run folder holding a randomly initialised (non-zero) adapter, as PEFT saves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(init_lora_weights=False, **lora))
+    if lora.get("use_dora"):  # a trained magnitude differs from the weight norm it starts at
+        import torch
+
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_magnitude_vector" in name:
+                    param.mul_(1.5)
+    run = tmp_path / "run"
+    model.save_pretrained(run)
+    (run / "llmtune").mkdir()
+    recipe = {"base_model": str(base), "datasets": [{"path": "x.jsonl", "type": "alpaca"}], "adapter": "lora",
+              "output_dir": str(run)}  # fmt: skip
+    plan = {"precision": "fp32", "title": "single process", "world_size": 1}
+    (run / "llmtune" / "plan.json").write_text(json.dumps({"recipe": recipe, "plan": plan}))
+    return run, model.eval()
+
+
+def logits(model):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(PROBE)).logits
+
+
+CASES = {
+    "plain": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"},
+    "rslora+patterns": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "use_rslora": True,
+                        "rank_pattern": {"down_proj": 2}, "alpha_pattern": {"v_proj": 3}},
+    "dora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "up_proj"], "use_dora": True},
+    "modules_to_save": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
+    "embedding": {"r": 4, "lora_alpha": 8, "target_modules": ["embed_tokens", "o_proj"]},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_merge_equals_base_plus_adapter(tmp_path, case):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmtune.post.merge import merge_run
+
+    base = make_tiny_model(tmp_path / "base")
+    run, reference = fake_run(tmp_path, base, **CASES[case])
+    result = merge_run(run, tmp_path / "merged")
+    assert result.merged_modules > 0 or case == "modules_to_save"
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    want, got = logits(reference), logits(merged)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert not torch.allclose(logits(AutoModelForCausalLM.from_pretrained(base)), want, atol=1e-4)
+
+
+def test_lora_on_a_tied_output_layer_unties_it(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from llmtune.post.merge import merge_run
+
+    base = make_tiny_model(tmp_path / "base", tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(str(base / "model.safetensors"))  # stored once, as the embedding
+    run, reference = fake_run(tmp_path, base, r=4, lora_alpha=8, target_modules=["lm_head", "q_proj"])
+    merge_run(run, tmp_path / "merged")
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.allclose(logits(merged), logits(reference), atol=1e-5)
+
+
+def test_dtype_and_errors(tmp_path):
+    from safetensors.torch import load_file
+
+    from llmtune.post.merge import merge_run, parse_size
+
+    base = make_tiny_model(tmp_path / "base")
+    run, _ = fake_run(tmp_path, base, r=4, lora_alpha=8, target_modules="all-linear")
+    result = merge_run(run, tmp_path / "bf16", dtype="bf16")
+    assert result.dtype == "bfloat16"
+    assert {str(t.dtype) for t in load_file(str(tmp_path / "bf16" / "model.safetensors")).values()} == {"torch.bfloat16"}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("100KB") == 100_000
+    with pytest.raises(UserError, match="not a size"):
+        parse_size("lots")
+    with pytest.raises(UserError, match="already exists"):
+        merge_run(run, tmp_path / "bf16")
+    with pytest.raises(UserError, match="not an llmtune run folder"):
+        merge_run(tmp_path / "base", tmp_path / "x")
+    # the adapter belongs to another model: named, nothing written
+    other = make_tiny_model(tmp_path / "other", hidden=32, heads=2, kv_heads=1, intermediate=64)
+    plan = json.loads((run / "llmtune" / "plan.json").read_text())
+    plan["recipe"]["base_model"] = str(other)
+    (run / "llmtune" / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(UserError, match="update has shape"):
+        merge_run(run, tmp_path / "wrong")
+    assert not (tmp_path / "wrong").exists() and not list(tmp_path.glob(".wrong.merging-*"))

@@ -1,0 +1,59 @@
+"""Pure helpers behind infer and the report: prompt files and the plotted curves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmtune.errors import UserError
+from llmtune.post.generate import Sampling, read_prompts
+from llmtune.post.report import curves
+
+
+def test_prompt_files_in_every_accepted_shape(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "a"}, "b", {"instruction": "c", "input": "d"},
+            {"messages": [{"role": "user", "content": "e"}, {"role": "assistant", "content": "reference"}]}]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    prompts = [p for _, p in read_prompts(path)]
+    assert prompts == ["a", "b", "c\n\nd", [{"role": "user", "content": "e"}]]
+    text = tmp_path / "p.txt"
+    text.write_text("one\n\ntwo\n")
+    assert [p for _, p in read_prompts(text)] == ["one", "two"]
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ('{"prompt": "ok"}\n{"oops": 1}\n', "p.jsonl line 2: no 'prompt'"),
+    ('{"prompt": "ok"}\nnot json\n', "p.jsonl line 2: not valid JSON"),
+    ("\n\n", "has no prompts"),
+    ("[1, 2]\n", "p.jsonl line 1: expected an object"),
+])  # fmt: skip
+def test_bad_prompt_files_name_the_line(tmp_path, body, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(body)
+    with pytest.raises(UserError, match=message):
+        read_prompts(path)
+    with pytest.raises(UserError, match="does not exist"):
+        read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_sampling_is_greedy_unless_a_temperature_is_given():
+    class Tok:
+        pad_token_id, eos_token_id = 0, 1
+
+    assert Sampling().kwargs(Tok())["do_sample"] is False
+    sampled = Sampling(temperature=0.7, top_p=0.9).kwargs(Tok())
+    assert sampled["do_sample"] is True and sampled["temperature"] == 0.7 and sampled["top_p"] == 0.9
+
+
+def test_curves_pick_train_and_eval_points_by_step():
+    metrics = {
+        "log_history": [{"loss": 2.0, "learning_rate": 1e-3, "step": 1}, {"eval_loss": 1.9, "step": 1},
+                        {"loss": 1.5, "learning_rate": 5e-4, "step": 2}, {"train_runtime": 3.0, "step": 2}],
+        "step_seconds": [0.5, 0.25], "step_real_tokens": [100, 100],
+    }  # fmt: skip
+    data = curves(metrics)
+    assert data["train"] == {"step": [1, 2], "loss": [2.0, 1.5], "learning_rate": [1e-3, 5e-4]}
+    assert data["eval"] == {"step": [1], "loss": [1.9]}
+    assert data["throughput"] == {"step": [1, 2], "tokens_per_second": [200.0, 400.0]}
