@@ -452,6 +452,58 @@ def report(run: Annotated[Path, typer.Argument(help="A run's output_dir.", show_
     typer.echo(f"wrote {folder}: loss.png, throughput.png, summary.md, curves.json")
 
 
+@app.command()
+def slurm(
+    recipe: RecipeArg,
+    nodes: Annotated[int, typer.Option("--nodes", min=1, help="Nodes to allocate (one launcher each).")] = 1,
+    gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", min=1, help="GPUs (processes) per node.")] = 1,
+    partition: Annotated[Optional[str], typer.Option("--partition", help="Slurm partition.")] = None,
+    time: Annotated[Optional[str], typer.Option("--time", help="Time limit, e.g. 4:00:00.")] = None,
+    account: Annotated[Optional[str], typer.Option("--account", help="Slurm account.")] = None,
+    job_name: Annotated[Optional[str], typer.Option("--job-name", help="Job name (default llmtune-<recipe>).")] = None,
+    cpus_per_task: Annotated[Optional[int], typer.Option("--cpus-per-task", min=1)] = None,
+    signal_seconds: Annotated[
+        int, typer.Option("--signal-seconds", min=10, help="Requeue this many seconds before the time limit.")
+    ] = 300,
+    device: Device = None,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="Script path (default OUT/slurm/job.sbatch).")
+    ] = None,
+    submit: Annotated[
+        bool, typer.Option("--submit", help="Submit it with sbatch and print the job id and logs.")
+    ] = False,
+) -> None:
+    """Write an sbatch script that runs the recipe on N nodes (one launcher per node), and optionally submit it."""
+    from llmtune.launch.slurm import SlurmJob, sbatch_script
+    from llmtune.launch.slurm import submit as sbatch
+    from llmtune.plan import make_plan
+    from llmtune.plan.cluster import Cluster
+    from llmtune.plan.files import atomic_write
+    from llmtune.recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    job = SlurmJob(nodes, gpus_per_node, partition, time, account, job_name, cpus_per_task, signal_seconds, device)
+    job.check()
+    # the plan must hold for this cluster shape (batch arithmetic, parallel sizes) before anything is written
+    # (the login node's own GPUs don't matter: the cluster is described, not probed)
+    make_plan(loaded.recipe, Cluster(nodes * gpus_per_node, nodes, 0, "127.0.0.1", 29500, device or "cuda"))
+    output_dir = Path(loaded.recipe.output_dir).resolve()
+    script = (output or output_dir / "slurm" / "job.sbatch").resolve()
+    text = sbatch_script(recipe.resolve(), output_dir, job, Path.cwd(), [sys.executable, "-m", "llmtune"], script)
+    (output_dir / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch writes the job's log there
+    script.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(script, text)
+    script.chmod(0o755)
+    typer.echo(f"wrote {script}")
+    if submit:
+        job_id, _ = sbatch(script)
+        name = job.job_name or f"llmtune-{recipe.stem}"
+        typer.echo(f"submitted job {job_id}; log: {output_dir / 'slurm' / f'{name}-{job_id}.out'}; "
+                   f"rank logs: {output_dir / 'llmtune' / 'logs'}")  # fmt: skip
+    else:
+        typer.echo(f"submit with: sbatch {script}")
+
+
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 2."""
     try:

@@ -1,0 +1,81 @@
+"""`llmtune slurm`: the sbatch script (golden file, bash -n) and its refusals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmtune.errors import UserError
+from llmtune.launch.slurm import SlurmJob, sbatch_script
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "slurm"
+ARGS = (Path("/shared/recipes/llama 8b.yaml"), Path("/shared/runs/llama8b"))
+LLMTUNE = ["/opt/venv/bin/python", "-m", "llmtune"]
+
+
+def script(job: SlurmJob) -> str:
+    return sbatch_script(*ARGS, job, Path("/shared/work"), LLMTUNE, Path("/shared/runs/llama8b/slurm/job.sbatch"))
+
+
+CASES = {
+    "gpu-2x8": SlurmJob(2, 8, partition="gpu", time="4:00:00", account="ml", cpus_per_task=32),
+    "cpu-rehearsal-2x1": SlurmJob(2, 1, job_name="rehearse", device="cpu", signal_seconds=60),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_script_matches_golden_and_parses(name, tmp_path):
+    text = script(CASES[name])
+    golden = GOLDEN / f"{name}.sbatch"
+    if os.environ.get("LLMTUNE_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text()
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    # what every node runs: its machine rank from Slurm, the head's address and port from the script
+    assert "--machine-rank \\$SLURM_NODEID --main-process-ip $HEAD_ADDR --main-process-port $PORT" in text
+    assert "'/shared/recipes/llama 8b.yaml'" in text  # quoted for the shell
+
+
+def test_gpu_and_cpu_directives():
+    gpu, cpu = script(CASES["gpu-2x8"]), script(CASES["cpu-rehearsal-2x1"])
+    assert "#SBATCH --gpus-per-node=8" in gpu and "--num-processes 16 --num-machines 2" in gpu
+    assert "--gpus-per-node" not in cpu and "--device cpu" in cpu and "#SBATCH --signal=B:USR1@60" in cpu
+    for text in (gpu, cpu):
+        assert "#SBATCH --requeue" in text and "scontrol requeue" in text and "NodeAddr" in text
+
+
+@pytest.mark.parametrize(("job", "message"), [
+    (SlurmJob(2, 8, time="four hours"), "not a Slurm time"),
+    (SlurmJob(2, 8, job_name="bad name"), "can't hold"),
+    (SlurmJob(0, 8), "--nodes 0"),
+])  # fmt: skip
+def test_bad_job_settings(job, message):
+    with pytest.raises(UserError, match=message):
+        script(job)
+
+
+def test_cli_writes_the_script_or_refuses_an_impossible_plan(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base_model: m\ndatasets: [{{path: d.jsonl, type: alpaca}}]\noutput_dir: {tmp_path / 'out'}\n"
+                      "pipeline_parallel_size: 3\n")  # fmt: skip
+    (tmp_path / "d.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "llmtune", "slurm", str(recipe), *a], capture_output=True,
+                                        text=True, cwd=tmp_path, timeout=120)  # fmt: skip
+    refused = run("--nodes", "2", "--gpus-per-node", "1")  # 2 processes can't hold 3 pipeline stages
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr and not (tmp_path / "out").exists()
+    recipe.write_text(recipe.read_text().replace("pipeline_parallel_size: 3\n", ""))
+    done = run("--nodes", "2", "--gpus-per-node", "1", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    written = tmp_path / "out" / "slurm" / "job.sbatch"
+    assert written.exists() and os.access(written, os.X_OK) and "sbatch" in done.stdout
+    if shutil.which("sbatch") is None:
+        no_slurm = run("--nodes", "1", "--submit", "--device", "cpu")
+        assert no_slurm.returncode == 2 and "sbatch is not on PATH" in no_slurm.stderr
