@@ -331,8 +331,8 @@ def parse_size_option(flag: str, text: str) -> float:
 
 
 def parse_size(text: str) -> float:
-    """'80GB', '24 GiB', '512MB' -> bytes."""
-    units = {"gib": 2**30, "gb": 1e9, "mib": 2**20, "mb": 1e6, "tib": 2**40, "tb": 1e12}
+    """'80GB', '24 GiB', '512MB', '100KB' -> bytes (a bare number is GB)."""
+    units = {"gib": 2**30, "gb": 1e9, "mib": 2**20, "mb": 1e6, "tib": 2**40, "tb": 1e12, "kib": 2**10, "kb": 1e3}
     cleaned = text.strip().lower().replace(" ", "")
     for unit, scale in units.items():
         if cleaned.endswith(unit):

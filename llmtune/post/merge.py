@@ -30,15 +30,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
-    if not match:
-        raise UserError(f"--max-shard-size '{text}' is not a size", "write it like 5GB, 500MB or 2GiB")
-    number, unit = float(match.group(1)), match.group(2).upper().rstrip("B")
-    base = 1024 if unit.endswith("I") else 1000
-    return int(number * base ** " KMGT".index((unit.rstrip("I") or " ")[0]))
-
-
 # --------------------------------------------------------------------------------------------- reading tensors
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
@@ -302,6 +293,7 @@ def _target_dtype(plan: dict, dtype: str | None):
 
 def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB", dtype: str | None = None,
               force: bool = False, progress: Callable = lambda items, _d, total=None: items) -> MergeResult:  # fmt: skip
+    from llmtune.plan.estimate import parse_size_option
     from llmtune.recipe import Recipe
 
     plan_file = run / "llmtune" / "plan.json"
@@ -310,7 +302,7 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
     payload = json.loads(plan_file.read_text())
     recipe, plan = Recipe.model_validate(payload["recipe"]), payload["plan"]
     output = output or run / "merged"
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = int(parse_size_option("--max-shard-size", max_shard_size))
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype '{dtype}' is not one of {', '.join(DTYPES)}", "use bf16, fp16 or fp32")
     if output.exists() and any(output.iterdir()) and not force:

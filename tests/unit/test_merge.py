@@ -90,7 +90,8 @@ def test_lora_on_a_tied_output_layer_unties_it(tmp_path):
 def test_dtype_and_errors(tmp_path):
     from safetensors.torch import load_file
 
-    from llmtune.post.merge import merge_run, parse_size
+    from llmtune.plan.estimate import parse_size_option
+    from llmtune.post.merge import merge_run
 
     base = make_tiny_model(tmp_path / "base")
     run, _ = fake_run(tmp_path, base, r=4, lora_alpha=8, target_modules="all-linear")
@@ -98,9 +99,10 @@ def test_dtype_and_errors(tmp_path):
     assert result.dtype == "bfloat16"
     assert {str(t.dtype) for t in load_file(str(tmp_path / "bf16" / "model.safetensors")).values()} == {"torch.bfloat16"}
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
-    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("100KB") == 100_000
+    size = lambda text: parse_size_option("--max-shard-size", text)  # noqa: E731 - the flag merge parses with
+    assert size("5GB") == 5 * 10**9 and size("2GiB") == 2 * 2**30 and size("100KB") == 100_000
     with pytest.raises(UserError, match="not a size"):
-        parse_size("lots")
+        size("lots")
     with pytest.raises(UserError, match="already exists"):
         merge_run(run, tmp_path / "bf16")
     with pytest.raises(UserError, match="not an llmtune run folder"):
