@@ -37,6 +37,16 @@ Device = Annotated[
 Rehearse = Annotated[
     bool, typer.Option("--rehearse", help="Rehearse the plan on CPU processes over gloo (same as --device cpu).")
 ]
+Launcher = Annotated[
+    str, typer.Option("--launcher", help="accelerate (torchrun underneath), or deepspeed (DeepSpeed's launcher).")
+]
+Hostfile = Annotated[
+    Optional[Path],
+    typer.Option("--hostfile", help="DeepSpeed hostfile (`host slots=N` lines): the machines and their processes."),
+]
+NoSsh = Annotated[
+    bool, typer.Option("--no-ssh", help="deepspeed: start each machine yourself (with --machine-rank), not over ssh.")
+]
 
 
 def _version(value: bool) -> None:
@@ -54,14 +64,16 @@ def _root(
     """Fine-tune causal LMs from one Axolotl-style recipe."""
 
 
-def _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse=False):
+def _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse=False,
+             launcher: str = "accelerate", hostfile: Path | None = None, no_ssh: bool = False):  # fmt: skip
     from llmtune.plan import make_cluster
 
     if rehearse:
         if device not in (None, "cpu"):
             raise UserError(f"--rehearse runs on CPU but --device is {device}", "drop one of the two flags")
         device = "cpu"
-    return make_cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device)
+    return make_cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device,
+                        launcher, str(hostfile) if hostfile else None, no_ssh)  # fmt: skip
 
 
 @app.command()
@@ -74,13 +86,17 @@ def validate(
     main_process_port: MainPort = None,
     device: Device = None,
     rehearse: Rehearse = False,
+    launcher: Launcher = "accelerate",
+    hostfile: Hostfile = None,
+    no_ssh: NoSsh = False,
 ) -> None:
     """Check a recipe (keys, values, local files) and that it plans for this cluster."""
     from llmtune.plan import make_plan
     from llmtune.recipe import load_recipe
 
     loaded = load_recipe(recipe)
-    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse)
+    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse,
+                       launcher, hostfile, no_ssh)  # fmt: skip
     plan = make_plan(loaded.recipe, cluster)
     for note in loaded.notes:
         typer.echo(f"note: {note}")
@@ -97,6 +113,9 @@ def plan(
     main_process_port: MainPort = None,
     device: Device = None,
     rehearse: Rehearse = False,
+    launcher: Launcher = "accelerate",
+    hostfile: Hostfile = None,
+    no_ssh: NoSsh = False,
     write: Annotated[
         Optional[Path],
         typer.Option("--write", help="Also write accelerate_config.yaml, deepspeed.json and plan.json here."),
@@ -112,13 +131,14 @@ def plan(
     from llmtune.recipe import load_recipe
 
     loaded = load_recipe(recipe)
-    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse)
+    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse,
+                       launcher, hostfile, no_ssh)  # fmt: skip
     the_plan = make_plan(loaded.recipe, cluster, config_dir=str(write) if write else None)
     files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
     if json_output:
         typer.echo(json.dumps(the_plan.to_dict(), indent=2))
     else:
-        print_plan(the_plan, loaded.recipe, files, loaded.notes)
+        print_plan(the_plan, loaded.recipe, files, loaded.notes, recipe_path=str(recipe))
     if write:
         for path in write_plan_files(write, files):
             typer.echo(f"wrote {path}")
@@ -135,6 +155,9 @@ def train(
     main_process_port: MainPort = None,
     device: Device = None,
     rehearse: Rehearse = False,
+    launcher: Launcher = "accelerate",
+    hostfile: Hostfile = None,
+    no_ssh: NoSsh = False,
     gpu_memory: Annotated[
         Optional[str],
         typer.Option("--gpu-memory", help="Check the plan fits GPUs of this size (default on CUDA: measured)."),
@@ -167,7 +190,8 @@ def train(
         return
     if main_process_port is None and num_machines == 1:
         main_process_port = free_port()  # one machine: any free port will do, and two runs never collide
-    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse)
+    cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse,
+                       launcher, hostfile, no_ssh)  # fmt: skip
     the_plan = make_plan(loaded.recipe, cluster)
     fit = None if no_memory_check else _memory_check(loaded.recipe, the_plan, gpu_memory)
     files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RANK_LINE = re.compile(r"^\[rank(\d+)\]:")
+# gloo, when the other end of a connection goes away: the address is the machine that was lost
+LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer \[([^\]]+)\]")
 
 
 @dataclass
@@ -33,11 +35,15 @@ class StderrWatcher(threading.Thread):
         self.held: list[str] = []
         self.holding = False
         self.last_error: dict[int, str] = {}
+        self.lost_peers: list[str] = []  # addresses gloo lost its connection to, first seen first
 
     def run(self) -> None:
         for line in iter(self.stream.readline, ""):
             match = RANK_LINE.match(line)
             user_error = bool(match) and line[match.end() :].startswith("error: ")
+            lost = LOST_PEER.search(line)
+            if lost and lost.group(1) not in self.lost_peers:
+                self.lost_peers.append(lost.group(1))
             if user_error:
                 self.last_error[int(match.group(1))] = line[match.end() :].strip()
             if not self.holding and not match and line.startswith("Traceback (most recent call last):"):
@@ -102,6 +108,14 @@ def report(watcher: StderrWatcher, log_dir: Path, out=None) -> int:
             print(message, file=out)
         return 2
     path, tail = rank_log_tail(log_dir, cause.local_rank)
+    if watcher.lost_peers and cause.exitcode > 0:  # this machine's rank failed because a peer went away
+        peers = ", ".join(watcher.lost_peers)
+        print(f"error: lost contact with {peers}: a rank there stopped answering (the machine failed, was stopped or "
+              f"lost its network); rank {cause.rank} on this machine stopped", file=out)  # fmt: skip
+        print(f"look at the log of the machine at {peers} for the cause", file=out)
+        print("to resume from the last complete checkpoint, run the same command again on every machine "
+              "(or set rdzv_backend: c10d and max_restarts to wait for a restarted machine)", file=out)  # fmt: skip
+        return 1
     print(f"error: rank {cause.rank} (local rank {cause.local_rank} on {cause.host}) {describe_exit(cause.exitcode)}; "
           "the other ranks were stopped", file=out)  # fmt: skip
     if tail:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from llmtune.errors import UserError
 from llmtune.plan.planner import Plan
+from llmtune.train.checkpoints import STOP_FILE
 
 
 def executable_command(command: list[str], extra_launcher_args: list[str] | None = None) -> list[str]:
@@ -26,6 +27,8 @@ def executable_command(command: list[str], extra_launcher_args: list[str] | None
                 *(extra_launcher_args or []), *command[module_at:]]  # fmt: skip
     if command[0] == "python":
         return [sys.executable, *command[1:]]
+    if command[0] == "deepspeed":
+        return [sys.executable, "-m", "deepspeed.launcher.runner", *command[1:]]
     return list(command)
 
 
@@ -36,9 +39,21 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def local_address_towards(host: str) -> str:
+    """This machine's address on the interface that routes to `host` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return host
+
+
 def check_port_free(host: str, port: int) -> None:
     """Fail before launching when the rendezvous port is taken (instead of a hang or a cryptic error)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # as the store will: connections of an earlier run left in TIME_WAIT don't make the port busy
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         bind_port(probe, port)
 
 
@@ -60,7 +75,20 @@ def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: 
     from llmtune.launch import lobby
 
     cluster = plan.cluster
-    if cluster.num_machines > 1:  # every machine checks in first: a missing one is named, not waited on forever
+    if cluster.launcher == "deepspeed" and cluster.ssh and cluster.num_machines > 1:
+        from llmtune.launch.remote import check_ssh_hosts
+
+        check_ssh_hosts(cluster.hosts, _log)  # DeepSpeed starts every machine over ssh: each must answer first
+    elif cluster.num_machines > 1 and plan.rdzv_backend == "c10d":
+        # torchrun's elastic rendezvous gathers the machines itself (in any order, and again after a restart)
+        _log(f"c10d rendezvous at {cluster.main_process_ip}:{cluster.main_process_port}: waiting up to "
+             f"{rdzv_timeout:.0f} s for {cluster.num_machines} machines")  # fmt: skip
+        if cluster.machine_rank == 0:
+            check_port_free(cluster.main_process_ip, cluster.main_process_port)
+        # the address the other machines reach this one at (the ranks' store may live here): torch would take the
+        # host name, which on many clusters resolves to another interface. torchrun reads PET_LOCAL_ADDR.
+        os.environ.setdefault("PET_LOCAL_ADDR", local_address_towards(cluster.main_process_ip))
+    elif cluster.num_machines > 1:  # every machine checks in first: a missing one is named, not waited on forever
         if cluster.machine_rank == 0:
             lobby.gather(plan, rdzv_timeout, _log)
         else:
@@ -70,23 +98,26 @@ def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: 
     command = plan.commands[cluster.machine_rank]
     argv = executable_command(command, extra_launcher_args)
     env = {**os.environ, **plan.env}
+    stop_file = Path(plan.config_dir) / STOP_FILE
+    stop_file.unlink(missing_ok=True)  # a request of an earlier run (e.g. before a requeue) is done with
     if command[:2] != ["accelerate", "launch"]:
-        return supervise(subprocess.Popen(argv, env=env, start_new_session=True))
+        return supervise(subprocess.Popen(argv, env=env, start_new_session=True), stop_file=stop_file)
     from llmtune.launch.failures import StderrWatcher, report
 
     process = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
                                errors="replace", bufsize=1)  # fmt: skip
     watcher = StderrWatcher(process.stderr)
     watcher.start()
-    code = supervise(process)
+    code = supervise(process, stop_file=stop_file)
     watcher.join(timeout=10)
     if code == 0 or code > 128:  # success, or stopped by Ctrl-C/SIGTERM
         return code
     return report(watcher, Path(plan.config_dir) / "logs")
 
 
-def supervise(process: subprocess.Popen, grace: float = 10.0) -> int:
+def supervise(process: subprocess.Popen, grace: float = 10.0, stop_file: Path | None = None) -> int:
     """Wait for the launched group; on SIGINT/SIGTERM stop all of it (SIGTERM, then SIGKILL after `grace`).
+    On SIGUSR1, ask the ranks to save a checkpoint after the current step and stop (they look for `stop_file`).
 
     The signal handler only sends signals: waiting inside it would re-enter Popen.wait and deadlock.
     """
@@ -96,7 +127,13 @@ def supervise(process: subprocess.Popen, grace: float = 10.0) -> int:
         stop_requested.append((signum, time.monotonic()))
         _signal_group(process, signal.SIGTERM)
 
+    def on_usr1(_signum, _frame):
+        if stop_file is not None:
+            stop_file.touch()
+            _log("SIGUSR1: the ranks save a checkpoint after this step and stop (run the same command to resume)")
+
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_usr1)
     try:
         while True:
             try:

@@ -6,8 +6,9 @@ starts `llmtune train` once per node with `srun`, the machine rank being SLURM_N
 the same plan, so the machine check-in (launch/lobby.py) catches a node started differently.
 
 Preemption and time limits: Slurm sends USR1 to the script `--signal` seconds before the limit; the
-script stops the launchers (each saves nothing half-done: checkpoints are atomic) and requeues the
-job, and the requeued job resumes from the newest complete checkpoint (auto_resume_from_checkpoints).
+script asks the ranks to save a checkpoint after their current step and stop (the stop-requested file
+the ranks look for after every step), requeues the job, and the requeued job resumes from that
+checkpoint (auto_resume_from_checkpoints). No step is lost to the requeue.
 """
 
 from __future__ import annotations
@@ -100,11 +101,14 @@ HEAD_ADDR=${{HEAD_ADDR:-$HEAD_NODE}}
 PORT=$({python} -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
 echo "llmtune: job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST, head $HEAD_NODE = $HEAD_ADDR:$PORT"
 
-# Near the time limit (or on preemption notice) Slurm sends USR1: stop the launchers and requeue. The requeued
-# job resumes from the newest complete checkpoint (checkpoints are written atomically, never half).
+# Near the time limit (or on preemption notice) Slurm sends USR1 to this script: the ranks are asked to save a
+# checkpoint after their current step and stop, then the job is requeued and resumes from that checkpoint.
+STOP_FILE={shlex.quote(str(output_dir / "llmtune" / "stop-requested"))}
 requeue() {{
-  echo "llmtune: USR1 received, stopping and requeueing job $SLURM_JOB_ID"
-  kill -TERM "$SRUN_PID" 2>/dev/null
+  echo "llmtune: USR1 received: checkpoint after this step, stop, and requeue job $SLURM_JOB_ID"
+  touch "$STOP_FILE"
+  for _ in $(seq {max(10, job.signal_seconds - 60)}); do kill -0 "$SRUN_PID" 2>/dev/null || break; sleep 1; done
+  kill -TERM "$SRUN_PID" 2>/dev/null  # still running this close to the limit: stop it (the last checkpoint stays)
   wait "$SRUN_PID"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0

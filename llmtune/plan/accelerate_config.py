@@ -50,6 +50,7 @@ def build_accelerate_config(
     deepspeed_path: str | None = None,
     zero_stage: int = 0,
     fsdp: dict | None = None,
+    rdzv_backend: str = "static",
 ) -> dict[str, Any]:
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
@@ -59,8 +60,10 @@ def build_accelerate_config(
         "machine_rank": cluster.machine_rank,
         "main_process_ip": cluster.main_process_ip,
         "main_process_port": cluster.main_process_port,
-        "rdzv_backend": "static",
-        "same_network": True,
+        "rdzv_backend": rdzv_backend,
+        # static: ranks meet at main_process_ip:port as MASTER_ADDR/PORT; c10d: that address is the rendezvous
+        # endpoint (accelerate passes it as --rdzv_endpoint only when same_network is off)
+        "same_network": rdzv_backend == "static",
         "main_training_function": "main",
         "mixed_precision": precision,
         "gpu_ids": "all",

@@ -32,6 +32,10 @@ class Cluster:
     main_process_ip: str = "127.0.0.1"
     main_process_port: int = DEFAULT_PORT
     device: str = "cpu"  # "cuda" (NCCL on GPUs) or "cpu" (gloo rehearsal)
+    launcher: str = "accelerate"  # or "deepspeed" (DeepSpeed's launcher, machines from a hostfile)
+    hostfile: str | None = None
+    ssh: bool = True  # deepspeed: machine 0 starts every machine over ssh (pdsh); False: each starts its own
+    hosts: tuple[str, ...] = ()  # from the hostfile, by machine rank
 
     @property
     def processes_per_machine(self) -> int:
@@ -52,8 +56,42 @@ def make_cluster(
     main_process_ip: str | None = None,
     main_process_port: int | None = None,
     device: str | None = None,
+    launcher: str = "accelerate",
+    hostfile: str | None = None,
+    no_ssh: bool = False,
 ) -> Cluster:
-    """Validate the cluster flags; default to every local GPU on each machine, or one CPU process."""
+    """Validate the cluster flags; default to every local GPU on each machine, or one CPU process.
+
+    With a DeepSpeed hostfile the machines and their processes come from the file; flags that say otherwise
+    are refused rather than silently overridden.
+    """
+    if launcher not in ("accelerate", "deepspeed"):
+        raise UserError(f"--launcher must be accelerate or deepspeed, not {launcher!r}")
+    hosts: tuple[str, ...] = ()
+    if hostfile is not None and launcher != "deepspeed":
+        raise UserError("--hostfile is DeepSpeed's", "add --launcher deepspeed")
+    if no_ssh and launcher != "deepspeed":
+        raise UserError("--no-ssh is for --launcher deepspeed", "accelerate always starts one launcher per machine")
+    if hostfile is not None:
+        from llmtune.plan.hostfile import read_hostfile
+
+        listed = read_hostfile(hostfile)
+        machines, processes = len(listed), sum(slots for _, slots in listed)
+        if num_machines not in (1, machines):
+            raise UserError(f"--num-machines {num_machines} but {hostfile} lists {machines}", "drop --num-machines")
+        if num_processes not in (None, processes):
+            raise UserError(f"--num-processes {num_processes} but {hostfile}'s slots add up to {processes}",
+                            "drop --num-processes, or change the slots")  # fmt: skip
+        num_machines, num_processes = machines, processes
+        hosts = tuple(host for host, _ in listed)
+        main_process_ip = main_process_ip or hosts[0]
+        if not no_ssh and machine_rank != 0:
+            raise UserError("--machine-rank is only for --no-ssh: over ssh, machine 0 starts every machine",
+                            "run the command on the hostfile's first machine only, or add --no-ssh")  # fmt: skip
+        hostfile = str(Path(hostfile).resolve())
+    elif launcher == "deepspeed" and num_machines > 1:
+        raise UserError("--launcher deepspeed on several machines needs --hostfile",
+                        "write one machine per line as `hostname slots=N`")  # fmt: skip
     gpus = count_local_gpus()
     device = device or ("cuda" if gpus else "cpu")
     if device not in ("cuda", "cpu"):
@@ -82,4 +120,5 @@ def make_cluster(
             f"{per_machine} processes per machine but this machine has {gpus} GPU(s)",
             "lower --num-processes, or rehearse on CPU with --device cpu",
         )
-    return Cluster(num_processes, num_machines, machine_rank, main_process_ip or "127.0.0.1", port, device)
+    return Cluster(num_processes, num_machines, machine_rank, main_process_ip or "127.0.0.1", port, device,
+                   launcher, hostfile, not no_ssh, hosts)  # fmt: skip

@@ -43,7 +43,27 @@ def plan_files(plan: Plan, recipe_dict: dict, recipe_path: str, notes: list[str]
         files["accelerate_config.yaml"] = yaml.safe_dump(plan.accelerate_config, sort_keys=True)
     if plan.deepspeed_config:
         files["deepspeed.json"] = json.dumps(plan.deepspeed_config, indent=2) + "\n"
+    cluster = plan.cluster
+    if cluster.launcher == "deepspeed":
+        if not cluster.hostfile:
+            files["hostfile"] = f"localhost slots={cluster.processes_per_machine}\n"
+        files["deepspeed_env"] = deepspeed_env_text(plan.env, os.environ)
     return files
+
+
+# What the machines DeepSpeed starts over ssh must also see: network and NCCL/gloo settings, caches, offline mode.
+FORWARDED_PREFIXES = ("GLOO_", "NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "HF_HOME", "HF_HUB_", "HF_DATASETS_",
+                      "TRANSFORMERS_", "CUDA_DEVICE_ORDER", "LLMTUNE_")  # fmt: skip
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+
+
+def deepspeed_env_text(plan_env: dict[str, str], environ) -> str:
+    """DeepSpeed's environment file (DS_ENV_FILE): the plan's variables and the forwarded ones, never a secret."""
+    values = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
+    values.update({k: v for k, v in plan_env.items() if k != "DS_ENV_FILE"})
+    lines = [f"{k}={v}" for k, v in sorted(values.items())
+             if not any(word in k.upper() for word in SECRET_WORDS) and "\n" not in v and '"' not in v]  # fmt: skip
+    return "".join(line + "\n" for line in lines)
 
 
 def write_plan_files(directory: Path, files: dict[str, str]) -> list[Path]:

@@ -54,6 +54,7 @@ class Plan:
     commands: list[list[str]]  # one per machine, by machine rank
     pipeline: PipelinePlan | None = None
     notes: list[str] = field(default_factory=list)
+    rdzv_backend: str = "static"  # c10d: torchrun's elastic rendezvous (machines join in any order, may rejoin)
 
     @property
     def title(self) -> str:
@@ -184,13 +185,26 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
     accelerate = None
     if strategy != "single":
         accelerate = build_accelerate_config(
-            strategy, cluster, precision, ds_path, int(strategy[-1]) if ds_path else 0, fsdp
+            strategy, cluster, precision, ds_path, int(strategy[-1]) if ds_path else 0, fsdp, recipe.rdzv_backend
         )
+    elif recipe.rdzv_backend == "c10d":
+        raise UserError("rdzv_backend: c10d needs torchrun's launcher, which a single process doesn't use",
+                        "set max_restarts for restarts on one machine, or train on several processes")  # fmt: skip
     env = _environment(cluster, strategy)
+    if cluster.launcher == "deepspeed":
+        if recipe.rdzv_backend == "c10d" or recipe.max_restarts:
+            raise UserError("rdzv_backend: c10d and max_restarts are torchrun's; DeepSpeed's launcher has neither",
+                            "use --launcher accelerate for an elastic job")  # fmt: skip
+        # DeepSpeed's launcher exports only a few variables to the machines it starts: the rest go in this file
+        env["DS_ENV_FILE"] = str(Path(config_dir) / "deepspeed_env")
+    if recipe.rdzv_backend == "c10d":
+        # a fresh TCP store for the ranks of every rendezvous round: a machine that restarted (its restart count
+        # back at 0) and the survivors (at 1) then meet in the same clean store, instead of stale keys of the dead
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     commands = [_command(strategy, config_dir, rank, recipe, cluster) for rank in range(cluster.num_machines)]
     return Plan(
         strategy, offload, world, data_parallel, recipe.micro_batch_size, accumulation, global_batch, precision,
-        cluster, config_dir, accelerate, deepspeed_config, env, commands, pipeline, notes,
+        cluster, config_dir, accelerate, deepspeed_config, env, commands, pipeline, notes, recipe.rdzv_backend,
     )  # fmt: skip
 
 
@@ -210,15 +224,40 @@ def _environment(cluster: Cluster, strategy: str) -> dict[str, str]:
 def _command(strategy: str, config_dir: str, machine_rank: int, recipe: Recipe, cluster: Cluster) -> list[str]:
     plan_file = str(Path(config_dir) / "plan.json")
     restarts = ["--max_restarts", str(recipe.max_restarts)] if recipe.max_restarts else []
+    if cluster.launcher == "deepspeed":
+        return _deepspeed_command(plan_file, config_dir, machine_rank, cluster)
     if strategy == "single":
         if restarts:  # torchrun's elastic agent does the restarting, even for one process
             return ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *restarts,
                     "-m", "llmtune.train", plan_file]  # fmt: skip
         return ["python", "-m", "llmtune.train", plan_file]
     rendezvous = ["--rdzv_conf", f"timeout={recipe.rdzv_timeout}"] if cluster.num_machines > 1 else []
+    if recipe.rdzv_backend == "c10d":
+        # join_timeout: how long a round waits for every machine (also a restarted one to come back);
+        # last_call: once enough have joined, how long late ones may still make this round
+        rendezvous = ["--rdzv_backend", "c10d", "--rdzv_conf",
+                      f"join_timeout={recipe.rdzv_timeout},last_call_timeout=2,close_timeout=10,"
+                      # machine 0 (whose address is the endpoint) hosts the rendezvous store; said outright,
+                      # because torch's guess compares host names, which fails on a secondary interface
+                      f"is_host={int(machine_rank == 0)}"]  # fmt: skip
     # every rank's output also goes to <config_dir>/logs/.../attempt_N/<local rank>/, lines prefixed [rankR]:
     logs = ["--tee", "3", "--log_dir", str(Path(config_dir) / "logs")]
     return [
         "accelerate", "launch", "--config_file", str(Path(config_dir) / "accelerate_config.yaml"),
         "--machine_rank", str(machine_rank), *restarts, *rendezvous, *logs, "-m", "llmtune.train", plan_file,
     ]  # fmt: skip
+
+
+def _deepspeed_command(plan_file: str, config_dir: str, machine_rank: int, cluster: Cluster) -> list[str]:
+    """DeepSpeed's launcher. Over ssh only machine 0 runs it (it starts the others with pdsh); with --no-ssh every
+    machine runs it with its own --node_rank. Without a hostfile, llmtune writes one for this machine."""
+    if cluster.ssh and machine_rank > 0:
+        return []  # started by machine 0 over ssh
+    hostfile = cluster.hostfile or str(Path(config_dir) / "hostfile")
+    command = ["deepspeed", "--hostfile", hostfile, "--master_addr", cluster.main_process_ip,
+               "--master_port", str(cluster.main_process_port)]  # fmt: skip
+    if not cluster.ssh:
+        command += ["--no_ssh", "--node_rank", str(machine_rank)]
+    else:  # llmtune checks every host itself first and names the one that fails (DeepSpeed checks the first only,
+        command += ["--no_ssh_check"]  # and even for a hostfile of one machine, which needs no ssh)
+    return [*command, "--no_local_rank", "--module", "llmtune.train", plan_file]

@@ -60,13 +60,60 @@ def summary_lines(plan: Plan, recipe) -> list[tuple[str, str]]:
 def command_lines(plan: Plan) -> list[str]:
     lines = []
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
+    hosts = plan.cluster.hosts
     for rank, command in enumerate(plan.commands):
-        prefix = f"machine {rank}: " if len(plan.commands) > 1 else ""
+        where = f" ({hosts[rank]})" if rank < len(hosts) else ""
+        prefix = f"machine {rank}{where}: " if len(plan.commands) > 1 else ""
+        if not command:
+            lines.append(f"{prefix}started by machine 0's DeepSpeed launcher over ssh (pdsh)")
+            continue
         lines.append(f"{prefix}{env} {shlex.join(command)}".strip())
     return lines
 
 
-def print_plan(plan: Plan, recipe, files: dict[str, str], notes: list[str], show_files: bool = True) -> None:
+def _ranks(plan: Plan, machine: int) -> str:
+    per = plan.cluster.processes_per_machine
+    if plan.rdzv_backend == "c10d":
+        return f"{per} rank(s), numbered at the rendezvous"
+    first = machine * per
+    return f"rank {first}" if per == 1 else f"ranks {first}..{first + per - 1}"
+
+
+def where_lines(plan: Plan, recipe_path: str) -> list[str]:
+    """For a job on several machines: what to type on which machine under each launcher, and which ranks run there."""
+    cluster = plan.cluster
+    machines = cluster.num_machines
+    if machines < 2:
+        return []
+    recipe = shlex.quote(recipe_path)
+    device = " --device cpu" if cluster.rehearsal else ""
+    address = f"{cluster.main_process_ip}:{cluster.main_process_port}"
+    hosts = cluster.hosts or tuple([cluster.main_process_ip] + [f"machine-{i}" for i in range(1, machines)])
+    hostfile = cluster.hostfile or "HOSTFILE"
+    size = f"--num-machines {machines} --num-processes {plan.world_size}"
+    lines = [f"accelerate (torchrun underneath; rendezvous {plan.rdzv_backend} at {address}):"]
+    for m in range(machines):
+        lines.append(f"  on {hosts[m]}: llmtune train {recipe}{device} {size} --machine-rank {m} "
+                     f"--main-process-ip {cluster.main_process_ip} --main-process-port {cluster.main_process_port}"
+                     f"  -> accelerate launch -> {_ranks(plan, m)}")  # fmt: skip
+    lines.append(f"deepspeed over ssh (hostfile {hostfile}, `host slots={cluster.processes_per_machine}` per line):")
+    lines.append(f"  on {hosts[0]} only: llmtune train {recipe}{device} --launcher deepspeed --hostfile {hostfile}")
+    for m in range(machines):
+        lines.append(
+            f"    pdsh -> {hosts[m]}: python -m deepspeed.launcher.launch --node_rank={m} -> {_ranks(plan, m)}"
+        )
+    lines.append("deepspeed without ssh (each machine starts its own):")
+    for m in range(machines):
+        lines.append(f"  on {hosts[m]}: llmtune train {recipe}{device} --launcher deepspeed --hostfile {hostfile} "
+                     f"--no-ssh --machine-rank {m} -> {_ranks(plan, m)}")  # fmt: skip
+    lines.append("slurm (from a login node):")
+    lines.append(f"  llmtune slurm {recipe}{device} --nodes {machines} --gpus-per-node {cluster.processes_per_machine}"
+                 " --submit  -> sbatch -> srun: one llmtune launcher per node, machine rank = SLURM_NODEID")  # fmt: skip
+    return lines
+
+
+def print_plan(plan: Plan, recipe, files: dict[str, str], notes: list[str], show_files: bool = True,
+               recipe_path: str = "RECIPE") -> None:  # fmt: skip
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -82,9 +129,19 @@ def print_plan(plan: Plan, recipe, files: dict[str, str], notes: list[str], show
         console.print(f"[yellow]note:[/] {note}")
     console.print("\n[bold]commands[/] (llmtune train runs these; on several machines, run each on its machine):")
     for line in command_lines(plan):
-        console.print(f"  {line}", soft_wrap=True)
+        console.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
+    where = where_lines(plan, recipe_path)
+    if where:
+        console.print("\n[bold]what runs where[/], under each launcher:")
+        for line in where:
+            console.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
     if show_files:
-        for name in ("accelerate_config.yaml", "deepspeed.json"):
+        shown = (
+            ("deepspeed.json", "hostfile")
+            if plan.cluster.launcher == "deepspeed"
+            else ("accelerate_config.yaml", "deepspeed.json")
+        )
+        for name in shown:
             if name in files:
                 console.print(f"\n[bold]{name}[/]")
                 console.print(escape(files[name].rstrip()), soft_wrap=True, highlight=False)

@@ -84,6 +84,12 @@ class DistributedKeys(Section):
         description="After a rank crashes, restart all ranks up to N times "
         "(torchrun's elastic agent); they resume from the last complete checkpoint.",
     )
+    rdzv_backend: Literal["static", "c10d"] = Field(
+        "static",
+        description="Rendezvous: static (fixed machine ranks, every machine checks in first) or c10d "
+        "(torchrun's elastic rendezvous at --main-process-ip:--main-process-port: machines may join in any "
+        "order and a restarted machine rejoins; with max_restarts the job survives it).",
+    )
     rdzv_timeout: int = Field(
         600,
         gt=0,

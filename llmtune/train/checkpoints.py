@@ -16,6 +16,7 @@ from pathlib import Path
 
 MARKER = "llmtune-complete.json"
 STAGING = ".checkpoint-staging"
+STOP_FILE = "stop-requested"  # in <config_dir>: the launcher asks the ranks to checkpoint and stop (SIGUSR1)
 
 
 def step_of(path: Path) -> int:

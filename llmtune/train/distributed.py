@@ -55,8 +55,9 @@ def _join_restarted_group(plan: dict, rank: int, world: int, collective_timeout:
     accelerate and DeepSpeed then find the group already formed.
     """
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0:
-        return
+    if attempt == 0 or plan.get("rdzv_backend", "static") != "static":
+        return  # c10d hands every round a fresh store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), and restart counts differ
+        # between a machine that restarted and the survivors, so a prefix by attempt would split them
     from datetime import timedelta
 
     import torch.distributed as dist

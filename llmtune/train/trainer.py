@@ -83,11 +83,47 @@ class StepStats(TrainerCallback):
         self.first_step_end_unix = self.first_step_end_unix or time.time()
 
 
+STOP_FILE = checkpoints.STOP_FILE
+
+
+class StopOnRequest(TrainerCallback):
+    """Save a checkpoint at the end of the current step and stop, when asked: `kill -USR1` to `llmtune train`, or
+    the sbatch script on Slurm's warning before the time limit, leaves <config_dir>/stop-requested. Each machine's
+    first rank looks for it after every step; one all-reduce makes every rank stop after the same step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.stopped_at: int | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import torch
+
+        asked = int(os.environ.get("LOCAL_RANK", 0)) == 0 and self.path.exists()
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            import torch.distributed as dist
+
+            flag = torch.tensor([float(asked)], device=args.device)
+            dist.all_reduce(flag)
+            asked = bool(flag.item())
+        if asked and state.global_step < state.max_steps:
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_at = state.global_step
+
+
 class TestKillAfterSave(TrainerCallback):
     """Tests only: LLMTUNE_TEST_EXIT_AFTER_STEP=k kills one rank right after checkpoint k is complete."""
 
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(float(os.environ.get("LLMTUNE_TEST_STEP_SLEEP", 0)))  # slow steps: time to signal a run mid-way
+
     def on_save(self, args, state, control, **kwargs):
         _test_kill("LLMTUNE_TEST_EXIT_AFTER_STEP", state.global_step)
+        # LLMTUNE_TEST_PAUSE_AFTER_STEP=k: this rank says so in LLMTUNE_TEST_PAUSE_FILE and stops moving, so a
+        # test can kill its whole machine at a known point (a node lost mid-run)
+        if os.environ.get("LLMTUNE_TEST_PAUSE_AFTER_STEP") == str(state.global_step):
+            Path(os.environ["LLMTUNE_TEST_PAUSE_FILE"]).touch()
+            time.sleep(3600)
 
 
 def _disk_full(err: BaseException, folder: Path) -> bool:
@@ -192,11 +228,17 @@ class LlmtuneTrainer(Trainer):
             self._staging = False
         _test_kill("LLMTUNE_TEST_KILL_IN_SAVE", step)
         self.accelerator.wait_for_everyone()
-        if self.accelerator.is_local_main_process and staged.exists():  # one per node; shared storage: the first
-            try:
-                checkpoints.publish(staged, final, {"step": step, "world_size": self.accelerator.num_processes})
-            except FileNotFoundError:
-                pass  # another node's main process moved it (shared storage)
+        # Rank 0 publishes first; then, on machines with their own disk (not shared storage), each machine's first
+        # rank publishes its copy. Publishing at once from every machine raced on shared storage: one machine's
+        # "replace the same step saved again" moved away the checkpoint another had just put in place.
+        info = {"step": step, "world_size": self.accelerator.num_processes}
+        if self.accelerator.is_main_process and staged.exists():
+            checkpoints.publish(staged, final, info)
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()
+        if self.accelerator.is_local_main_process and not self.accelerator.is_main_process and staged.exists():
+            checkpoints.publish(staged, final, info)
+        if self.accelerator.is_local_main_process:
             try:
                 staging_root.rmdir()
             except OSError:

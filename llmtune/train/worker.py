@@ -17,6 +17,8 @@ from llmtune.recipe.loader import recipe_fingerprint
 from llmtune.train import distributed
 from llmtune.train.progress import log, track
 
+TEST_HOOKS = ("LLMTUNE_TEST_EXIT_AFTER_STEP", "LLMTUNE_TEST_PAUSE_AFTER_STEP", "LLMTUNE_TEST_STEP_SLEEP")
+
 
 def _tracking_env(recipe, output_dir: Path) -> None:
     """Tracker settings go through the environment variables each integration reads (never secrets)."""
@@ -121,7 +123,15 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from llmtune.train.data.prepare import prepare_data
     from llmtune.train.model import load_model, load_tokenizer, model_source
     from llmtune.train.save import write_run_files
-    from llmtune.train.trainer import LlmtuneTrainer, Rows, StepStats, StopOnNonFiniteLoss, TestKillAfterSave
+    from llmtune.train.trainer import (
+        STOP_FILE,
+        LlmtuneTrainer,
+        Rows,
+        StepStats,
+        StopOnNonFiniteLoss,
+        StopOnRequest,
+        TestKillAfterSave,
+    )  # fmt: skip
 
     output_dir = Path(recipe.output_dir)
     state = PartialState()
@@ -151,11 +161,13 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(data.eval) if data.eval else None,
         data_collator=Collator(tokenizer.pad_token_id, recipe.sequence_len if recipe.pad_to_sequence_len else None),
         processing_class=tokenizer,
-        callbacks=[StopOnNonFiniteLoss()] + ([TestKillAfterSave()] if os.environ.get("LLMTUNE_TEST_EXIT_AFTER_STEP") else []),
+        callbacks=[StopOnNonFiniteLoss()] + ([TestKillAfterSave()] if any(k in os.environ for k in TEST_HOOKS) else []),
     )  # fmt: skip
     trainer.plan = plan
     step_stats = StepStats(trainer)
     trainer.add_callback(step_stats)
+    stop = StopOnRequest(Path(plan["config_dir"]) / STOP_FILE)
+    trainer.add_callback(stop)
     if state.is_local_main_process:
         clear_staging(output_dir)  # whatever a killed save left half-written
     state.wait_for_everyone()
@@ -168,6 +180,11 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     started = time.time()
     result = trainer.train(resume_from_checkpoint=resume)
     meter.close()
+    if stop.stopped_at is not None:
+        # a checkpoint of this step is saved; the run is not finished, so no final model and no metrics.json
+        log(f"stopped on request after step {stop.stopped_at}; checkpoint-{stop.stopped_at} is saved: "
+            "run the same command to resume from it")  # fmt: skip
+        return {"stopped_at": stop.stopped_at}
     seconds = time.time() - started
     metrics = {"train_loss": result.training_loss}
     if data.eval:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from harness import ROOT, losses, make_workspace, read_metrics, train_run, write_run_recipe
 
 pytestmark = pytest.mark.integration
@@ -40,11 +41,13 @@ def hosts():
     tag = os.getpid() % 200 + 20
     names = (f"lt-a-{tag}", f"lt-b-{tag}")
     addresses = (f"10.77.{tag}.1", f"10.77.{tag}.2")
-    links = (f"lta{tag}", f"ltb{tag}")
+    pair = (f"lta{tag}", f"ltb{tag}")
+    links = ("ltnet", "ltnet")  # one interface name on every host, as on a cluster: one GLOO_SOCKET_IFNAME for all
     commands = [
         *[["ip", "netns", "add", n] for n in names],
-        ["ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1]],
-        *[["ip", "link", "set", link, "netns", n] for link, n in zip(links, names, strict=True)],
+        ["ip", "link", "add", pair[0], "type", "veth", "peer", "name", pair[1]],
+        *[["ip", "link", "set", end, "netns", n] for end, n in zip(pair, names, strict=True)],
+        *[["ip", "-n", n, "link", "set", end, "name", link] for end, n, link in zip(pair, names, links, strict=True)],
     ]
     for n, link, address in zip(names, links, addresses, strict=True):
         commands += [["ip", "-n", n, "addr", "add", f"{address}/24", "dev", link], ["ip", "-n", n, "link", "set", link, "up"],
@@ -63,10 +66,11 @@ def workspace(tmp_path_factory, tiny_model):
     return make_workspace(tmp_path_factory, "netns", tiny_model)
 
 
-def launcher(hosts, index: int, recipe: Path, port: int, machines: tuple[int, ...] = (0, 1)) -> subprocess.Popen:
+def launcher(hosts, index: int, recipe: Path, port: int, env: dict | None = None) -> subprocess.Popen:
     """`llmtune train` as machine `index`, inside namespace `index`; gloo told which interface to use."""
+    extra = [f"{k}={v}" for k, v in (env or {}).items()]
     argv = ["ip", "netns", "exec", hosts["names"][index], "env", f"GLOO_SOCKET_IFNAME={hosts['links'][index]}",
-            "PYTHONUNBUFFERED=1", sys.executable, "-m", "llmtune", "train", str(recipe), "--device", "cpu",
+            "PYTHONUNBUFFERED=1", *extra, sys.executable, "-m", "llmtune", "train", str(recipe), "--device", "cpu",
             "--num-machines", "2", "--num-processes", "2", "--machine-rank", str(index),
             "--main-process-ip", hosts["addresses"][0], "--main-process-port", str(port)]  # fmt: skip
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -87,8 +91,13 @@ def finish(processes: list[subprocess.Popen], timeout: float = 600) -> list[tupl
     return results
 
 
-def test_two_hosts_train_as_one_job(hosts, workspace):
-    reference, _ = train_run(workspace, "reference", 1, gradient_accumulation_steps=2)
+@pytest.fixture(scope="module")
+def reference(workspace):
+    """One process with the two-host jobs' global batch (2 x 4 = 4 x accumulation 2)."""
+    return train_run(workspace, "reference", 1, gradient_accumulation_steps=2)[0]
+
+
+def test_two_hosts_train_as_one_job(hosts, workspace, reference):
     recipe = write_run_recipe(workspace, "two-hosts")
     results = finish([launcher(hosts, 0, recipe, 29611), launcher(hosts, 1, recipe, 29611)])
     assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
@@ -108,3 +117,197 @@ def test_a_host_that_never_joins_is_named_within_the_timeout(hosts, workspace, p
         assert "machine rank(s) 1 of 2 did not join within 8 s" in err
     else:
         assert f"could not reach machine rank 0 at {hosts['addresses'][0]}:29612" in err
+
+
+# A machine lost mid-run: 2 epochs of 4 steps, a checkpoint every 3 steps. Machine 1's ranks stop moving right
+# after checkpoint 3 (while machine 0's go on into step 4 and wait for them), then every process in machine 1's
+# namespace is killed: the machine is gone, as after a power cut.
+LOST = {"num_epochs": 2, "save_strategy": "steps", "save_steps": 3, "logging_steps": 1}
+
+
+def kill_machine(hosts, index: int, pause_file: Path, deadline: float = 300) -> None:
+    """Wait until machine `index` paused after its checkpoint, then SIGKILL every process in its namespace."""
+    started = time.monotonic()
+    while not pause_file.exists():
+        assert time.monotonic() - started < deadline, "machine 1 never reached the checkpoint"
+        time.sleep(0.2)
+    pids = subprocess.run(["ip", "netns", "pids", hosts["names"][index]], capture_output=True, text=True).stdout.split()
+    assert pids, "no process in the namespace to kill"
+    for pid in pids:
+        try:
+            os.kill(int(pid), 9)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_machine_lost_mid_run_stops_the_job_naming_it(hosts, workspace, tmp_path):
+    recipe = write_run_recipe(workspace, "lost-static", **LOST)
+    pause = tmp_path / "paused"
+    survivor = launcher(hosts, 0, recipe, 29613)
+    lost = launcher(hosts, 1, recipe, 29613, {"LLMTUNE_TEST_PAUSE_AFTER_STEP": 3, "LLMTUNE_TEST_PAUSE_FILE": pause})
+    try:
+        kill_machine(hosts, 1, pause)
+        killed_at = time.monotonic()
+        [(code, err)] = finish([survivor], timeout=300)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        finish([lost], timeout=30)
+    assert code == 1, err[-3000:]
+    assert stopped_after < 60, f"machine 0 took {stopped_after:.0f} s to notice"
+    # the survivor names the machine it lost, by address, and says how to go on
+    assert f"lost contact with {hosts['addresses'][1]}" in err, err[-3000:]
+    assert "to resume from the last complete checkpoint, run the same command again" in err
+    out = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+    assert (out / "checkpoint-3" / "llmtune-complete.json").is_file() and not (out / "metrics.json").exists()
+
+
+def test_elastic_job_survives_a_machine_restart(hosts, workspace, tmp_path):
+    """c10d rendezvous + max_restarts: machine 0 waits for the lost machine to come back, and the job resumes from
+    checkpoint 3 and finishes with the uninterrupted run's losses."""
+    reference, _ = train_run(workspace, "lost-reference", 1, gradient_accumulation_steps=2, **LOST)
+    recipe = write_run_recipe(workspace, "lost-elastic", rdzv_backend="c10d", max_restarts=1, rdzv_timeout=120, **LOST)
+    out = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+    pause = tmp_path / "paused"
+    survivor = launcher(hosts, 0, recipe, 29614)
+    lost = launcher(hosts, 1, recipe, 29614, {"LLMTUNE_TEST_PAUSE_AFTER_STEP": 3, "LLMTUNE_TEST_PAUSE_FILE": pause})
+    try:
+        kill_machine(hosts, 1, pause)
+        finish([lost], timeout=30)
+        rebooted = launcher(hosts, 1, recipe, 29614)  # the machine is back: the same command as before
+        results = finish([survivor, rebooted], timeout=600)
+    finally:
+        finish([survivor, lost], timeout=30)
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    assert f"resuming from {out / 'checkpoint-3'}" in results[0][1] + results[1][1]
+    metrics = read_metrics(recipe)
+    assert metrics["steps"] == 8 and metrics["world_size"] == 2 and metrics["resumed_from"] == str(out / "checkpoint-3")
+    resumed = [(e["step"], e["loss"]) for e in metrics["log_history"] if "loss" in e and e["step"] > 3]
+    expected = [(e["step"], e["loss"]) for e in reference["log_history"] if "loss" in e and e["step"] > 3]
+    assert [s for s, _ in resumed] == [4, 5, 6, 7, 8]
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in expected], abs=2e-5)
+
+
+# DeepSpeed's own launcher. Over ssh: machine 0 reads the hostfile and starts every machine with pdsh; each host
+# runs an sshd in its namespace, reached with a key made for the test (pdsh's ssh gets it via PDSH_SSH_ARGS_APPEND).
+
+
+def _missing_ssh_tools() -> str | None:
+    missing = [tool for tool in ("pdsh", "ssh", "ssh-keygen") if shutil.which(tool) is None]
+    missing += [] if Path("/usr/sbin/sshd").exists() else ["sshd"]
+    return f"not installed: {', '.join(missing)} (.ci/run installs pdsh and openssh-server)" if missing else None
+
+
+@pytest.fixture(scope="module")
+def ssh_env(hosts, tmp_path_factory):
+    why = _missing_ssh_tools()
+    if why:
+        pytest.skip(why)
+    folder = tmp_path_factory.mktemp("ssh")
+    for key in ("host_key", "client_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / key)], check=True)
+    (folder / "authorized_keys").write_text((folder / "client_key.pub").read_text())
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation directory
+    daemons = []
+    try:
+        for index, (name, address) in enumerate(zip(hosts["names"], hosts["addresses"], strict=True)):
+            config = folder / f"sshd-{index}.conf"
+            config.write_text("\n".join([
+                f"ListenAddress {address}", "Port 22", f"HostKey {folder / 'host_key'}",
+                f"AuthorizedKeysFile {folder / 'authorized_keys'}", "PermitRootLogin prohibit-password",
+                "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
+                f"PidFile {folder / f'sshd-{index}.pid'}", ""]))  # fmt: skip
+            daemons.append(subprocess.Popen(["ip", "netns", "exec", name, "/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+        options = (
+            f"-i {folder / 'client_key'} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
+        )
+        env = {"PDSH_SSH_ARGS_APPEND": options}
+        for address in hosts["addresses"]:  # wait until both answer
+            for _ in range(50):
+                probe = subprocess.run(["ip", "netns", "exec", hosts["names"][0], "ssh", "-o", "BatchMode=yes",
+                                        *options.split(), address, "true"], capture_output=True)  # fmt: skip
+                if probe.returncode == 0:
+                    break
+                time.sleep(0.2)
+            else:
+                raise AssertionError(f"sshd on {address} never answered: {probe.stderr.decode()[-500:]}")
+        yield env
+    finally:
+        for daemon in daemons:
+            daemon.kill()
+            daemon.wait()
+
+
+def write_hostfile(workspace, name: str, addresses) -> Path:
+    path = workspace[0] / name
+    path.write_text("# machines of the test job\n" + "".join(f"{a} slots=1\n" for a in addresses))
+    return path
+
+
+def test_deepspeed_hostfile_launcher_over_ssh(hosts, ssh_env, workspace, reference):
+    recipe = write_run_recipe(workspace, "ds-ssh", deepspeed="zero2")
+    hostfile = write_hostfile(workspace, "hosts-ssh", hosts["addresses"])
+    plan = llmtune_in(hosts, 0, ["plan", recipe, "--device", "cpu", "--launcher", "deepspeed", "--hostfile", hostfile])
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert "deepspeed --hostfile" in plan.stdout and "over ssh" in plan.stdout
+    # only machine 0 runs a command: DeepSpeed starts machine 1 itself
+    done = llmtune_in(hosts, 0, ["train", recipe, "--device", "cpu", "--launcher", "deepspeed", "--hostfile", hostfile],
+                      ssh_env)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"ssh reaches all 2 machines: {', '.join(hosts['addresses'])}" in done.stderr
+    # pdsh prefixes what each machine printed with its address: DeepSpeed's per-node launcher ran on both
+    output = done.stdout + done.stderr
+    for address in hosts["addresses"]:
+        assert f"{address}: " in output and "deepspeed.launcher.launch" in output
+    metrics = read_metrics(recipe)
+    assert metrics["world_size"] == 2 and metrics["strategy"] == "zero2"
+    assert len({r["first_batch"] for r in metrics["ranks"]}) == 2
+    assert losses(metrics) == pytest.approx(losses(reference), abs=2e-5)
+
+
+def test_deepspeed_hostfile_launcher_without_ssh(hosts, workspace, reference):
+    recipe = write_run_recipe(workspace, "ds-no-ssh")
+    hostfile = write_hostfile(workspace, "hosts-no-ssh", hosts["addresses"])
+    flags = ["--launcher", "deepspeed", "--hostfile", hostfile, "--no-ssh", "--main-process-port", "29615"]
+    processes = [
+        spawn_in(hosts, i, ["train", recipe, "--device", "cpu", *flags, "--machine-rank", str(i)]) for i in (0, 1)
+    ]
+    results = finish(processes)
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    metrics = read_metrics(recipe)
+    assert metrics["world_size"] == 2 and len({r["first_batch"] for r in metrics["ranks"]}) == 2
+    assert losses(metrics) == pytest.approx(losses(reference), abs=2e-5)
+
+
+def test_a_host_ssh_cannot_reach_is_named_before_anything_starts(hosts, ssh_env, workspace):
+    recipe = write_run_recipe(workspace, "ds-unreachable")
+    ghost = hosts["addresses"][1].rsplit(".", 1)[0] + ".9"  # on the hosts' network, but no machine has it
+    hostfile = write_hostfile(workspace, "hosts-ghost", [*hosts["addresses"], ghost])
+    started = time.monotonic()
+    done = llmtune_in(hosts, 0, ["train", recipe, "--device", "cpu", "--launcher", "deepspeed", "--hostfile", hostfile,
+                                 "--num-processes", "3"], ssh_env, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert f"machine rank 2 ({ghost}) is not reachable over ssh" in done.stderr
+    assert time.monotonic() - started < 60
+    out = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+    assert not (out / "metrics.json").exists() and not list(out.glob("checkpoint-*"))
+
+
+def spawn_in(hosts, index: int, args: list, env: dict | None = None) -> subprocess.Popen:
+    """`llmtune ARGS` inside namespace `index`."""
+    extra = [f"{k}={v}" for k, v in (env or {}).items()]
+    argv = ["ip", "netns", "exec", hosts["names"][index], "env", f"GLOO_SOCKET_IFNAME={hosts['links'][index]}",
+            "PYTHONUNBUFFERED=1", *extra, sys.executable, "-m", "llmtune", *map(str, args)]  # fmt: skip
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)  # fmt: skip
+
+
+def llmtune_in(hosts, index: int, args: list, env: dict | None = None, timeout: float = 600):
+    process = spawn_in(hosts, index, args, env)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+            process.wait()
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)

@@ -134,3 +134,47 @@ def test_rerunning_a_finished_run_does_nothing(workspace, straight):
     assert again.returncode == 0 and "already holds this recipe's finished run" in again.stderr
     assert (out / "model.safetensors").stat().st_mtime_ns == before
     assert json.loads((out / "metrics.json").read_text())["steps"] == 8
+
+
+def test_sigusr1_checkpoints_after_the_step_and_the_rerun_resumes_bit_exact(workspace, straight):
+    """`kill -USR1 <llmtune>`: the ranks save a checkpoint after their current step and stop (the recipe itself saves
+    none), nothing is written as if finished, and the same command resumes from that step to the reference weights."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from harness import ROOT
+
+    path = write(workspace, "usr1", save_strategy="no")
+    out = Path(yaml.safe_load(path.read_text())["output_dir"])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMTUNE_TEST_STEP_SLEEP": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "llmtune", "train", str(path), "--num-processes", "2"], cwd=ROOT,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    seen = ""
+    try:
+        deadline = time.monotonic() + 600
+        while seen.count("'loss'") < 2:
+            assert time.monotonic() < deadline and process.poll() is None, seen[-3000:]
+            seen += process.stdout.readline()
+        process.send_signal(signal.SIGUSR1)
+        rest, _ = process.communicate(timeout=300)
+        seen += rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, seen[-3000:]
+    assert "SIGUSR1: the ranks save a checkpoint after this step and stop" in seen
+    stopped = re.search(r"stopped on request after step (\d+)", seen)
+    assert stopped, seen[-3000:]
+    step = int(stopped.group(1))
+    assert 2 <= step < 8
+    assert (out / f"checkpoint-{step}" / "llmtune-complete.json").is_file()
+    assert not (out / "metrics.json").exists() and not (out / "model.safetensors").exists()
+    resumed = train(path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert read_metrics(path)["resumed_from"] == str(out / f"checkpoint-{step}")
+    assert_bit_identical(Path(yaml.safe_load(straight["ddp"].read_text())["output_dir"]), out)

@@ -59,27 +59,41 @@ def test_generated_sbatch_script_trains_on_two_slurm_nodes(cluster, workspace):
     assert plan["cluster"]["num_machines"] == 2
 
 
-def test_requeue_near_the_time_limit_resumes_from_the_last_checkpoint(cluster, workspace):
-    """USR1 (what --signal sends before the limit) makes the script stop and requeue; the rerun resumes."""
-    recipe = write_run_recipe(workspace, "requeued", num_epochs=3, save_strategy="steps", save_steps=2)
+def test_requeue_near_the_time_limit_checkpoints_first_and_loses_no_step(cluster, workspace):
+    """USR1 (what --signal sends before the limit): the ranks save a checkpoint after their current step and stop,
+    the script requeues, and the rerun resumes from exactly that step. The recipe saves no checkpoint of its own."""
+    import re
+    import time
+
+    reference, _ = train_run(
+        workspace, "requeue-reference", 1, gradient_accumulation_steps=2, num_epochs=3, logging_steps=1
+    )
+    recipe = write_run_recipe(workspace, "requeued", num_epochs=3, logging_steps=1)
     made = llmtune("slurm", recipe, "--nodes", 2, "--gpus-per-node", 1, "--device", "cpu", "--job-name", "requeue-test",
                    env=cluster.env, cwd=workspace[0])  # fmt: skip
     assert made.returncode == 0, made.stderr
     run_dir = workspace[0] / "requeued"
-    submitted = cluster.run("sbatch", "--parsable", str(run_dir / "slurm" / "job.sbatch"))
+    # steps slowed to 1 s each (a test hook), so the signal lands mid-run
+    submitted = cluster.run("sbatch", "--parsable", "--export=ALL,LLMTUNE_TEST_STEP_SLEEP=1",
+                            str(run_dir / "slurm" / "job.sbatch"))  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().split(";")[0]
-    import time
-
+    log = run_dir / "slurm" / f"requeue-test-{job_id}.out"
     deadline = time.monotonic() + 600
-    while not any((p / "llmtune-complete.json").exists() for p in run_dir.glob("checkpoint-*")):
+    while not log.exists() or log.read_text(errors="replace").count("'loss'") < 3:
         assert time.monotonic() < deadline, cluster.logs()[-3000:]
-        time.sleep(1)
+        time.sleep(0.5)
     assert cluster.run("scancel", "--batch", "--signal=USR1", job_id).returncode == 0
     state = cluster.wait_job(job_id, timeout=900)
-    output = (run_dir / "slurm" / f"requeue-test-{job_id}.out").read_text(errors="replace")
+    output = log.read_text(errors="replace")
     assert state == "COMPLETED", f"{state}\n{output[-4000:]}"
-    assert "USR1 received, stopping and requeueing" in output
+    assert "USR1 received: checkpoint after this step, stop, and requeue" in output
+    stopped = re.search(r"stopped on request after step (\d+); checkpoint-\d+ is saved", output)
+    assert stopped, output[-4000:]
+    step = int(stopped.group(1))
+    assert 3 <= step < 12
     assert "(restart 1)" in output  # the requeued run of the same job id
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["resumed_from"] and "checkpoint-" in metrics["resumed_from"]
+    assert metrics["resumed_from"] == str(run_dir / f"checkpoint-{step}")  # nothing lost: it resumed at the stop
     assert metrics["steps"] == 12  # 3 epochs x 32 rows / global batch 8: the whole run, across the requeue
+    assert losses(metrics) == pytest.approx(losses(reference), abs=2e-5)

@@ -1,0 +1,159 @@
+"""Multi-machine launchers: DeepSpeed hostfiles, the DeepSpeed and c10d commands, what runs where, lost peers."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from llmtune.errors import UserError
+from llmtune.launch.failures import StderrWatcher, report
+from llmtune.plan import make_cluster, make_plan
+from llmtune.plan.files import deepspeed_env_text, plan_files
+from llmtune.plan.hostfile import read_hostfile
+from llmtune.plan.render import command_lines, where_lines
+from llmtune.recipe.loader import recipe_from_mapping
+
+
+def recipe(**changes):
+    base = {"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}], "output_dir": "/runs/x"}
+    return recipe_from_mapping({**base, **changes}, Path("r.yaml"), check_files=False).recipe
+
+
+def hostfile(tmp_path, text: str) -> Path:
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    return path
+
+
+def test_hostfile_lines_comments_and_default_slots(tmp_path):
+    path = hostfile(tmp_path, "# cluster\nnode-a slots=4  # head\n\nnode-b slots = 4\n")
+    assert read_hostfile(path) == [("node-a", 4), ("node-b", 4)]
+    assert read_hostfile(hostfile(tmp_path, "10.0.0.1\n")) == [("10.0.0.1", 1)]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("node-a slots=4\nnode-b gpus=4\n", "line 2: can't read 'node-b gpus=4'"),
+        ("node-a slots=4\nnode-a slots=4\n", "line 2: node-a is listed twice"),
+        ("node-a slots=0\n", "line 1: node-a has slots=0"),
+        ("node-a slots=4\nnode-b slots=2\n", "machines have different slots (node-a slots=4, node-b slots=2)"),
+        ("# nothing\n", "lists no machine"),
+    ],
+)
+def test_hostfile_mistakes_name_the_line(tmp_path, text, message):
+    with pytest.raises(UserError, match="hostfile") as err:
+        read_hostfile(hostfile(tmp_path, text))
+    assert message in str(err.value)
+
+
+def test_missing_hostfile(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        read_hostfile(tmp_path / "nope")
+
+
+def test_the_hostfile_is_the_cluster(tmp_path):
+    path = hostfile(tmp_path, "node-a slots=2\nnode-b slots=2\nnode-c slots=2\n")
+    cluster = make_cluster(device="cpu", launcher="deepspeed", hostfile=str(path))
+    assert (cluster.num_machines, cluster.num_processes, cluster.main_process_ip) == (3, 6, "node-a")
+    assert cluster.hosts == ("node-a", "node-b", "node-c") and cluster.ssh
+    with pytest.raises(UserError, match="--num-processes 4 but .* slots add up to 6"):
+        make_cluster(num_processes=4, device="cpu", launcher="deepspeed", hostfile=str(path))
+    with pytest.raises(UserError, match="--num-machines 2 but .* lists 3"):
+        make_cluster(num_machines=2, device="cpu", launcher="deepspeed", hostfile=str(path))
+    with pytest.raises(UserError, match="--machine-rank is only for --no-ssh"):
+        make_cluster(machine_rank=1, device="cpu", launcher="deepspeed", hostfile=str(path))
+    with pytest.raises(UserError, match="--hostfile is DeepSpeed's"):
+        make_cluster(device="cpu", hostfile=str(path))
+    with pytest.raises(UserError, match="needs --hostfile"):
+        make_cluster(4, 2, 0, "10.0.0.1", None, "cpu", launcher="deepspeed")
+
+
+def test_deepspeed_over_ssh_runs_on_machine_0_only(tmp_path):
+    path = hostfile(tmp_path, "node-a slots=2\nnode-b slots=2\n")
+    plan = make_plan(recipe(deepspeed="zero2"), make_cluster(device="cpu", launcher="deepspeed", hostfile=str(path)))
+    head, other = plan.commands
+    assert head[:3] == ["deepspeed", "--hostfile", str(path.resolve())]
+    assert head[head.index("--master_addr") + 1] == "node-a" and "--no_ssh_check" in head
+    assert head[-4:] == ["--no_local_rank", "--module", "llmtune.train", "/runs/x/llmtune/plan.json"]
+    assert other == []
+    assert command_lines(plan)[1] == "machine 1 (node-b): started by machine 0's DeepSpeed launcher over ssh (pdsh)"
+    assert plan.env["DS_ENV_FILE"] == "/runs/x/llmtune/deepspeed_env"
+    assert "hostfile" not in plan_files(plan, {}, "r.yaml", [])  # the user's hostfile is used as it is
+
+
+def test_deepspeed_without_ssh_runs_on_every_machine(tmp_path):
+    path = hostfile(tmp_path, "node-a slots=1\nnode-b slots=1\n")
+    cluster = make_cluster(machine_rank=1, device="cpu", launcher="deepspeed", hostfile=str(path), no_ssh=True)
+    plan = make_plan(recipe(), cluster)
+    for rank, command in enumerate(plan.commands):
+        at = command.index("--node_rank")
+        assert command[at - 1 : at + 2] == ["--no_ssh", "--node_rank", str(rank)]
+
+
+def test_deepspeed_on_one_machine_gets_a_hostfile_written():
+    plan = make_plan(recipe(), make_cluster(num_processes=2, device="cpu", launcher="deepspeed"))
+    assert plan.commands[0][2] == "/runs/x/llmtune/hostfile"
+    assert plan_files(plan, {}, "r.yaml", [])["hostfile"] == "localhost slots=2\n"
+
+
+def test_deepspeed_env_file_carries_settings_never_secrets():
+    environ = {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_IB_DISABLE": "1", "HF_TOKEN": "hf_secret", "HF_HOME": "/cache",
+               "WANDB_API_KEY": "k", "NCCL_API_KEY": "x", "HOME": "/root", "PATH": "/bin"}  # fmt: skip
+    text = deepspeed_env_text({"OMP_NUM_THREADS": "1", "DS_ENV_FILE": "/x"}, environ)
+    assert text.splitlines() == ["GLOO_SOCKET_IFNAME=eth1", "HF_HOME=/cache", "NCCL_IB_DISABLE=1", "OMP_NUM_THREADS=1"]
+
+
+def test_deepspeed_launcher_refuses_torchrun_only_keys():
+    with pytest.raises(UserError, match="max_restarts are torchrun's"):
+        make_plan(recipe(max_restarts=2), make_cluster(num_processes=2, device="cpu", launcher="deepspeed"))
+
+
+def test_c10d_commands(tmp_path):
+    r = recipe(rdzv_backend="c10d", max_restarts=3, rdzv_timeout=90)
+    for rank in (0, 1):
+        plan = make_plan(r, make_cluster(4, 2, rank, "10.0.0.1", 29500, "cpu"))
+        command = plan.commands[rank]
+        conf = command[command.index("--rdzv_conf") + 1]
+        assert command[command.index("--rdzv_backend") + 1] == "c10d"
+        assert "join_timeout=90" in conf and f"is_host={int(rank == 0)}" in conf
+        assert command[command.index("--max_restarts") + 1] == "3"
+        assert plan.accelerate_config["rdzv_backend"] == "c10d" and plan.accelerate_config["same_network"] is False
+        assert plan.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    static = make_plan(recipe(), make_cluster(4, 2, 0, "10.0.0.1", 29500, "cpu"))
+    assert static.accelerate_config["same_network"] is True and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in static.env
+    with pytest.raises(UserError, match="c10d needs torchrun"):
+        make_plan(r, make_cluster(1, device="cpu"))
+
+
+def test_what_runs_where_under_each_launcher():
+    plan = make_plan(recipe(), make_cluster(4, 2, 0, "10.0.0.1", 29500, "cpu"))
+    text = "\n".join(where_lines(plan, "r.yaml"))
+    assert (
+        "--machine-rank 1 --main-process-ip 10.0.0.1 --main-process-port 29500  -> accelerate launch -> ranks 2..3"
+        in text
+    )
+    assert "on 10.0.0.1 only: llmtune train r.yaml --device cpu --launcher deepspeed --hostfile HOSTFILE" in text
+    assert "pdsh -> machine-1: python -m deepspeed.launcher.launch --node_rank=1 -> ranks 2..3" in text
+    assert "--no-ssh --machine-rank 1 -> ranks 2..3" in text
+    assert "llmtune slurm r.yaml --device cpu --nodes 2 --gpus-per-node 2 --submit" in text
+    assert where_lines(make_plan(recipe(), make_cluster(2, device="cpu")), "r.yaml") == []
+    elastic = make_plan(recipe(rdzv_backend="c10d"), make_cluster(4, 2, 0, "10.0.0.1", 29500, "cpu"))
+    assert "2 rank(s), numbered at the rendezvous" in "\n".join(where_lines(elastic, "r.yaml"))
+
+
+def test_a_lost_machine_is_named_by_its_address(tmp_path):
+    stderr = io.StringIO(
+        "[rank0]:RuntimeError: [pair.cc:553] Connection closed by peer [10.1.2.3]:4567. This is typically caused\n"
+        "Traceback (most recent call last):\n"
+        "Root Cause (first observed failure):\n[0]:\n  time : x\n  host : node-a\n  rank : 0 (local_rank: 0)\n"
+        "  exitcode  : 1 (pid: 9)\n"
+    )
+    watcher = StderrWatcher(stderr, out=io.StringIO())
+    watcher.run()
+    out = io.StringIO()
+    assert report(watcher, tmp_path, out) == 1
+    first = out.getvalue().splitlines()[0]
+    assert first.startswith("error: lost contact with 10.1.2.3: a rank there stopped answering")
