@@ -100,7 +100,8 @@ def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: 
     env = {**os.environ, **plan.env}
     stop_file = Path(plan.config_dir) / STOP_FILE
     stop_file.unlink(missing_ok=True)  # a request of an earlier run (e.g. before a requeue) is done with
-    if command[:2] != ["accelerate", "launch"]:
+    torchrun = command[:2] == ["accelerate", "launch"] or command[:3] == ["python", "-m", "torch.distributed.run"]
+    if not torchrun or "--standalone" in command:
         return supervise(subprocess.Popen(argv, env=env, start_new_session=True), stop_file=stop_file)
     from llmtune.launch.failures import StderrWatcher, report
 

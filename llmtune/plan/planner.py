@@ -55,6 +55,7 @@ class Plan:
     pipeline: PipelinePlan | None = None
     notes: list[str] = field(default_factory=list)
     rdzv_backend: str = "static"  # c10d: torchrun's elastic rendezvous (machines join in any order, may rejoin)
+    min_machines: int | None = None  # c10d: the job runs with any machine count from this up to num_machines
 
     @property
     def title(self) -> str:
@@ -190,6 +191,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
     elif recipe.rdzv_backend == "c10d":
         raise UserError("rdzv_backend: c10d needs torchrun's launcher, which a single process doesn't use",
                         "set max_restarts for restarts on one machine, or train on several processes")  # fmt: skip
+    _check_elastic_sizes(recipe, cluster, strategy, global_batch)
     env = _environment(cluster, strategy)
     if cluster.launcher == "deepspeed":
         if recipe.rdzv_backend == "c10d" or recipe.max_restarts:
@@ -205,7 +207,43 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
     return Plan(
         strategy, offload, world, data_parallel, recipe.micro_batch_size, accumulation, global_batch, precision,
         cluster, config_dir, accelerate, deepspeed_config, env, commands, pipeline, notes, recipe.rdzv_backend,
+        recipe.min_machines if recipe.min_machines and recipe.min_machines < cluster.num_machines else None,
     )  # fmt: skip
+
+
+def _check_elastic_sizes(recipe: Recipe, cluster: Cluster, strategy: str, global_batch: int) -> None:
+    """min_machines: every machine count it allows must keep the global batch (by more accumulation)."""
+    least = recipe.min_machines
+    if least is None:
+        return
+    if recipe.rdzv_backend != "c10d":
+        raise UserError("min_machines needs rdzv_backend: c10d (torchrun's elastic rendezvous)")
+    if least > cluster.num_machines:
+        raise UserError(f"min_machines {least} is more than --num-machines {cluster.num_machines}")
+    if least == cluster.num_machines:
+        return
+    if strategy != "ddp":
+        raise UserError(f"min_machines {least} < --num-machines {cluster.num_machines} changes the world size, which "
+                        f"{STRATEGY_TITLES[strategy]} checkpoints can't follow",
+                        "use DDP (no deepspeed/fsdp/pipeline keys), or set min_machines to --num-machines")  # fmt: skip
+    per_step = recipe.micro_batch_size * cluster.processes_per_machine
+    bad = [m for m in range(least, cluster.num_machines + 1) if global_batch % (per_step * m)]
+    if bad:
+        raise UserError(f"with {', '.join(map(str, bad))} machine(s) the global batch {global_batch} can't be kept "
+                        f"(it is not a multiple of micro_batch_size x processes = {per_step} per machine)",
+                        "raise min_machines, or choose gradient_accumulation_steps so every machine count divides it")  # fmt: skip
+
+
+def elastic_sizes(plan: dict, world: int) -> dict:
+    """The plan's sizes for a world the elastic rendezvous formed (fewer machines: more accumulation)."""
+    if world == plan["world_size"]:
+        return {}
+    per_machine = plan["world_size"] // plan["cluster"]["num_machines"]
+    least = plan.get("min_machines")
+    if not least or world % per_machine or not least * per_machine <= world <= plan["world_size"]:
+        raise UserError(f"the launcher started {world} process(es) but the plan has world size {plan['world_size']}")
+    return {"world_size": world, "data_parallel_size": world,
+            "gradient_accumulation_steps": plan["global_batch_size"] // (plan["micro_batch_size"] * world)}  # fmt: skip
 
 
 def _environment(cluster: Cluster, strategy: str) -> dict[str, str]:
@@ -231,15 +269,13 @@ def _command(strategy: str, config_dir: str, machine_rank: int, recipe: Recipe, 
             return ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *restarts,
                     "-m", "llmtune.train", plan_file]  # fmt: skip
         return ["python", "-m", "llmtune.train", plan_file]
+    if recipe.rdzv_backend == "c10d" and recipe.min_machines and recipe.min_machines < cluster.num_machines:
+        return _torchrun_elastic_command(plan_file, config_dir, machine_rank, recipe, cluster)
     rendezvous = ["--rdzv_conf", f"timeout={recipe.rdzv_timeout}"] if cluster.num_machines > 1 else []
     if recipe.rdzv_backend == "c10d":
         # join_timeout: how long a round waits for every machine (also a restarted one to come back);
         # last_call: once enough have joined, how long late ones may still make this round
-        rendezvous = ["--rdzv_backend", "c10d", "--rdzv_conf",
-                      f"join_timeout={recipe.rdzv_timeout},last_call_timeout=2,close_timeout=10,"
-                      # machine 0 (whose address is the endpoint) hosts the rendezvous store; said outright,
-                      # because torch's guess compares host names, which fails on a secondary interface
-                      f"is_host={int(machine_rank == 0)}"]  # fmt: skip
+        rendezvous = ["--rdzv_backend", "c10d", "--rdzv_conf", _c10d_conf(recipe, machine_rank)]
     # every rank's output also goes to <config_dir>/logs/.../attempt_N/<local rank>/, lines prefixed [rankR]:
     logs = ["--tee", "3", "--log_dir", str(Path(config_dir) / "logs")]
     return [
@@ -261,3 +297,23 @@ def _deepspeed_command(plan_file: str, config_dir: str, machine_rank: int, clust
     else:  # llmtune checks every host itself first and names the one that fails (DeepSpeed checks the first only,
         command += ["--no_ssh_check"]  # and even for a hostfile of one machine, which needs no ssh)
     return [*command, "--no_local_rank", "--module", "llmtune.train", plan_file]
+
+
+def _c10d_conf(recipe: Recipe, machine_rank: int) -> str:
+    # join_timeout: how long a round waits for machines (also a restarted one to come back); last_call: once enough
+    # have joined, how long late ones may still make this round. Machine 0 (whose address is the endpoint) hosts
+    # the rendezvous store: said outright, because torch's guess compares host names, which fails on a secondary
+    # interface.
+    return f"join_timeout={recipe.rdzv_timeout},last_call_timeout=2,close_timeout=10,is_host={int(machine_rank == 0)}"
+
+
+def _torchrun_elastic_command(plan_file: str, config_dir: str, machine_rank: int, recipe: Recipe,
+                              cluster: Cluster) -> list[str]:  # fmt: skip
+    """torchrun itself, for a world that may shrink or grow: accelerate launch fixes --nnodes to one number."""
+    return [
+        "python", "-m", "torch.distributed.run", "--nnodes", f"{recipe.min_machines}:{cluster.num_machines}",
+        "--nproc_per_node", str(cluster.processes_per_machine), "--rdzv_backend", "c10d",
+        "--rdzv_endpoint", f"{cluster.main_process_ip}:{cluster.main_process_port}",
+        "--rdzv_conf", _c10d_conf(recipe, machine_rank), "--max_restarts", str(recipe.max_restarts),
+        "--tee", "3", "--log_dir", str(Path(config_dir) / "logs"), "-m", "llmtune.train", plan_file,
+    ]  # fmt: skip

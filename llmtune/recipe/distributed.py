@@ -90,6 +90,12 @@ class DistributedKeys(Section):
         "(torchrun's elastic rendezvous at --main-process-ip:--main-process-port: machines may join in any "
         "order and a restarted machine rejoins; with max_restarts the job survives it).",
     )
+    min_machines: int | None = Field(
+        None,
+        gt=0,
+        description="With rdzv_backend: c10d, start (and go on) once this many machines have joined, up to "
+        "--num-machines; gradient accumulation grows so the global batch stays the same. DDP only.",
+    )
     rdzv_timeout: int = Field(
         600,
         gt=0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,10 +24,15 @@ def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if world != plan["world_size"]:
-        from llmtune.errors import UserError
+    if world != plan["world_size"]:  # an elastic job that formed with fewer machines (min_machines), or a mismatch
+        from llmtune.plan.planner import elastic_sizes
 
-        raise UserError(f"the launcher started {world} process(es) but the plan has world size {plan['world_size']}")
+        sizes = elastic_sizes(plan, world)
+        plan.update(sizes)
+        if rank == 0:
+            print(f"[llmtune] elastic: {world} process(es) joined, so gradient accumulation is "
+                  f"{sizes['gradient_accumulation_steps']} (global batch {plan['global_batch_size']} kept)",
+                  file=sys.stderr, flush=True)  # fmt: skip
     if world > 1:
         _join_restarted_group(plan, rank, world, collective_timeout)
     strategy = plan["strategy"]

@@ -311,3 +311,33 @@ def llmtune_in(hosts, index: int, args: list, env: dict | None = None, timeout: 
             os.killpg(process.pid, 9)
             process.wait()
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def test_elastic_job_starts_with_the_machines_it_has_and_grows(hosts, workspace):
+    """min_machines 1 of 2: machine 0 starts alone (world 1, accumulation 2: the same global batch). When machine 1
+    comes, torchrun restarts the ranks into a world of 2, which resume from the last checkpoint. Every step's loss
+    equals the single-process reference, whichever world computed it."""
+    recipe = write_run_recipe(workspace, "grows", rdzv_backend="c10d", min_machines=1, rdzv_timeout=60,
+                              save_strategy="steps", save_steps=2, logging_steps=1, num_epochs=2)  # fmt: skip
+    grown_reference = train_run(workspace, "grows-reference", 1, gradient_accumulation_steps=2, logging_steps=1,
+                                num_epochs=2)[0]  # fmt: skip
+    out = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+    alone = launcher(hosts, 0, recipe, 29616, {"LLMTUNE_TEST_STEP_SLEEP": 1})
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoint-2" / "llmtune-complete.json").is_file():
+            assert time.monotonic() < deadline and alone.poll() is None, "machine 0 never trained alone"
+            time.sleep(0.2)
+        joined = launcher(hosts, 1, recipe, 29616)
+        results = finish([alone, joined], timeout=600)
+    finally:
+        finish([alone], timeout=30)
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    err = results[0][1]
+    assert "elastic: 1 process(es) joined, so gradient accumulation is 2 (global batch 8 kept)" in err
+    metrics = read_metrics(recipe)
+    assert metrics["world_size"] == 2 and metrics["steps"] == 8  # finished as a world of 2 ...
+    assert metrics["resumed_from"] and metrics["resumed_from"].startswith(
+        str(out / "checkpoint-")
+    )  # ... after resuming
+    assert losses(metrics) == pytest.approx(losses(grown_reference), abs=2e-5)

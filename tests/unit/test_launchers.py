@@ -157,3 +157,43 @@ def test_a_lost_machine_is_named_by_its_address(tmp_path):
     assert report(watcher, tmp_path, out) == 1
     first = out.getvalue().splitlines()[0]
     assert first.startswith("error: lost contact with 10.1.2.3: a rank there stopped answering")
+
+
+def test_min_machines_runs_torchrun_with_a_range_and_keeps_the_global_batch():
+    r = recipe(rdzv_backend="c10d", min_machines=1, micro_batch_size=2, gradient_accumulation_steps=2)
+    plan = make_plan(r, make_cluster(8, 2, 1, "10.0.0.1", 29500, "cpu"))
+    command = plan.commands[1]
+    assert command[:3] == ["python", "-m", "torch.distributed.run"]
+    assert command[command.index("--nnodes") + 1] == "1:2" and command[command.index("--nproc_per_node") + 1] == "4"
+    assert command[command.index("--rdzv_endpoint") + 1] == "10.0.0.1:29500"
+    assert "is_host=0" in command[command.index("--rdzv_conf") + 1]
+    assert plan.min_machines == 1 and plan.global_batch_size == 2 * 2 * 8
+    from llmtune.plan.planner import elastic_sizes
+
+    as_dict = plan.to_dict()
+    assert elastic_sizes(as_dict, 8) == {}
+    assert elastic_sizes(as_dict, 4) == {"world_size": 4, "data_parallel_size": 4, "gradient_accumulation_steps": 4}
+    for world in (2, 12):
+        with pytest.raises(UserError, match=f"started {world} process"):
+            elastic_sizes(as_dict, world)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"min_machines": 1}, "min_machines needs rdzv_backend: c10d"),
+        ({"rdzv_backend": "c10d", "min_machines": 3}, "min_machines 3 is more than --num-machines 2"),
+        ({"rdzv_backend": "c10d", "min_machines": 1, "deepspeed": "zero2"}, "DeepSpeed ZeRO-2 checkpoints can't follow"),
+    ],
+)
+def test_min_machines_mistakes(changes, message):
+    with pytest.raises(UserError, match=message):
+        make_plan(recipe(**changes), make_cluster(4, 2, 0, "10.0.0.1", 29500, "cpu"))
+
+
+def test_min_machines_refuses_a_machine_count_that_breaks_the_global_batch():
+    r = recipe(rdzv_backend="c10d", min_machines=2, micro_batch_size=1, gradient_accumulation_steps=1)
+    with pytest.raises(UserError, match=r"with 2 machine\(s\) the global batch 3 can't be kept"):
+        make_plan(r, make_cluster(3, 3, 0, "10.0.0.1", 29500, "cpu"))
+    with pytest.raises(UserError, match=r"with 3 machine\(s\) the global batch 4"):  # 4 x 1: 2 and 3 must divide 4
+        make_plan(recipe(rdzv_backend="c10d", min_machines=2), make_cluster(4, 4, 0, "10.0.0.1", 29500, "cpu"))
