@@ -95,10 +95,25 @@ def rank_log_tail(log_dir: Path, local_rank: int, lines: int = 12) -> tuple[Path
     return logs[-1], [line for line in shown if line.strip()][-lines:]
 
 
-def report(watcher: StderrWatcher, log_dir: Path, out=None) -> int:
-    """After a failed launch: print what happened; returns the exit code llmtune should end with."""
+def report(watcher: StderrWatcher, log_dir: Path, out=None, rendezvous: tuple[str, int, float] | None = None) -> int:
+    """After a failed launch: print what happened; returns the exit code llmtune should end with.
+
+    `rendezvous`: (address, machines it needs, seconds) of a c10d rendezvous, to name it when it can't form.
+    """
     out = out or sys.stderr
     cause = watcher.root_cause()
+    held = "".join(watcher.held)
+    if cause is None and rendezvous:
+        address, machines, seconds = rendezvous
+        what = None
+        if "RendezvousTimeoutError" in held:
+            what = f"the c10d rendezvous at {address} did not gather {machines} machine(s) within {seconds:.0f} s (rdzv_timeout)"
+        elif "RendezvousConnectionError" in held:
+            what = f"could not reach the c10d rendezvous store at {address} (machine rank 0 hosts it; rdzv_timeout {seconds:.0f} s)"
+        if what:
+            print(f"error: {what} (hint: start `llmtune train` with the same recipe and flags on every machine, "
+                  "and check they reach that address: firewall, --main-process-ip)", file=out)  # fmt: skip
+            return 2
     if cause is None:
         watcher.flush_held()  # not a failure report we understand: show it as it came
         return 1

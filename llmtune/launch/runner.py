@@ -113,7 +113,11 @@ def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: 
     watcher.join(timeout=10)
     if code == 0 or code > 128:  # success, or stopped by Ctrl-C/SIGTERM
         return code
-    return report(watcher, Path(plan.config_dir) / "logs")
+    rendezvous = None
+    if plan.rdzv_backend == "c10d":
+        address = f"{cluster.main_process_ip}:{cluster.main_process_port}"
+        rendezvous = (address, plan.min_machines or cluster.num_machines, rdzv_timeout)
+    return report(watcher, Path(plan.config_dir) / "logs", rendezvous=rendezvous)
 
 
 def supervise(process: subprocess.Popen, grace: float = 10.0, stop_file: Path | None = None) -> int:

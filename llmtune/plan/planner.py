@@ -304,7 +304,9 @@ def _c10d_conf(recipe: Recipe, machine_rank: int) -> str:
     # have joined, how long late ones may still make this round. Machine 0 (whose address is the endpoint) hosts
     # the rendezvous store: said outright, because torch's guess compares host names, which fails on a secondary
     # interface.
-    return f"join_timeout={recipe.rdzv_timeout},last_call_timeout=2,close_timeout=10,is_host={int(machine_rank == 0)}"
+    # read_timeout bounds reaching the store too (torch's default, 60 s, would outlast a short rdzv_timeout)
+    return (f"join_timeout={recipe.rdzv_timeout},last_call_timeout=2,close_timeout=10,"
+            f"read_timeout={recipe.rdzv_timeout},is_host={int(machine_rank == 0)}")  # fmt: skip
 
 
 def _torchrun_elastic_command(plan_file: str, config_dir: str, machine_rank: int, recipe: Recipe,

@@ -119,6 +119,20 @@ def test_a_host_that_never_joins_is_named_within_the_timeout(hosts, workspace, p
         assert f"could not reach machine rank 0 at {hosts['addresses'][0]}:29612" in err
 
 
+@pytest.mark.parametrize("present", [0, 1], ids=["only-machine-0", "only-machine-1"])
+def test_elastic_rendezvous_that_never_forms_is_one_line(hosts, workspace, present):
+    recipe = write_run_recipe(workspace, f"c10d-alone-{present}", rdzv_backend="c10d", rdzv_timeout=8)
+    started = time.monotonic()
+    [(code, err)] = finish([launcher(hosts, present, recipe, 29617)], timeout=120)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert time.monotonic() - started < 60
+    address = f"{hosts['addresses'][0]}:29617"
+    if present == 0:
+        assert f"error: the c10d rendezvous at {address} did not gather 2 machine(s) within 8 s (rdzv_timeout)" in err
+    else:
+        assert f"error: could not reach the c10d rendezvous store at {address} (machine rank 0 hosts it" in err
+
+
 # A machine lost mid-run: 2 epochs of 4 steps, a checkpoint every 3 steps. Machine 1's ranks stop moving right
 # after checkpoint 3 (while machine 0's go on into step 4 and wait for them), then every process in machine 1's
 # namespace is killed: the machine is gone, as after a power cut.

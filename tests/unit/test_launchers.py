@@ -183,7 +183,10 @@ def test_min_machines_runs_torchrun_with_a_range_and_keeps_the_global_batch():
     [
         ({"min_machines": 1}, "min_machines needs rdzv_backend: c10d"),
         ({"rdzv_backend": "c10d", "min_machines": 3}, "min_machines 3 is more than --num-machines 2"),
-        ({"rdzv_backend": "c10d", "min_machines": 1, "deepspeed": "zero2"}, "DeepSpeed ZeRO-2 checkpoints can't follow"),
+        (
+            {"rdzv_backend": "c10d", "min_machines": 1, "deepspeed": "zero2"},
+            "DeepSpeed ZeRO-2 checkpoints can't follow",
+        ),
     ],
 )
 def test_min_machines_mistakes(changes, message):
@@ -197,3 +200,22 @@ def test_min_machines_refuses_a_machine_count_that_breaks_the_global_batch():
         make_plan(r, make_cluster(3, 3, 0, "10.0.0.1", 29500, "cpu"))
     with pytest.raises(UserError, match=r"with 3 machine\(s\) the global batch 4"):  # 4 x 1: 2 and 3 must divide 4
         make_plan(recipe(rdzv_backend="c10d", min_machines=2), make_cluster(4, 4, 0, "10.0.0.1", 29500, "cpu"))
+
+
+@pytest.mark.parametrize(
+    ("exception", "message"),
+    [
+        ("RendezvousTimeoutError", "error: the c10d rendezvous at 10.0.0.1:29500 did not gather 2 machine(s) within 30 s"),
+        ("RendezvousConnectionError: The connection to the C10d store has failed.",
+         "error: could not reach the c10d rendezvous store at 10.0.0.1:29500 (machine rank 0 hosts it; rdzv_timeout 30 s)"),
+    ],
+)  # fmt: skip
+def test_a_c10d_rendezvous_that_cant_form_is_one_line(tmp_path, exception, message):
+    stderr = io.StringIO(
+        f"Traceback (most recent call last):\n  File x\ntorch.distributed.elastic.rendezvous.api.{exception}\n"
+    )
+    watcher = StderrWatcher(stderr, out=io.StringIO())
+    watcher.run()
+    out = io.StringIO()
+    assert report(watcher, tmp_path, out, rendezvous=("10.0.0.1:29500", 2, 30)) == 2
+    assert out.getvalue().startswith(message) and "Traceback" not in out.getvalue()
