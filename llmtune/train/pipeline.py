@@ -21,7 +21,7 @@ from torch import nn
 
 from llmtune.errors import UserError
 from llmtune.train import pipeline_checkpoint as checkpoints
-from llmtune.train.checkpoints import resume_point
+from llmtune.train.checkpoints import STOP_FILE, resume_point
 from llmtune.train.data.formats import IGNORE
 
 NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_layer_norm")
@@ -235,6 +235,8 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         log(f"resuming from {resume} at step {start}")
     interval = checkpoints.save_interval(recipe, steps_per_epoch, total_steps)
     crash_after = int(os.environ.get("LLMTUNE_TEST_EXIT_AFTER_STEP", 0))  # tests: die right after checkpoint k
+    stop_file = Path(plan["config_dir"]) / STOP_FILE
+    step_sleep = float(os.environ.get("LLMTUNE_TEST_STEP_SLEEP", 0))  # tests: slow steps, to signal a run mid-way
     stage_module.train()
     for step in range(start, total_steps):
         epoch, index = divmod(step, steps_per_epoch)
@@ -265,21 +267,28 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        # only last stages contribute the loss: the sum over replicas is the global mean. The same all-reduce
+        # carries a stop request (SIGUSR1 to the launcher), so every rank stops after the same step.
+        asked = int(os.environ.get("LOCAL_RANK", 0)) == 0 and stop_file.exists()
         step_loss = torch.tensor(
-            [float(sum(part.item() for part in losses)) if grid.last else 0.0], dtype=torch.float64
+            [float(sum(part.item() for part in losses)) if grid.last else 0.0, float(asked)], dtype=torch.float64
         )
-        dist.all_reduce(step_loss)  # only last stages contribute: the sum over replicas is the global mean
-        entry = {"loss": step_loss.item(), "grad_norm": norm, "learning_rate": scheduler.get_last_lr()[0],
+        dist.all_reduce(step_loss)
+        entry = {"loss": step_loss[0].item(), "grad_norm": norm, "learning_rate": scheduler.get_last_lr()[0],
                  "epoch": (step + 1) / steps_per_epoch, "step": step + 1}  # fmt: skip
         history.append(entry)
+        time.sleep(step_sleep)
         if (step + 1) % recipe.logging_steps == 0 or step == 0:
             log(
                 f"step {step + 1}/{total_steps} loss {entry['loss']:.4f} grad norm {norm:.3f} lr {entry['learning_rate']:.3g}"
             )
-        if interval and (step + 1) % interval == 0 and step + 1 < total_steps:
+        stop = step_loss[1].item() > 0 and step + 1 < total_steps
+        if (interval and (step + 1) % interval == 0 or stop) and step + 1 < total_steps:
             checkpoints.save(output_dir, step + 1, grid, params, optimizer, scheduler, history, recipe.save_total_limit)
             if crash_after == step + 1:
                 os._exit(17)
+        if stop:
+            return {"stopped_at": step + 1}
     seconds = time.time() - started
     return {
         "grid": grid, "params": params, "history": history, "steps": total_steps, "seconds": seconds,

@@ -46,6 +46,8 @@ def _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_ori
 
     output_dir = Path(recipe.output_dir)
     result = train_pipeline(recipe, plan, model, data, tokenizer, log)
+    if "stopped_at" in result:
+        return _stopped(result["stopped_at"])
     grid = result["grid"]
     reports = gather({"rank": rank.rank, "stage": grid.stage, "replica": grid.replica,
                       "local_parameters": local_parameter_numel(result["stage_module"]), "world_size": rank.world_size})  # fmt: skip
@@ -72,6 +74,12 @@ def _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_ori
         write_run_files(output_dir, recipe, plan, metrics, gguf_origin)
         log(f"saved to {output_dir} (final loss {metrics['final_loss']:.4f})")
     return metrics
+
+
+def _stopped(step: int) -> dict:
+    """Stopped on request: a checkpoint of this step is saved; the run is not finished (no final model, no metrics)."""
+    log(f"stopped on request after step {step}; checkpoint-{step} is saved: run the same command to resume from it")
+    return {"stopped_at": step}
 
 
 def peak_rss_bytes() -> int:
@@ -181,10 +189,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     result = trainer.train(resume_from_checkpoint=resume)
     meter.close()
     if stop.stopped_at is not None:
-        # a checkpoint of this step is saved; the run is not finished, so no final model and no metrics.json
-        log(f"stopped on request after step {stop.stopped_at}; checkpoint-{stop.stopped_at} is saved: "
-            "run the same command to resume from it")  # fmt: skip
-        return {"stopped_at": stop.stopped_at}
+        return _stopped(stop.stopped_at)
     seconds = time.time() - started
     metrics = {"train_loss": result.training_loss}
     if data.eval:

@@ -15,7 +15,9 @@ from tiny import make_tiny_model, write_jsonl
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def llmtune(*args, timeout: float = 600, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def llmtune(
+    *args, timeout: float = 600, env: dict | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "llmtune", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd or ROOT)  # fmt: skip
@@ -122,3 +124,28 @@ def saved_weights(output_dir: Path) -> dict:
 
     name = "adapter_model.safetensors" if (output_dir / "adapter_config.json").exists() else "model.safetensors"
     return load_file(str(output_dir / name))
+
+
+def train_and_signal(path: Path, ready, processes: int = 2, timeout: float = 600) -> tuple[int, str]:
+    """`llmtune train` with steps slowed to 1 s (a test hook); SIGUSR1 once `ready(output so far)` holds.
+    Returns the exit code and everything it printed."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMTUNE_TEST_STEP_SLEEP": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "llmtune", "train", str(path), "--num-processes", str(processes)],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    seen = ""
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready(seen):
+            assert time.monotonic() < deadline and process.poll() is None, seen[-3000:]
+            seen += process.stdout.readline()
+        process.send_signal(signal.SIGUSR1)
+        rest, _ = process.communicate(timeout=timeout)
+        seen += rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return process.returncode, seen

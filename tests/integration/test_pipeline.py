@@ -28,7 +28,12 @@ def reference(workspace):
 CASES = [
     ("gpipe", 2, {"pipeline_schedule": "gpipe", "pipeline_microbatches": 2}, "full"),
     ("1f1b", 2, {"pipeline_schedule": "1f1b", "pipeline_microbatches": 2}, "full"),
-    ("interleaved", 2, {"pipeline_schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2, "pipeline_microbatches": 2}, "full"),
+    (
+        "interleaved",
+        2,
+        {"pipeline_schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2, "pipeline_microbatches": 2},
+        "full",
+    ),
     ("1f1b-lora", 2, {"pipeline_schedule": "1f1b", "pipeline_microbatches": 2, **LORA}, "lora"),
     ("pp2xdp2", 4, {"pipeline_schedule": "1f1b", "pipeline_microbatches": 2, "micro_batch_size": 2}, "full"),
 ]
@@ -95,7 +100,13 @@ def test_resume_after_a_crash_is_bit_exact(workspace):
     """Die right after checkpoint 2 (test hook), rerun the same command: it resumes and ends bit-identical."""
     import torch
 
-    common = {"pipeline_parallel_size": 2, "pipeline_microbatches": 2, "pipeline_schedule": "1f1b", "save_steps": 2, "save_strategy": "steps"}
+    common = {
+        "pipeline_parallel_size": 2,
+        "pipeline_microbatches": 2,
+        "pipeline_schedule": "1f1b",
+        "save_steps": 2,
+        "save_strategy": "steps",
+    }
     _, straight = run(workspace, "resume-straight", 2, **common)
     root = workspace[0]
     path = root / "resume-crash.yaml"
@@ -110,4 +121,32 @@ def test_resume_after_a_crash_is_bit_exact(workspace):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr and "at step 2" in resumed.stderr
     a, b = saved_weights(straight), saved_weights(root / "resume-crash")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigusr1_stops_a_pipeline_after_a_checkpoint_and_the_rerun_resumes(workspace):
+    """The stop request rides on the pipeline's per-step loss all-reduce: every stage stops after the same step."""
+    import re
+
+    import torch
+    from harness import train_and_signal
+
+    common = {"pipeline_parallel_size": 2, "pipeline_microbatches": 2, "num_epochs": 2, "logging_steps": 1}
+    _, straight = run(workspace, "usr1-straight", 2, **common)
+    root = workspace[0]
+    path = root / "usr1-stopped.yaml"
+    recipe = yaml.safe_load((root / "usr1-straight.yaml").read_text())
+    recipe["output_dir"] = str(root / "usr1-stopped")
+    path.write_text(yaml.safe_dump(recipe))
+    code, seen = train_and_signal(path, lambda text: "step 2/8" in text)
+    assert code == 0, seen[-3000:]
+    stopped = re.search(r"stopped on request after step (\d+)", seen)
+    assert stopped, seen[-3000:]
+    step = int(stopped.group(1))
+    assert 2 <= step < 8 and (root / "usr1-stopped" / f"checkpoint-{step}" / "llmtune-complete.json").exists()
+    assert not (root / "usr1-stopped" / "model.safetensors").exists()
+    resumed = llmtune("train", path, "--num-processes", "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step}" in resumed.stderr
+    a, b = saved_weights(straight), saved_weights(root / "usr1-stopped")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -139,34 +139,14 @@ def test_rerunning_a_finished_run_does_nothing(workspace, straight):
 def test_sigusr1_checkpoints_after_the_step_and_the_rerun_resumes_bit_exact(workspace, straight):
     """`kill -USR1 <llmtune>`: the ranks save a checkpoint after their current step and stop (the recipe itself saves
     none), nothing is written as if finished, and the same command resumes from that step to the reference weights."""
-    import os
     import re
-    import signal
-    import subprocess
-    import sys
-    import time
 
-    from harness import ROOT
+    from harness import train_and_signal
 
     path = write(workspace, "usr1", save_strategy="no")
     out = Path(yaml.safe_load(path.read_text())["output_dir"])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLMTUNE_TEST_STEP_SLEEP": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "llmtune", "train", str(path), "--num-processes", "2"], cwd=ROOT,
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    seen = ""
-    try:
-        deadline = time.monotonic() + 600
-        while seen.count("'loss'") < 2:
-            assert time.monotonic() < deadline and process.poll() is None, seen[-3000:]
-            seen += process.stdout.readline()
-        process.send_signal(signal.SIGUSR1)
-        rest, _ = process.communicate(timeout=300)
-        seen += rest
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert process.returncode == 0, seen[-3000:]
+    code, seen = train_and_signal(path, lambda text: text.count("'loss'") >= 2)
+    assert code == 0, seen[-3000:]
     assert "SIGUSR1: the ranks save a checkpoint after this step and stop" in seen
     stopped = re.search(r"stopped on request after step (\d+)", seen)
     assert stopped, seen[-3000:]
