@@ -188,7 +188,7 @@ def train(
     if finished:
         typer.echo(finished, err=True)
         return
-    if main_process_port is None and num_machines == 1:
+    if main_process_port is None and num_machines == 1 and hostfile is None:
         main_process_port = free_port()  # one machine: any free port will do, and two runs never collide
     cluster = _cluster(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device, rehearse,
                        launcher, hostfile, no_ssh)  # fmt: skip

@@ -95,10 +95,13 @@ def rank_log_tail(log_dir: Path, local_rank: int, lines: int = 12) -> tuple[Path
     return logs[-1], [line for line in shown if line.strip()][-lines:]
 
 
-def report(watcher: StderrWatcher, log_dir: Path, out=None, rendezvous: tuple[str, int, float] | None = None) -> int:
+def report(watcher: StderrWatcher, log_dir: Path, out=None, rendezvous: tuple[str, int, float] | None = None,
+           local_addresses: set | None = None) -> int:  # fmt: skip
     """After a failed launch: print what happened; returns the exit code llmtune should end with.
 
     `rendezvous`: (address, machines it needs, seconds) of a c10d rendezvous, to name it when it can't form.
+    `local_addresses`: this machine's own addresses, on a job of several machines (None: one machine, where a
+    connection closed by a peer is a local rank that failed, whose own error is the story).
     """
     out = out or sys.stderr
     cause = watcher.root_cause()
@@ -123,8 +126,9 @@ def report(watcher: StderrWatcher, log_dir: Path, out=None, rendezvous: tuple[st
             print(message, file=out)
         return 2
     path, tail = rank_log_tail(log_dir, cause.local_rank)
-    if watcher.lost_peers and cause.exitcode > 0:  # this machine's rank failed because a peer went away
-        peers = ", ".join(watcher.lost_peers)
+    remote = [p for p in watcher.lost_peers if local_addresses is not None and p not in local_addresses]
+    if remote and cause.exitcode > 0:  # this machine's rank failed because a rank on another machine went away
+        peers = ", ".join(remote)
         print(f"error: lost contact with {peers}: a rank there stopped answering (the machine failed, was stopped or "
               f"lost its network); rank {cause.rank} on this machine stopped", file=out)  # fmt: skip
         print(f"look at the log of the machine at {peers} for the cause", file=out)

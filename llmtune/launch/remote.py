@@ -19,7 +19,10 @@ HINT += "each machine yourself with --no-ssh --machine-rank N"
 
 
 def ssh_command(host: str) -> list[str]:
-    extra = shlex.split(os.environ.get("PDSH_SSH_ARGS_APPEND", ""))
+    try:
+        extra = shlex.split(os.environ.get("PDSH_SSH_ARGS_APPEND", ""))
+    except ValueError as err:
+        raise UserError(f"PDSH_SSH_ARGS_APPEND can't be split into ssh options: {err}", "check its quotes") from None
     return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", *extra, host, "true"]
 
 

@@ -39,14 +39,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def local_address_towards(host: str) -> str:
-    """This machine's address on the interface that routes to `host` (no packet is sent)."""
+def local_address_towards(host: str) -> str | None:
+    """This machine's address on the interface that routes to `host` (no packet is sent); None if unknown."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
+        family, kind, proto, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(address)
             return probe.getsockname()[0]
     except OSError:
-        return host
+        return None
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -72,9 +73,30 @@ def _log(message: str) -> None:
 
 def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: float = 600) -> int:
     """Start this machine's command and wait; returns its exit code."""
+    cluster = plan.cluster
+    stop_file = Path(plan.config_dir) / STOP_FILE
+    if cluster.machine_rank == 0:  # a request of an earlier run (e.g. before a requeue) is done with; only machine 0
+        stop_file.unlink(missing_ok=True)  # clears it: on shared storage a late machine must not drop a pending one
+    previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: _request_stop(stop_file))  # also while machines gather
+    try:
+        return _run(plan, cluster, stop_file, extra_launcher_args, rdzv_timeout)
+    finally:
+        signal.signal(signal.SIGUSR1, previous_usr1)
+
+
+def _request_stop(stop_file: Path) -> None:
+    try:
+        stop_file.parent.mkdir(parents=True, exist_ok=True)
+        stop_file.touch()
+    except OSError as err:
+        _log(f"SIGUSR1: could not write {stop_file} ({err.strerror}); the run goes on")
+        return
+    _log("SIGUSR1: the ranks save a checkpoint after this step and stop (run the same command to resume)")
+
+
+def _run(plan: Plan, cluster, stop_file: Path, extra_launcher_args: list[str] | None, rdzv_timeout: float) -> int:
     from llmtune.launch import lobby
 
-    cluster = plan.cluster
     if cluster.launcher == "deepspeed" and cluster.ssh and cluster.num_machines > 1:
         from llmtune.launch.remote import check_ssh_hosts
 
@@ -87,7 +109,9 @@ def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: 
             check_port_free(cluster.main_process_ip, cluster.main_process_port)
         # the address the other machines reach this one at (the ranks' store may live here): torch would take the
         # host name, which on many clusters resolves to another interface. torchrun reads PET_LOCAL_ADDR.
-        os.environ.setdefault("PET_LOCAL_ADDR", local_address_towards(cluster.main_process_ip))
+        local = local_address_towards(cluster.main_process_ip)
+        if local:  # unknown (e.g. machine 0's name doesn't resolve yet): torch's own guess, not a wrong address
+            os.environ.setdefault("PET_LOCAL_ADDR", local)
     elif cluster.num_machines > 1:  # every machine checks in first: a missing one is named, not waited on forever
         if cluster.machine_rank == 0:
             lobby.gather(plan, rdzv_timeout, _log)
@@ -98,8 +122,6 @@ def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: 
     command = plan.commands[cluster.machine_rank]
     argv = executable_command(command, extra_launcher_args)
     env = {**os.environ, **plan.env}
-    stop_file = Path(plan.config_dir) / STOP_FILE
-    stop_file.unlink(missing_ok=True)  # a request of an earlier run (e.g. before a requeue) is done with
     torchrun = command[:2] == ["accelerate", "launch"] or command[:3] == ["python", "-m", "torch.distributed.run"]
     if not torchrun or "--standalone" in command:
         return supervise(subprocess.Popen(argv, env=env, start_new_session=True), stop_file=stop_file)
@@ -117,7 +139,12 @@ def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: 
     if plan.rdzv_backend == "c10d":
         address = f"{cluster.main_process_ip}:{cluster.main_process_port}"
         rendezvous = (address, plan.min_machines or cluster.num_machines, rdzv_timeout)
-    return report(watcher, Path(plan.config_dir) / "logs", rendezvous=rendezvous)
+    here = {local_address_towards(cluster.main_process_ip), *(["127.0.0.1", "::1"])}
+    if cluster.machine_rank == 0:
+        here.add(cluster.main_process_ip)
+    lost_ok = cluster.num_machines > 1  # a lost peer is another machine only when there are several
+    return report(watcher, Path(plan.config_dir) / "logs", rendezvous=rendezvous,
+                  local_addresses=here if lost_ok else None)  # fmt: skip
 
 
 def supervise(process: subprocess.Popen, grace: float = 10.0, stop_file: Path | None = None) -> int:
@@ -134,8 +161,7 @@ def supervise(process: subprocess.Popen, grace: float = 10.0, stop_file: Path | 
 
     def on_usr1(_signum, _frame):
         if stop_file is not None:
-            stop_file.touch()
-            _log("SIGUSR1: the ranks save a checkpoint after this step and stop (run the same command to resume)")
+            _request_stop(stop_file)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_usr1)

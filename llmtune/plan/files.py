@@ -54,7 +54,8 @@ def plan_files(plan: Plan, recipe_dict: dict, recipe_path: str, notes: list[str]
 # What the machines DeepSpeed starts over ssh must also see: network and NCCL/gloo settings, caches, offline mode.
 FORWARDED_PREFIXES = ("GLOO_", "NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "HF_HOME", "HF_HUB_", "HF_DATASETS_",
                       "TRANSFORMERS_", "CUDA_DEVICE_ORDER", "LLMTUNE_")  # fmt: skip
-SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASS", "CREDENTIAL", "AUTH", "PRIVATE")
+UNSAFE = ("\n", '"', "$", "`", "\\")  # DeepSpeed quotes values with "...": the remote shell would still expand these
 
 
 def deepspeed_env_text(plan_env: dict[str, str], environ) -> str:
@@ -62,7 +63,7 @@ def deepspeed_env_text(plan_env: dict[str, str], environ) -> str:
     values = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
     values.update({k: v for k, v in plan_env.items() if k != "DS_ENV_FILE"})
     lines = [f"{k}={v}" for k, v in sorted(values.items())
-             if not any(word in k.upper() for word in SECRET_WORDS) and "\n" not in v and '"' not in v]  # fmt: skip
+             if not any(word in k.upper() for word in SECRET_WORDS) and not any(c in v for c in UNSAFE)]  # fmt: skip
     return "".join(line + "\n" for line in lines)
 
 

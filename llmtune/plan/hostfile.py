@@ -11,7 +11,8 @@ from pathlib import Path
 
 from llmtune.errors import UserError
 
-LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:\-\[\]]+)(?:\s+slots\s*=\s*(?P<slots>\d+))?$")
+# exactly what DeepSpeed's launcher accepts (`^(\S+)\s+slots=(\d+)`): anything looser would pass here and fail there
+LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\d+)$")
 HINT = "write one machine per line as `hostname slots=N`, as DeepSpeed's launcher reads it"
 
 
@@ -21,14 +22,18 @@ def read_hostfile(path: str | Path) -> list[tuple[str, int]]:
     if not path.is_file():
         raise UserError(f"--hostfile {path}: no such file", HINT)
     hosts: list[tuple[str, int]] = []
-    for number, raw in enumerate(path.read_text(errors="replace").splitlines(), 1):
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as err:
+        raise UserError(f"--hostfile {path}: can't read it ({err.strerror})") from None
+    for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         match = LINE.match(line)
         if not match:
             raise UserError(f"--hostfile {path} line {number}: can't read {raw.strip()!r}", HINT)
-        host, slots = match.group("host"), int(match.group("slots") or 1)
+        host, slots = match.group("host"), int(match.group("slots"))
         if slots < 1:
             raise UserError(f"--hostfile {path} line {number}: {host} has slots={slots}", "slots is at least 1")
         if host in {h for h, _ in hosts}:

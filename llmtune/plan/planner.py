@@ -188,9 +188,9 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         accelerate = build_accelerate_config(
             strategy, cluster, precision, ds_path, int(strategy[-1]) if ds_path else 0, fsdp, recipe.rdzv_backend
         )
-    elif recipe.rdzv_backend == "c10d":
-        raise UserError("rdzv_backend: c10d needs torchrun's launcher, which a single process doesn't use",
-                        "set max_restarts for restarts on one machine, or train on several processes")  # fmt: skip
+    if recipe.rdzv_backend == "c10d" and cluster.num_machines == 1:
+        raise UserError("rdzv_backend: c10d is for jobs on several machines (it gathers machines, not processes)",
+                        "on one machine, max_restarts alone restarts the ranks after a crash")  # fmt: skip
     _check_elastic_sizes(recipe, cluster, strategy, global_batch)
     env = _environment(cluster, strategy)
     if cluster.launcher == "deepspeed":

@@ -237,7 +237,10 @@ class LlmtuneTrainer(Trainer):
         if self.accelerator.num_processes > 1:
             self.accelerator.wait_for_everyone()
         if self.accelerator.is_local_main_process and not self.accelerator.is_main_process and staged.exists():
-            checkpoints.publish(staged, final, info)
+            try:
+                checkpoints.publish(staged, final, info)
+            except FileNotFoundError:
+                pass  # shared storage after all (a stale exists() on NFS): rank 0 already moved it
         if self.accelerator.is_local_main_process:
             try:
                 staging_root.rmdir()

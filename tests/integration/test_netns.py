@@ -282,7 +282,7 @@ def test_deepspeed_hostfile_launcher_over_ssh(hosts, ssh_env, workspace, referen
 def test_deepspeed_hostfile_launcher_without_ssh(hosts, workspace, reference):
     recipe = write_run_recipe(workspace, "ds-no-ssh")
     hostfile = write_hostfile(workspace, "hosts-no-ssh", hosts["addresses"])
-    flags = ["--launcher", "deepspeed", "--hostfile", hostfile, "--no-ssh", "--main-process-port", "29615"]
+    flags = ["--launcher", "deepspeed", "--hostfile", hostfile, "--no-ssh"]  # the same (default) port on both
     processes = [
         spawn_in(hosts, i, ["train", recipe, "--device", "cpu", *flags, "--machine-rank", str(i)]) for i in (0, 1)
     ]

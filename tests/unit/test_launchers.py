@@ -28,15 +28,16 @@ def hostfile(tmp_path, text: str) -> Path:
 
 
 def test_hostfile_lines_comments_and_default_slots(tmp_path):
-    path = hostfile(tmp_path, "# cluster\nnode-a slots=4  # head\n\nnode-b slots = 4\n")
+    path = hostfile(tmp_path, "# cluster\nnode-a slots=4  # head\n\n  node-b\tslots=4\n")
     assert read_hostfile(path) == [("node-a", 4), ("node-b", 4)]
-    assert read_hostfile(hostfile(tmp_path, "10.0.0.1\n")) == [("10.0.0.1", 1)]
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("node-a slots=4\nnode-b gpus=4\n", "line 2: can't read 'node-b gpus=4'"),
+        ("node-a\n", "line 1: can't read 'node-a'"),  # DeepSpeed needs the slots, so llmtune does too
+        ("node-a slots = 4\n", "line 1: can't read 'node-a slots = 4'"),
         ("node-a slots=4\nnode-a slots=4\n", "line 2: node-a is listed twice"),
         ("node-a slots=0\n", "line 1: node-a has slots=0"),
         ("node-a slots=4\nnode-b slots=2\n", "machines have different slots (node-a slots=4, node-b slots=2)"),
@@ -102,7 +103,10 @@ def test_deepspeed_on_one_machine_gets_a_hostfile_written():
 def test_deepspeed_env_file_carries_settings_never_secrets():
     environ = {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_IB_DISABLE": "1", "HF_TOKEN": "hf_secret", "HF_HOME": "/cache",
                "WANDB_API_KEY": "k", "NCCL_API_KEY": "x", "HOME": "/root", "PATH": "/bin"}  # fmt: skip
-    text = deepspeed_env_text({"OMP_NUM_THREADS": "1", "DS_ENV_FILE": "/x"}, environ)
+    environ["NCCL_DEBUG_FILE"] = "/logs/nccl.$HOSTNAME"  # a remote shell would expand it: left out
+    text = deepspeed_env_text(
+        {"OMP_NUM_THREADS": "1", "DS_ENV_FILE": "/x", "TORCHELASTIC_X": "[rank${rank}]:"}, environ
+    )
     assert text.splitlines() == ["GLOO_SOCKET_IFNAME=eth1", "HF_HOME=/cache", "NCCL_IB_DISABLE=1", "OMP_NUM_THREADS=1"]
 
 
@@ -124,8 +128,8 @@ def test_c10d_commands(tmp_path):
         assert plan.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     static = make_plan(recipe(), make_cluster(4, 2, 0, "10.0.0.1", 29500, "cpu"))
     assert static.accelerate_config["same_network"] is True and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in static.env
-    with pytest.raises(UserError, match="c10d needs torchrun"):
-        make_plan(r, make_cluster(1, device="cpu"))
+    with pytest.raises(UserError, match="c10d is for jobs on several machines"):
+        make_plan(r, make_cluster(2, device="cpu"))
 
 
 def test_what_runs_where_under_each_launcher():
@@ -154,7 +158,7 @@ def test_a_lost_machine_is_named_by_its_address(tmp_path):
     watcher = StderrWatcher(stderr, out=io.StringIO())
     watcher.run()
     out = io.StringIO()
-    assert report(watcher, tmp_path, out) == 1
+    assert report(watcher, tmp_path, out, local_addresses={"127.0.0.1", "10.1.2.1"}) == 1
     first = out.getvalue().splitlines()[0]
     assert first.startswith("error: lost contact with 10.1.2.3: a rank there stopped answering")
 
@@ -219,3 +223,17 @@ def test_a_c10d_rendezvous_that_cant_form_is_one_line(tmp_path, exception, messa
     out = io.StringIO()
     assert report(watcher, tmp_path, out, rendezvous=("10.0.0.1:29500", 2, 30)) == 2
     assert out.getvalue().startswith(message) and "Traceback" not in out.getvalue()
+
+
+def test_a_crash_on_one_machine_is_not_reported_as_a_lost_machine(tmp_path):
+    """One machine: rank 0 sees rank 1 (on 127.0.0.1) close its connection; the story is rank 1's own error."""
+    stderr = io.StringIO(
+        "[rank0]:RuntimeError: Connection closed by peer [127.0.0.1]:4567\nTraceback (most recent call last):\n"
+        "Root Cause (first observed failure):\n  host : node-a\n  rank : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 9)\n"
+    )
+    watcher = StderrWatcher(stderr, out=io.StringIO())
+    watcher.run()
+    for local in (None, {"127.0.0.1", "10.0.0.1"}):
+        out = io.StringIO()
+        report(watcher, tmp_path, out, local_addresses=local)
+        assert out.getvalue().startswith("error: rank 1 (local rank 1 on node-a) exited with code 1")
