@@ -79,7 +79,7 @@ def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: 
         stop_file.unlink(missing_ok=True)  # clears it: on shared storage a late machine must not drop a pending one
     previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: _request_stop(stop_file))  # also while machines gather
     try:
-        return _run(plan, cluster, stop_file, extra_launcher_args, rdzv_timeout)
+        return _run(plan, extra_launcher_args, rdzv_timeout)
     finally:
         signal.signal(signal.SIGUSR1, previous_usr1)
 
@@ -94,9 +94,10 @@ def _request_stop(stop_file: Path) -> None:
     _log("SIGUSR1: the ranks save a checkpoint after this step and stop (run the same command to resume)")
 
 
-def _run(plan: Plan, cluster, stop_file: Path, extra_launcher_args: list[str] | None, rdzv_timeout: float) -> int:
+def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float) -> int:
     from llmtune.launch import lobby
 
+    cluster = plan.cluster
     if cluster.launcher == "deepspeed" and cluster.ssh and cluster.num_machines > 1:
         from llmtune.launch.remote import check_ssh_hosts
 
@@ -124,14 +125,14 @@ def _run(plan: Plan, cluster, stop_file: Path, extra_launcher_args: list[str] | 
     env = {**os.environ, **plan.env}
     torchrun = command[:2] == ["accelerate", "launch"] or command[:3] == ["python", "-m", "torch.distributed.run"]
     if not torchrun or "--standalone" in command:
-        return supervise(subprocess.Popen(argv, env=env, start_new_session=True), stop_file=stop_file)
+        return supervise(subprocess.Popen(argv, env=env, start_new_session=True))
     from llmtune.launch.failures import StderrWatcher, report
 
     process = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
                                errors="replace", bufsize=1)  # fmt: skip
     watcher = StderrWatcher(process.stderr)
     watcher.start()
-    code = supervise(process, stop_file=stop_file)
+    code = supervise(process)
     watcher.join(timeout=10)
     if code == 0 or code > 128:  # success, or stopped by Ctrl-C/SIGTERM
         return code
@@ -147,9 +148,9 @@ def _run(plan: Plan, cluster, stop_file: Path, extra_launcher_args: list[str] | 
                   local_addresses=here if lost_ok else None)  # fmt: skip
 
 
-def supervise(process: subprocess.Popen, grace: float = 10.0, stop_file: Path | None = None) -> int:
+def supervise(process: subprocess.Popen, grace: float = 10.0) -> int:
     """Wait for the launched group; on SIGINT/SIGTERM stop all of it (SIGTERM, then SIGKILL after `grace`).
-    On SIGUSR1, ask the ranks to save a checkpoint after the current step and stop (they look for `stop_file`).
+    (SIGUSR1, a request to checkpoint and stop, is handled by `run` for the whole launch.)
 
     The signal handler only sends signals: waiting inside it would re-enter Popen.wait and deadlock.
     """
@@ -159,12 +160,7 @@ def supervise(process: subprocess.Popen, grace: float = 10.0, stop_file: Path | 
         stop_requested.append((signum, time.monotonic()))
         _signal_group(process, signal.SIGTERM)
 
-    def on_usr1(_signum, _frame):
-        if stop_file is not None:
-            _request_stop(stop_file)
-
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_usr1)
     try:
         while True:
             try:

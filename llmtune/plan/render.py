@@ -96,22 +96,21 @@ def where_lines(plan: Plan, recipe_path: str) -> list[str]:
         lines.append(f"  on {hosts[m]}: llmtune train {recipe}{device} {size} --machine-rank {m} "
                      f"--main-process-ip {cluster.main_process_ip} --main-process-port {cluster.main_process_port}"
                      f"  -> {'torchrun' if plan.min_machines else 'accelerate launch'} -> {_ranks(plan, m)}")  # fmt: skip
-    if plan.rdzv_backend == "c10d":  # DeepSpeed's launcher has no elastic rendezvous
+    if plan.rdzv_backend == "c10d":
         lines.append("deepspeed: not with rdzv_backend: c10d (DeepSpeed's launcher has no elastic rendezvous)")
-        lines.append("slurm (from a login node):")
-        lines.append(f"  llmtune slurm {recipe}{device} --nodes {machines} --gpus-per-node {cluster.processes_per_machine}"
-                     " --submit  -> sbatch -> srun: one llmtune launcher per node")  # fmt: skip
-        return lines
-    lines.append(f"deepspeed over ssh (hostfile {hostfile}, `host slots={cluster.processes_per_machine}` per line):")
-    lines.append(f"  on {hosts[0]} only: llmtune train {recipe}{device} --launcher deepspeed --hostfile {hostfile}")
-    for m in range(machines):
+    else:
         lines.append(
-            f"    pdsh -> {hosts[m]}: python -m deepspeed.launcher.launch --node_rank={m} -> {_ranks(plan, m)}"
+            f"deepspeed over ssh (hostfile {hostfile}, `host slots={cluster.processes_per_machine}` per line):"
         )
-    lines.append("deepspeed without ssh (each machine starts its own):")
-    for m in range(machines):
-        lines.append(f"  on {hosts[m]}: llmtune train {recipe}{device} --launcher deepspeed --hostfile {hostfile} "
-                     f"--no-ssh --machine-rank {m} -> {_ranks(plan, m)}")  # fmt: skip
+        lines.append(f"  on {hosts[0]} only: llmtune train {recipe}{device} --launcher deepspeed --hostfile {hostfile}")
+        for m in range(machines):
+            lines.append(
+                f"    pdsh -> {hosts[m]}: python -m deepspeed.launcher.launch --node_rank={m} -> {_ranks(plan, m)}"
+            )
+        lines.append("deepspeed without ssh (each machine starts its own):")
+        for m in range(machines):
+            lines.append(f"  on {hosts[m]}: llmtune train {recipe}{device} --launcher deepspeed --hostfile {hostfile} "
+                         f"--no-ssh --machine-rank {m} -> {_ranks(plan, m)}")  # fmt: skip
     lines.append("slurm (from a login node):")
     lines.append(f"  llmtune slurm {recipe}{device} --nodes {machines} --gpus-per-node {cluster.processes_per_machine}"
                  " --submit  -> sbatch -> srun: one llmtune launcher per node, machine rank = SLURM_NODEID")  # fmt: skip

@@ -19,6 +19,11 @@ STAGING = ".checkpoint-staging"
 STOP_FILE = "stop-requested"  # in <config_dir>: the launcher asks the ranks to checkpoint and stop (SIGUSR1)
 
 
+def stop_requested(config_dir: str | Path) -> bool:
+    """Whether the launcher asked the ranks to checkpoint and stop; each machine's first rank looks (one stat)."""
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and (Path(config_dir) / STOP_FILE).exists()
+
+
 def step_of(path: Path) -> int:
     try:
         return int(path.name.rsplit("-", 1)[-1])

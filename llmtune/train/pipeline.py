@@ -21,7 +21,7 @@ from torch import nn
 
 from llmtune.errors import UserError
 from llmtune.train import pipeline_checkpoint as checkpoints
-from llmtune.train.checkpoints import STOP_FILE, resume_point
+from llmtune.train.checkpoints import resume_point, stop_requested
 from llmtune.train.data.formats import IGNORE
 
 NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_layer_norm")
@@ -235,7 +235,6 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         log(f"resuming from {resume} at step {start}")
     interval = checkpoints.save_interval(recipe, steps_per_epoch, total_steps)
     crash_after = int(os.environ.get("LLMTUNE_TEST_EXIT_AFTER_STEP", 0))  # tests: die right after checkpoint k
-    stop_file = Path(plan["config_dir"]) / STOP_FILE
     step_sleep = float(os.environ.get("LLMTUNE_TEST_STEP_SLEEP", 0))  # tests: slow steps, to signal a run mid-way
     stage_module.train()
     for step in range(start, total_steps):
@@ -269,7 +268,7 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         optimizer.zero_grad(set_to_none=True)
         # only last stages contribute the loss: the sum over replicas is the global mean. The same all-reduce
         # carries a stop request (SIGUSR1 to the launcher), so every rank stops after the same step.
-        asked = int(os.environ.get("LOCAL_RANK", 0)) == 0 and stop_file.exists()
+        asked = stop_requested(plan["config_dir"])
         step_loss = torch.tensor(
             [float(sum(part.item() for part in losses)) if grid.last else 0.0, float(asked)], dtype=torch.float64
         )

@@ -83,22 +83,19 @@ class StepStats(TrainerCallback):
         self.first_step_end_unix = self.first_step_end_unix or time.time()
 
 
-STOP_FILE = checkpoints.STOP_FILE
-
-
 class StopOnRequest(TrainerCallback):
     """Save a checkpoint at the end of the current step and stop, when asked: `kill -USR1` to `llmtune train`, or
     the sbatch script on Slurm's warning before the time limit, leaves <config_dir>/stop-requested. Each machine's
     first rank looks for it after every step; one all-reduce makes every rank stop after the same step."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, config_dir: str) -> None:
+        self.config_dir = config_dir
         self.stopped_at: int | None = None
 
     def on_step_end(self, args, state, control, **kwargs):
         import torch
 
-        asked = int(os.environ.get("LOCAL_RANK", 0)) == 0 and self.path.exists()
+        asked = checkpoints.stop_requested(self.config_dir)
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:
             import torch.distributed as dist
 

@@ -132,7 +132,6 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from llmtune.train.model import load_model, load_tokenizer, model_source
     from llmtune.train.save import write_run_files
     from llmtune.train.trainer import (
-        STOP_FILE,
         LlmtuneTrainer,
         Rows,
         StepStats,
@@ -174,7 +173,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     trainer.plan = plan
     step_stats = StepStats(trainer)
     trainer.add_callback(step_stats)
-    stop = StopOnRequest(Path(plan["config_dir"]) / STOP_FILE)
+    stop = StopOnRequest(plan["config_dir"])
     trainer.add_callback(stop)
     if state.is_local_main_process:
         clear_staging(output_dir)  # whatever a killed save left half-written

@@ -67,14 +67,10 @@ def workspace(tmp_path_factory, tiny_model):
 
 
 def launcher(hosts, index: int, recipe: Path, port: int, env: dict | None = None) -> subprocess.Popen:
-    """`llmtune train` as machine `index`, inside namespace `index`; gloo told which interface to use."""
-    extra = [f"{k}={v}" for k, v in (env or {}).items()]
-    argv = ["ip", "netns", "exec", hosts["names"][index], "env", f"GLOO_SOCKET_IFNAME={hosts['links'][index]}",
-            "PYTHONUNBUFFERED=1", *extra, sys.executable, "-m", "llmtune", "train", str(recipe), "--device", "cpu",
-            "--num-machines", "2", "--num-processes", "2", "--machine-rank", str(index),
-            "--main-process-ip", hosts["addresses"][0], "--main-process-port", str(port)]  # fmt: skip
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True)  # fmt: skip
+    """`llmtune train` as machine `index` of 2 (one process each), inside namespace `index`."""
+    flags = ["--device", "cpu", "--num-machines", "2", "--num-processes", "2", "--machine-rank", str(index),
+             "--main-process-ip", hosts["addresses"][0], "--main-process-port", str(port)]  # fmt: skip
+    return spawn_in(hosts, index, ["train", recipe, *flags], env)
 
 
 def finish(processes: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str]]:
@@ -308,7 +304,7 @@ def test_a_host_ssh_cannot_reach_is_named_before_anything_starts(hosts, ssh_env,
 
 
 def spawn_in(hosts, index: int, args: list, env: dict | None = None) -> subprocess.Popen:
-    """`llmtune ARGS` inside namespace `index`."""
+    """`llmtune ARGS` inside namespace `index`; gloo told which interface to use."""
     extra = [f"{k}={v}" for k, v in (env or {}).items()]
     argv = ["ip", "netns", "exec", hosts["names"][index], "env", f"GLOO_SOCKET_IFNAME={hosts['links'][index]}",
             "PYTHONUNBUFFERED=1", *extra, sys.executable, "-m", "llmtune", *map(str, args)]  # fmt: skip

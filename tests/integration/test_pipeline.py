@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from harness import LORA, llmtune, losses, make_workspace, saved_weights, train_run
+from harness import LORA, llmtune, losses, make_workspace, saved_weights, train_run, write_run_recipe
 
 pytestmark = pytest.mark.integration
 
@@ -109,10 +109,7 @@ def test_resume_after_a_crash_is_bit_exact(workspace):
     }
     _, straight = run(workspace, "resume-straight", 2, **common)
     root = workspace[0]
-    path = root / "resume-crash.yaml"
-    recipe = yaml.safe_load((root / "resume-straight.yaml").read_text())
-    recipe["output_dir"] = str(root / "resume-crash")
-    path.write_text(yaml.safe_dump(recipe))
+    path = write_run_recipe(workspace, "resume-crash", **common)  # the same recipe, its own output_dir
     crashed = llmtune("train", path, "--num-processes", "2", env={"LLMTUNE_TEST_EXIT_AFTER_STEP": "2"})
     assert crashed.returncode != 0
     assert (root / "resume-crash" / "checkpoint-2" / "llmtune-complete.json").exists()
@@ -134,10 +131,7 @@ def test_sigusr1_stops_a_pipeline_after_a_checkpoint_and_the_rerun_resumes(works
     common = {"pipeline_parallel_size": 2, "pipeline_microbatches": 2, "num_epochs": 2, "logging_steps": 1}
     _, straight = run(workspace, "usr1-straight", 2, **common)
     root = workspace[0]
-    path = root / "usr1-stopped.yaml"
-    recipe = yaml.safe_load((root / "usr1-straight.yaml").read_text())
-    recipe["output_dir"] = str(root / "usr1-stopped")
-    path.write_text(yaml.safe_dump(recipe))
+    path = write_run_recipe(workspace, "usr1-stopped", **common)  # the same recipe, its own output_dir
     code, seen = train_and_signal(path, lambda text: "step 2/8" in text)
     assert code == 0, seen[-3000:]
     stopped = re.search(r"stopped on request after step (\d+)", seen)
