@@ -2,20 +2,24 @@
 PYTHON ?= python3
 PYTEST = $(PYTHON) -m pytest
 
-.PHONY: install test test-unit test-all lint format demo bench docs fixtures
+.PHONY: install test test-unit test-all test-gpu lint format demo bench docs fixtures
 
 install:
 	$(PYTHON) -m pip install --quiet torch==2.13.0
 	$(PYTHON) -m pip install --quiet -e '.[dev]'
 
 test: install
-	$(PYTEST) tests -m "not slow" -q
+	$(PYTEST) tests -m "not slow and not gpu" -q
 
 test-unit:
-	$(PYTEST) tests -m "not integration and not slow" -q
+	$(PYTEST) tests -m "not integration and not slow and not gpu" -q
 
 test-all: install
-	$(PYTEST) tests -q
+	$(PYTEST) tests -m "not gpu" -q
+
+# On a machine with a CUDA device (tests/gpu/README: how to get the stack there); writes tests/gpu/last-run.md
+test-gpu:
+	$(PYTEST) tests/gpu -m gpu -v
 
 lint:
 	$(PYTHON) -m ruff check llmtune tests benchmarks

@@ -11,6 +11,7 @@ Writes {"step_seconds": [...], "real_tokens": [...]} so the benchmark can compar
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 
@@ -27,27 +28,33 @@ from transformers import (
 
 
 class Timer(TrainerCallback):
-    def __init__(self):
-        self.seconds, self.started = [], 0.0
+    """Each step from the end of the one before (fetching and collating its batch included), as llmtune times it."""
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.started = time.perf_counter()
+    def __init__(self):
+        self.seconds, self.last_end = [], 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last_end = time.perf_counter()
 
     first_step_end = None
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.seconds.append(time.perf_counter() - self.started)
+        now = time.perf_counter()
+        self.seconds.append(now - self.last_end)
+        self.last_end = now
         self.first_step_end = self.first_step_end or time.time()
 
 
 class CountingCollator(DataCollatorForLanguageModeling):
     real: list[int] = []
     padded: list[int] = []
+    hashes: list[str] = []  # of each batch's input_ids, compared with llmtune's step by step
 
     def __call__(self, features, return_tensors=None):
         batch = super().__call__(features, return_tensors)
         self.real.append(int(batch["attention_mask"].sum()))
         self.padded.append(int(batch["input_ids"].numel()))
+        self.hashes.append(hashlib.sha256(batch["input_ids"].numpy().tobytes()).hexdigest()[:16])
         return batch
 
 
@@ -92,6 +99,7 @@ def main() -> None:
     with open(args.out, "w") as handle:
         json.dump({"step_seconds": timer.seconds, "real_tokens": collator.real[: len(timer.seconds)],
                    "padded_tokens": collator.padded[: len(timer.seconds)],
+                   "batch_hashes": collator.hashes[: len(timer.seconds)],
                    "first_step_end_unix": timer.first_step_end}, handle)  # fmt: skip
 
 

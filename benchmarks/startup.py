@@ -35,8 +35,8 @@ def main() -> None:
         verdict = "" if name.startswith(("python", "accelerate")) else ("ok" if seconds <= TARGET_SECONDS else "MISSED")
         print(f"{name:34} {seconds:9.3f} {seconds / base:9.1f}x {verdict:>8}")
     first_step = time_to_first_step()
-    print(f"\ntime to the first optimizer step: llmtune train {first_step['llmtune']:.1f} s, bare accelerate launch of "
-          f"the plain script {first_step['accelerate']:.1f} s: {first_step['ratio']:.2f}x (target <= 1.1x)")
+    print(f"\ntime to the first optimizer step: llmtune train {first_step['llmtune']:.1f} s, the plain script started "
+          f"with python {first_step['plain']:.1f} s: {first_step['ratio']:.2f}x (target <= 1.1x)")
     record("startup", {**{name: round(s, 4) for name, s in rows.items()}, "first_step": first_step})
 
 
@@ -55,14 +55,16 @@ def time_to_first_step(repeats: int = 3) -> dict:
     from tiny import make_tiny_model
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    samples: dict[str, list[float]] = {"llmtune": [], "accelerate": []}
+    samples: dict[str, list[float]] = {"llmtune": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model, data = make_tiny_model(root / "tiny"), write_rows(root / "data.jsonl", variable_length_rows(64))
         for attempt in range(repeats):
             out = root / f"run{attempt}"
+            # each attempt tokenizes afresh, as the plain script does every time (no cache hit to flatter llmtune)
             recipe = {"base_model": str(model), "datasets": [{"path": str(data), "type": "alpaca"}], "sequence_len": 256,
-                      "micro_batch_size": 4, "max_steps": 2, "save_strategy": "no", "output_dir": str(out)}  # fmt: skip
+                      "micro_batch_size": 4, "max_steps": 2, "save_strategy": "no", "output_dir": str(out),
+                      "dataset_prepared_path": str(root / f"prepared{attempt}")}  # fmt: skip
             path = root / f"run{attempt}.yaml"
             path.write_text(yaml.safe_dump(recipe))
             start = time.time()
@@ -70,12 +72,12 @@ def time_to_first_step(repeats: int = 3) -> dict:
             samples["llmtune"].append(json.loads((out / "metrics.json").read_text())["first_step_end_unix"] - start)
             plain = root / f"plain{attempt}.json"
             start = time.time()
-            subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
-                            str(ROOT / "benchmarks" / "plain_trainer.py"), str(model), str(data), str(plain), "--steps", "2"],
-                           check=True, capture_output=True, env=env)  # fmt: skip
-            samples["accelerate"].append(json.loads(plain.read_text())["first_step_end_unix"] - start)
+            # started as llmtune starts its single process: python on the script, no launcher in between
+            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plain_trainer.py"), str(model), str(data),
+                            str(plain), "--steps", "2"], check=True, capture_output=True, env=env)  # fmt: skip
+            samples["plain"].append(json.loads(plain.read_text())["first_step_end_unix"] - start)
     result = {name: round(statistics.median(values), 3) for name, values in samples.items()}
-    result["ratio"] = round(result["llmtune"] / result["accelerate"], 3)
+    result["ratio"] = round(result["llmtune"] / result["plain"], 3)
     return result
 
 

@@ -17,6 +17,7 @@ Models: the tiny 2-layer test model, and SmolLM2-135M-Instruct from the demo's G
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -86,7 +87,9 @@ def run_llmtune(model: Path, data: Path, work: Path, steps: int, batch: int, seq
     }  # fmt: skip
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    subprocess.run([sys.executable, "-m", "llmtune", "train", str(path)], check=True, capture_output=True, timeout=3600)
+    env = {**os.environ, "LLMTUNE_BATCH_HASHES": "1"}  # each step's input_ids hash, to compare with the plain script's
+    subprocess.run([sys.executable, "-m", "llmtune", "train", str(path)], check=True, capture_output=True, timeout=3600,
+                   env=env)  # fmt: skip
     return json.loads((work / "out" / "metrics.json").read_text())
 
 
@@ -110,7 +113,7 @@ def fastest_steps(runs: list[list[float]]) -> list[float]:
 
 
 def main() -> None:
-    args = bench_args(repeats=2)
+    args = bench_args(repeats=4)
     from tiny import make_tiny_model
 
     # This VM's matmul speed varies from minute to minute: the peak is the best of measurements taken before,
@@ -135,7 +138,7 @@ def main() -> None:
                 (work / "p").mkdir(parents=True)
                 metrics = run_llmtune(model, data, work / "l", steps, batch, seq, lora)
                 plain = run_plain(model, data, work / "p", steps, batch, seq, lora)
-                assert metrics["step_padded_tokens"][:steps] == plain["padded_tokens"][:steps], "not the same batches"
+                assert metrics["step_batch_hashes"][:steps] == plain["batch_hashes"][:steps], "not the same batches"
                 llm_runs.append(metrics["step_seconds"])
                 plain_runs.append(plain["step_seconds"])
                 pair_ratios.append(summarize(plain["step_seconds"], plain["real_tokens"])[0]
@@ -161,12 +164,15 @@ def main() -> None:
         mfu_p = flops_per_token * padded / sum(p_seconds[WARMUP:]) / peak["float32"]
         ratio = l_tps / p_tps
         spread = f"{min(pair_ratios):.2f}-{max(pair_ratios):.2f}"
+        # an effect is claimed only when every repeat agrees on its side of 1.0
+        verdict = "faster" if min(pair_ratios) > 1 else "slower" if max(pair_ratios) < 1 else "within the spread"
         print(f"{name:20} {l_step:15.3f} {p_step:13.3f} {l_tps:14.0f} {p_tps:12.0f} {ratio:6.2f} {spread:>10} "
-              f"{mfu_l:12.1%} {mfu_p:10.1%}")  # fmt: skip
+              f"{mfu_l:12.1%} {mfu_p:10.1%}  {verdict}")  # fmt: skip
         rows[name] = {"llmtune_step_s": round(l_step, 4), "plain_step_s": round(p_step, 4),
                       "llmtune_tokens_per_s": round(l_tps, 1), "plain_tokens_per_s": round(p_tps, 1),
                       "ratio": round(ratio, 3), "ratio_per_repeat": [round(r, 3) for r in pair_ratios],
-                      "repeats": len(pair_ratios), "mfu_llmtune": round(mfu_l, 4), "mfu_plain": round(mfu_p, 4)}  # fmt: skip
+                      "repeats": len(pair_ratios), "mfu_llmtune": round(mfu_l, 4), "mfu_plain": round(mfu_p, 4),
+                      "verdict": verdict}  # fmt: skip
     record("throughput", rows)
 
 

@@ -2,7 +2,10 @@
 
 Every question has a flag; a question whose flag was given is not asked. `--yes` takes the default of
 every other question (for scripts). The strategy question shows the estimate table and preselects the
-recommended strategy.
+recommended strategy. Text questions show their default in brackets: Enter takes it, typing replaces it, and
+a local path that doesn't exist is refused in place, with the reason, until the answer is one that does.
+
+(A little over 300 lines: one conversation, kept in one file in the order the questions are asked.)
 """
 
 from __future__ import annotations
@@ -50,15 +53,19 @@ class Asker:
         )
 
     def text(self, message: str, default: str, check: Callable[[str], str | None] | None = None) -> str:
+        """A typed answer; Enter alone takes the default shown in brackets (typing replaces it, as in accelerate)."""
         if not self.interactive:
             return default
         import questionary
 
-        def validate(value: str):
-            problem = check(value) if check else None
+        def answer(typed: str) -> str:
+            return typed.strip() or default
+
+        def validate(typed: str):
+            problem = check(answer(typed)) if check else None
             return True if problem is None else problem
 
-        return self._run(questionary.text(message, default=default, validate=validate)).strip()
+        return answer(self._run(questionary.text(_with_default(message, default), validate=validate)))
 
     def confirm(self, message: str, default: bool) -> bool:
         if not self.interactive:
@@ -69,6 +76,25 @@ class Asker:
 
     def show(self, text: str) -> None:
         print(text, file=sys.stderr if not self.interactive else sys.stdout)
+
+
+def _with_default(message: str, default: str) -> str:
+    """`Model (hub id or local folder) [org/name]:`: the default shown, not pre-filled (so typing replaces it)."""
+    if not default:
+        return message
+    stem, colon = (message[:-1], ":") if message.endswith(":") else (message, "")
+    return f"{stem} [{default}]{colon}"
+
+
+def _existing_if_local(value: str) -> str | None:
+    """An answer that names a local path (by the recipe's own rule) must exist; a hub id passes."""
+    from llmtune.recipe.paths import resolve
+
+    try:
+        resolve(value, "path", Path("recipe.yaml"))
+    except UserError:
+        return f"{value} does not exist here (relative to {Path.cwd()}); give an existing path or a hub id"
+    return None
 
 
 def _positive_int(value: str) -> str | None:
@@ -125,12 +151,16 @@ def ask_all(given: dict[str, Any], ask: Asker) -> tuple[Answers, str | None]:
         return name not in fixed
 
     if want("base_model"):
-        answers.base_model = ask.text("Model (hub id or local folder):", answers.base_model)
+        answers.base_model = ask.text("Model (hub id or local folder):", answers.base_model, _existing_if_local)
     if want("method"):
         answers.method = ask.select("Fine-tuning method:", [("lora", "LoRA (adapters, 16-bit base)"),
                                     ("qlora", "QLoRA (adapters, 4-bit base)"), ("full", "Full fine-tune")], "lora")  # fmt: skip
     if want("dataset"):
-        answers.dataset = ask.text("Dataset (local .jsonl/.json/.parquet file or hub id):", answers.dataset)
+        answers.dataset = ask.text(
+            "Dataset (local .jsonl/.json/.parquet file or hub id):",
+            answers.dataset,
+            _existing_if_local,
+        )
     guessed = (
         guess_dataset_type(Path(answers.dataset).expanduser()) if Path(answers.dataset).expanduser().is_file() else None
     )

@@ -14,7 +14,7 @@ import socket
 import time
 
 from llmtune.errors import UserError
-from llmtune.launch.runner import bind_port
+from llmtune.launch.net import bind_port
 
 HINT_JOIN = "start `llmtune train` with the same recipe and flags on every machine, each with its own --machine-rank"
 

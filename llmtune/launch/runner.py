@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from llmtune.errors import UserError
+from llmtune.launch import lobby
+from llmtune.launch.net import check_port_free, local_address_towards
 from llmtune.plan.planner import Plan
 from llmtune.train.checkpoints import STOP_FILE
 
@@ -30,41 +30,6 @@ def executable_command(command: list[str], extra_launcher_args: list[str] | None
     if command[0] == "deepspeed":
         return [sys.executable, "-m", "deepspeed.launcher.runner", *command[1:]]
     return list(command)
-
-
-def free_port() -> int:
-    """A port nothing listens on now: single-machine runs need no fixed rendezvous port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def local_address_towards(host: str) -> str | None:
-    """This machine's address on the interface that routes to `host` (no packet is sent); None if unknown."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.connect(address)
-            return probe.getsockname()[0]
-    except OSError:
-        return None
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Fail before launching when the rendezvous port is taken (instead of a hang or a cryptic error)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        # as the store will: connections of an earlier run left in TIME_WAIT don't make the port busy
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        bind_port(probe, port)
-
-
-def bind_port(sock: socket.socket, port: int) -> None:
-    """Bind to the rendezvous port on every interface, or say clearly that it is taken."""
-    try:
-        sock.bind(("", port))
-    except OSError:
-        raise UserError(f"--main-process-port {port} is already in use on this machine",
-                        "choose another port, or stop the process holding it") from None  # fmt: skip
 
 
 def _log(message: str) -> None:
@@ -95,8 +60,6 @@ def _request_stop(stop_file: Path) -> None:
 
 
 def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float) -> int:
-    from llmtune.launch import lobby
-
     cluster = plan.cluster
     if cluster.launcher == "deepspeed" and cluster.ssh and cluster.num_machines > 1:
         from llmtune.launch.remote import check_ssh_hosts
@@ -107,7 +70,7 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float)
         _log(f"c10d rendezvous at {cluster.main_process_ip}:{cluster.main_process_port}: waiting up to "
              f"{rdzv_timeout:.0f} s for {cluster.num_machines} machines")  # fmt: skip
         if cluster.machine_rank == 0:
-            check_port_free(cluster.main_process_ip, cluster.main_process_port)
+            check_port_free(cluster.main_process_port)
         # the address the other machines reach this one at (the ranks' store may live here): torch would take the
         # host name, which on many clusters resolves to another interface. torchrun reads PET_LOCAL_ADDR.
         local = local_address_towards(cluster.main_process_ip)
@@ -119,7 +82,7 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float)
         else:
             lobby.join(plan, rdzv_timeout, _log)
     elif plan.world_size > 1:
-        check_port_free(cluster.main_process_ip, cluster.main_process_port)
+        check_port_free(cluster.main_process_port)
     command = plan.commands[cluster.machine_rank]
     argv = executable_command(command, extra_launcher_args)
     env = {**os.environ, **plan.env}

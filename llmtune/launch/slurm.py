@@ -125,6 +125,28 @@ exit $STATUS
 """
 
 
+def write_job(recipe_path: Path, recipe, job: SlurmJob, output: Path | None = None) -> Path:
+    """Check the plan holds for the job's cluster, then write its sbatch script (default OUT/slurm/job.sbatch)."""
+    import sys
+
+    from llmtune.plan import make_plan
+    from llmtune.plan.cluster import Cluster
+    from llmtune.plan.files import atomic_write
+
+    job.check()
+    # the plan must hold for this cluster shape (batch arithmetic, parallel sizes) before anything is written
+    # (the login node's own GPUs don't matter: the cluster is described, not probed)
+    make_plan(recipe, Cluster(job.nodes * job.gpus_per_node, job.nodes, 0, "127.0.0.1", 29500, job.device or "cuda"))
+    output_dir = Path(recipe.output_dir).resolve()
+    script = (output or output_dir / "slurm" / "job.sbatch").resolve()
+    text = sbatch_script(recipe_path.resolve(), output_dir, job, Path.cwd(), [sys.executable, "-m", "llmtune"], script)
+    (output_dir / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch writes the job's log there
+    script.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(script, text)
+    script.chmod(0o755)
+    return script
+
+
 def submit(script: Path) -> tuple[str, str]:
     """sbatch the script; (job id, sbatch's own line)."""
     import shutil

@@ -40,6 +40,8 @@ def fsdp_section(version: int, fsdp) -> dict[str, Any]:
             fsdp_backward_prefetch=fsdp.backward_prefetch,
             fsdp_forward_prefetch=fsdp.forward_prefetch,
         )
+        if fsdp.limit_all_gathers is not None:  # written only when the recipe sets it: accelerate's default is true
+            section["fsdp_limit_all_gathers"] = fsdp.limit_all_gathers
     return section
 
 

@@ -36,6 +36,13 @@ class Cluster:
     hostfile: str | None = None
     ssh: bool = True  # deepspeed: machine 0 starts every machine over ssh (pdsh); False: each starts its own
     hosts: tuple[str, ...] = ()  # from the hostfile, by machine rank
+    # the process group's backend: gloo on CPU, NCCL on GPUs; `--device cuda:gloo` puts GPU tensors on gloo so
+    # that several ranks can share one GPU (NCCL refuses that): the GPU test tier's stand-in for several GPUs
+    backend: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.backend:
+            object.__setattr__(self, "backend", "gloo" if self.device == "cpu" else "nccl")
 
     @property
     def processes_per_machine(self) -> int:
@@ -94,8 +101,10 @@ def make_cluster(
                         "write one machine per line as `hostname slots=N`")  # fmt: skip
     gpus = count_local_gpus()
     device = device or ("cuda" if gpus else "cpu")
-    if device not in ("cuda", "cpu"):
-        raise UserError(f"--device must be cuda or cpu, not {device!r}")
+    device, _, backend = device.partition(":")
+    if device not in ("cuda", "cpu") or backend not in ("", "gloo") or (device, backend) == ("cpu", "gloo"):
+        raise UserError(f"--device must be cuda or cpu, not {device + (':' + backend if backend else '')!r}",
+                        "cuda:gloo shares GPUs between ranks over gloo, for tests")  # fmt: skip
     if num_machines < 1:
         raise UserError(f"--num-machines must be at least 1 (got {num_machines})")
     if num_processes is None:
@@ -115,10 +124,10 @@ def make_cluster(
     if not 1 <= port <= 65535:
         raise UserError(f"--main-process-port {port} is not a TCP port (1-65535)")
     per_machine = num_processes // num_machines
-    if device == "cuda" and gpus and per_machine > gpus:
+    if device == "cuda" and gpus and per_machine > gpus and backend != "gloo":
         raise UserError(
             f"{per_machine} processes per machine but this machine has {gpus} GPU(s)",
             "lower --num-processes, or rehearse on CPU with --device cpu",
         )
     return Cluster(num_processes, num_machines, machine_rank, main_process_ip or "127.0.0.1", port, device,
-                   launcher, hostfile, not no_ssh, hosts)  # fmt: skip
+                   launcher, hostfile, not no_ssh, hosts, backend)  # fmt: skip

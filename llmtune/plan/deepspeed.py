@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from llmtune.errors import UserError
 from llmtune.plan.model_facts import ModelFacts
+from llmtune.recipe.paths import on_disk, preset_for_axolotl_file
 
 
 @dataclass(frozen=True)
@@ -32,19 +32,7 @@ PRESETS = {
     "zero3_nvme": ZeroPreset(3, offload_optimizer="nvme", offload_param="nvme"),
 }
 # Axolotl ships deepspeed_configs/<name>.json; recipes name those files. They mean these presets.
-AXOLOTL_FILES = {
-    "zero1": "zero1", "zero1_torch_compile": "zero1", "zero2": "zero2", "zero2_torch_compile": "zero2",
-    "zero3": "zero3", "zero3_bf16": "zero3", "zero3_bf16_cpuoffload_all": "zero3_offload",
-    "zero3_bf16_cpuoffload_params": "zero3_offload",
-}  # fmt: skip
 DEFAULT_BUCKET = 500_000_000
-
-
-def preset_for_axolotl_file(name: str) -> str | None:
-    """'deepspeed_configs/zero3_bf16.json' -> 'zero3' for Axolotl's shipped files that aren't on disk."""
-    if not name.endswith(".json") or Path(name).exists():
-        return None
-    return AXOLOTL_FILES.get(Path(name).stem)
 
 
 def load_user_config(value: str | dict) -> tuple[dict, str | None]:
@@ -54,8 +42,8 @@ def load_user_config(value: str | dict) -> tuple[dict, str | None]:
     preset = value if value in PRESETS else preset_for_axolotl_file(value)
     if preset:
         return {}, preset
-    path = Path(value)
-    if not path.is_file():
+    path = on_disk(value, "deepspeed")
+    if path is None or not path.is_file():
         raise UserError(f"deepspeed: '{value}' is neither a preset nor a JSON file", f"presets: {', '.join(PRESETS)}")
     try:
         config = json.loads(path.read_text())

@@ -1,21 +1,28 @@
-"""Per-GPU memory of a recipe under each strategy: model states by the ZeRO paper's accounting, plus activations.
+"""Per-GPU memory of a recipe under each strategy: model states by the ZeRO paper's accounting, plus what a GPU
+really holds around them (activations, logits, buffers, the allocator's reserve, the CUDA context).
 
 Model states with mixed-precision Adam take (2 + 2 + K)·Ψ bytes, K = 12 (fp32 master weights, momentum,
 variance); ZeRO-1 divides the K·Ψ of optimizer states by the data-parallel size N_d, ZeRO-2 also the 2·Ψ
 of gradients, ZeRO-3 (and FSDP full shard) also the 2·Ψ of parameters. Offload moves what it offloads to CPU
-(or NVMe). Pure arithmetic on the model's config: nothing is built.
+(or NVMe). The peak is the larger of two moments: the start of backward (no gradients yet, every activation and
+the fp32 logits alive) and the optimizer step (every gradient, no activations); llmtune.plan.gpu_memory has the
+terms that only a GPU shows. Pure arithmetic on the model's config: nothing is built.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+from llmtune.plan import gpu_memory as gpu
+from llmtune.plan.gpu_memory import CUDA_CONTEXT, GB
 from llmtune.plan.model_facts import ModelFacts
+from llmtune.plan.recommend import recommend
 
-GB = 1e9
-FRAMEWORK_OVERHEAD = 1.0 * GB  # CUDA context, kernels, allocator slack
 EIGHT_BIT = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "lion_8bit", "paged_lion_8bit")
+# check_fits and recommend() refuse a total above this share of the GPU: the calibration's worst row was 4%
+# below the measured peak (QLoRA 8B), and nvidia-smi's memory.total includes memory no process can allocate
+FIT_FRACTION = 0.95
 
 
 @dataclass(frozen=True)
@@ -54,12 +61,19 @@ class Estimate:
     params: float
     grads: float
     optimizer: float
-    activations: float
-    overhead: float
+    activations: float  # saved for backward and alive at the loss: layers (or their checkpoints) and the head
+    overhead: float  # the CUDA context, outside the caching allocator
     cpu: float  # offloaded bytes per machine
     nvme: float
     gathered: float = 0.0  # ZeRO-3/FSDP: the largest layer all-gathered in full (params + grads) while it runs
     step_copy: float = 0.0  # DeepSpeed: the fp32 copy of the gradient partition its optimizer steps on
+    logits: float = 0.0  # the loss's peak: tokens x vocab in fp32, three times (gpu_memory.logits_bytes)
+    weight_copies: float = 0.0  # 16-bit copies of fp32 weights that autocast makes and backward keeps
+    held_grads: float = 0.0  # the part of `grads` already allocated while the forward runs
+    comm: float = 0.0  # persistent communication buffers: DDP's gradient buckets, DeepSpeed's reduce buckets
+    temporaries: float = 0.0  # the optimizer's scratch during its step
+    recompute: float = 0.0  # gradient checkpointing: one layer's activations rebuilt during backward
+    reserve: float = 0.0  # the caching allocator's: blocks cached but idle at the peak, and fragmentation
 
     @property
     def name(self) -> str:
@@ -67,7 +81,7 @@ class Estimate:
         return self.strategy.split(" (")[0]
 
     def fits(self, gpu_memory: float, cpu_memory: float | None = None) -> bool:
-        return self.total <= gpu_memory and (cpu_memory is None or self.cpu <= cpu_memory)
+        return self.total <= FIT_FRACTION * gpu_memory and (cpu_memory is None or self.cpu <= cpu_memory)
 
     @property
     def model_states(self) -> float:
@@ -76,23 +90,55 @@ class Estimate:
 
     @property
     def buffers(self) -> float:
-        return self.gathered + self.step_copy
+        return self.gathered + self.step_copy + self.comm + self.temporaries
+
+    @property
+    def persistent(self) -> float:
+        """Allocated from one step to the next: what the allocator never gets back."""
+        return self.params + self.optimizer + self.held_grads + self.comm
+
+    @property
+    def at_loss(self) -> float:
+        """The start of backward: every saved activation and the fp32 logits, no new gradient yet (the Trainer
+        frees gradients after each step, set_to_none)."""
+        return self.persistent + self.gathered + self.weight_copies + self.activations + self.logits
+
+    @property
+    def in_backward(self) -> float:
+        """Checkpointed backward: the checkpoints still kept and one layer rebuilt."""
+        return self.persistent + self.gathered + self.activations + self.recompute if self.recompute else 0.0
+
+    @property
+    def at_step(self) -> float:
+        """The optimizer step: every gradient and the optimizer's copies and scratch, no activations."""
+        return self.model_states + self.comm + self.step_copy + self.temporaries
+
+    @property
+    def allocated(self) -> float:
+        """The peak torch.cuda.max_memory_allocated should show."""
+        return max(self.at_loss, self.in_backward, self.at_step)
+
+    @property
+    def peak_at(self) -> str:
+        phases = {"loss": self.at_loss, "backward": self.in_backward, "step": self.at_step}
+        return max(phases, key=phases.__getitem__)
 
     @property
     def total(self) -> float:
-        return self.model_states + self.buffers + self.activations + self.overhead
+        """What the process takes on the GPU: the allocated peak, the allocator's reserve, the CUDA context."""
+        return self.allocated + self.reserve + self.overhead
 
 
-def activation_bytes(facts: ModelFacts, micro_batch: int, seq: int, checkpointing: bool, mixed: bool) -> float:
-    """Activations kept for backward, with a fused attention kernel (no s^2 scores kept), plus the logits."""
-    width = 2 if mixed else 4
-    tokens = micro_batch * seq
-    h, inter = facts.hidden_size, facts.intermediate_size
-    # per layer and token: attention inputs/outputs (~6h values) + MLP inputs and intermediates (~3·inter) + norms
-    per_layer = tokens * (8 * h + 3 * inter) * width
-    layers = (facts.num_layers * tokens * h * width + per_layer) if checkpointing else facts.num_layers * per_layer
-    logits = tokens * facts.vocab_size * (width + 4 + 4)  # logits, their fp32 copy for the loss, its gradient
-    return layers + logits
+def with_reserve(row: Estimate, idle_at_loss: float, fraction: float) -> Estimate:
+    """The row with the caching allocator's reserve: max_memory_reserved - max_memory_allocated.
+
+    Blocks the allocator caches but can't use at the loss (idle_at_loss: the 16-bit logits' block, the layer
+    working set that checkpointed forwards free before the loss, DeepSpeed's flat gradient buffers) plus
+    fragmentation, a fraction of the transient bytes (allocated and freed within a step)."""
+    row = replace(row, reserve=0.0)
+    reserved = max(row.at_loss + idle_at_loss, row.in_backward, row.at_step)
+    transient = row.allocated - row.persistent
+    return replace(row, reserve=reserved - row.allocated + fraction * transient)
 
 
 def is_mixed(recipe) -> bool:
@@ -112,7 +158,8 @@ def _states(recipe, facts: ModelFacts, mixed: bool, deepspeed: bool) -> tuple[fl
 
     DeepSpeed keeps 16-bit params and grads and an fp32 master copy in the optimizer (the ZeRO paper's
     layout). DDP and FSDP as llmtune runs them keep fp32 weights and grads and autocast the compute: the
-    same total for every optimizer (4 + 4 + moments = 2 + 2 + 4 + moments), split differently.
+    same total for every optimizer (4 + 4 + moments = 2 + 2 + 4 + moments), split differently. A k-bit base
+    is counted as bitsandbytes stores it, with the modules it leaves in fp32 (gpu_memory.quantized_base_bytes).
     """
     psi = facts.total_params()
     base = state_bytes(recipe.optimizer, mixed, master=True) if deepspeed else state_bytes(recipe.optimizer, False)
@@ -120,9 +167,37 @@ def _states(recipe, facts: ModelFacts, mixed: bool, deepspeed: bool) -> tuple[fl
         return base.params * psi, base.grads * psi, base.optimizer * psi
     trainable = trainable_parameters(recipe, facts)
     width = 2.0 if mixed else 4.0  # the frozen base is kept in the compute dtype
-    frozen = psi * (0.5 + 0.5 / 32 if recipe.load_in_4bit else 1.0 if recipe.load_in_8bit else width)
+    kbit = recipe.load_in_4bit or recipe.load_in_8bit
+    frozen = gpu.quantized_base_bytes(recipe, facts) if kbit else psi * width
     adapter = state_bytes(recipe.optimizer, False, master=deepspeed)  # adapters train in fp32
     return frozen + adapter.params * trainable, adapter.grads * trainable, adapter.optimizer * trainable
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The GPU-only terms of one way of holding the weights: as llmtune loads them, or as a 16-bit model."""
+
+    acts: gpu.Activations
+    copies: float
+
+
+def _layout(recipe, facts: ModelFacts, mixed: bool, sixteen_bit: bool, trainable: int, stages: int = 1) -> _Layout:
+    widths = gpu.widths(recipe, mixed, sixteen_bit)
+    kernels = gpu.kernels(recipe, pipeline=stages > 1)
+    if stages > 1:
+        layers, in_flight = gpu.layers_per_stage(facts, stages), gpu.in_flight_microbatches(recipe, stages)
+        acts = gpu.activations(recipe, facts, widths, kernels, layers, in_flight)
+    else:
+        acts = gpu.activations(recipe, facts, widths, kernels)
+    return _Layout(acts, gpu.weight_copies(recipe, facts, widths, trainable))
+
+
+def _gpu_row(base: Estimate, layout: _Layout, held: float, comm: float, temporaries: float, idle_flat: float,
+             fraction: float, share: float = 1.0) -> Estimate:  # fmt: skip
+    acts = layout.acts
+    row = replace(base, activations=acts.saved, logits=acts.logits, weight_copies=layout.copies * share,
+                  held_grads=held, comm=comm, temporaries=temporaries, recompute=acts.recompute)  # fmt: skip
+    return with_reserve(row, acts.idle_logits + acts.recompute + idle_flat, fraction)
 
 
 def estimate(
@@ -132,7 +207,6 @@ def estimate(
     mixed = is_mixed(recipe) if mixed is None else mixed
     params, grads, optimizer = _states(recipe, facts, mixed, deepspeed=False)
     zp, zg, zo = _states(recipe, facts, mixed, deepspeed=True)
-    acts = activation_bytes(facts, recipe.micro_batch_size, recipe.sequence_len, recipe.gradient_checkpointing, mixed)
     n = max(1, data_parallel)
     per_machine = max(1, min(n, gpus_per_machine))
     width = 2.0 if mixed else 4.0
@@ -140,7 +214,8 @@ def estimate(
     largest = width * (1 if recipe.adapter else 2) * max(facts.layer_params(), facts.embedding_params())
     # DeepSpeed flattens each param group's gradient partition to fp32 before stepping it (measured; and
     # the "4_grads_32bit" of its own estimate functions); with offload that copy lives on the CPU.
-    fp32_grads = 4.0 * trainable_parameters(recipe, facts)
+    trainable = trainable_parameters(recipe, facts)
+    fp32_grads = 4.0 * trainable
     #      name                        params  grads    optimizer cpu (per machine)                   nvme  gathered  step copy
     rows = [
         ("single / DDP",               params, grads,   optimizer, 0.0, 0.0, 0.0, 0.0),
@@ -154,53 +229,50 @@ def estimate(
         ("FSDP shard grad op",         params, grads / n, optimizer / n, 0.0, 0.0, 0.0, 0.0),
         ("FSDP hybrid shard",          params / per_machine, grads / per_machine, optimizer / per_machine, 0.0, 0.0, largest, 0.0),
     ]  # fmt: skip
-    estimates = [Estimate(name, p, g, o, acts, FRAMEWORK_OVERHEAD, cpu, nvme, gathered, step)
+    loaded = _layout(recipe, facts, mixed, False, trainable)
+    sixteen = _layout(recipe, facts, mixed, True, trainable)  # DeepSpeed's bf16 engine, FSDP's bf16 parameters
+    # gradients of earlier micro-batches stay allocated through the next forward
+    accumulating = recipe.gradient_accumulation_steps > 1
+
+    def held(gradients: float) -> float:
+        return gradients if accumulating else 0.0
+
+    scratch = gpu.optimizer_temporaries(recipe.optimizer, trainable, facts.embedding_params())
+    ds_buckets = 2 * width * facts.hidden_size**2  # overlap_comm: two reduce buckets of hidden^2 (llmtune's presets)
+    # DDP's reducer keeps its buckets beside the gradients: gradient_as_bucket_view (off in accelerate and the
+    # Trainer) would save "the total gradients size" (torch DistributedDataParallel's documentation)
+    ddp_buckets = grads if n > 1 else 0.0
+    # DeepSpeed's flat gradient buffers (the 16-bit partition it reduces into, the fp32 copy its optimizer steps
+    # on) are single blocks bigger than any activation: the allocator caches them in segments of their own that
+    # sit idle while the next forward runs. ZeRO-3 allocates its 16-bit partition once, so it is held, not idle.
+    zero_flat = (0.0 if accumulating else zg / n) + fp32_grads / n
+    # per row: the weights' layout, gradients held in forward, persistent comm buffers, the optimizer's scratch,
+    # idle flat buffers. FSDP gathers its parameters in bf16 (its mixed-precision policy): the 16-bit layout.
+    extras = {
+        "single / DDP":          (loaded,  held(grads),        ddp_buckets, scratch,               0.0),
+        "ZeRO-1":                (sixteen, held(zg),           ds_buckets,  scratch / n,           zero_flat),
+        "ZeRO-2":                (sixteen, held(zg / n),       ds_buckets,  scratch / n,           zero_flat),
+        "ZeRO-3":                (sixteen, zg / n,             ds_buckets,  scratch / n,           fp32_grads / n),
+        "ZeRO-2 + CPU offload":  (sixteen, 0.0,                ds_buckets,  0.0,                   0.0),
+        "ZeRO-3 + CPU offload":  (sixteen, 0.0,                ds_buckets,  0.0,                   0.0),
+        "ZeRO-3 + NVMe offload": (sixteen, 0.0,                ds_buckets,  0.0,                   0.0),
+        "FSDP full shard":       (sixteen, held(grads / n),    0.0,         scratch / n,           0.0),
+        "FSDP shard grad op":    (sixteen, held(grads / n),    0.0,         scratch / n,           0.0),
+        "FSDP hybrid shard":     (sixteen, held(grads / per_machine), 0.0,  scratch / per_machine, 0.0),
+    }  # fmt: skip
+    fraction = gpu.reserve_fraction(recipe)
+    estimates = [_gpu_row(Estimate(name, p, g, o, 0.0, CUDA_CONTEXT, cpu, nvme, gathered, step), *extras[name], fraction)
                  for name, p, g, o, cpu, nvme, gathered, step in rows]  # fmt: skip
     if stages > 1:
-        # balanced stages, but a stage holds at least one whole layer (or the embeddings)
+        # balanced stages, but a stage holds at least one whole layer (or the embeddings); its micro-batches'
+        # gradients accumulate through the step. The first stage's in-flight activations and the last stage's
+        # logits are both counted: the row is the worst stage, or a little more
         share = max(1 / stages, max(facts.layer_params(), facts.embedding_params()) / facts.total_params())
-        estimates.append(Estimate(f"pipeline ({stages} stages, per stage)", params * share, grads * share,
-                                  optimizer * share, acts, FRAMEWORK_OVERHEAD, 0.0, 0.0))  # fmt: skip
+        stage = _layout(recipe, facts, mixed, False, trainable, stages)
+        base = Estimate(f"pipeline ({stages} stages, per stage)", params * share, grads * share, optimizer * share,
+                        0.0, CUDA_CONTEXT, 0.0, 0.0)  # fmt: skip
+        estimates.append(_gpu_row(base, stage, grads * share, 0.0, scratch * share, 0.0, fraction, share))
     return estimates
-
-
-# The seeds' decision guide as data. For each kind of cluster, strategies in order of preference, each
-# with its reason; the first one whose per-GPU total fits (and whose offload fits the CPU) wins.
-REASONS = {
-    "single / DDP": "the model and its optimizer fit one GPU: plain data parallel has the least communication",
-    "ZeRO-1": "sharding only the optimizer states is enough and costs no extra communication over DDP",
-    "ZeRO-2": "sharding optimizer states and gradients is enough; parameters stay whole on every GPU",
-    "pipeline": "the model doesn't fit one GPU but each stage's layers do; stages exchange only activations",
-    "ZeRO-3": "only sharding the parameters too makes it fit (needed when even one layer is too big for a stage)",
-    "FSDP full shard": "only sharding the parameters too makes it fit (needed when even one layer is too big for a stage)",
-    "FSDP shard grad op": "sharding gradients and optimizer states is enough; parameters stay whole (FSDP's ZeRO-2)",
-    "FSDP hybrid shard": "sharding within each machine fits and keeps the all-gathers off the slow links between machines",
-    "ZeRO-2 + CPU offload": "nothing fits on the GPUs alone; offloading optimizer states and gradients to CPU does",
-    "ZeRO-3 + CPU offload": "nothing fits on the GPUs alone; offloading parameters and optimizer to CPU does",
-    "ZeRO-3 + NVMe offload": "even CPU memory is too small; ZeRO-Infinity offloads to NVMe",
-}  # fmt: skip
-_OFFLOAD = ["ZeRO-2 + CPU offload", "ZeRO-3 + CPU offload", "ZeRO-3 + NVMe offload"]
-PREFERENCE = {
-    # one machine: pipeline before ZeRO-3 (the seeds' order: pipeline, ZeRO, tensor parallel)
-    "one machine": ["single / DDP", "ZeRO-1", "ZeRO-2", "pipeline", "ZeRO-3", "FSDP full shard", *_OFFLOAD],
-    # several machines, fast interconnect (InfiniBand, NVLink across nodes): ZeRO/FSDP scale well
-    "fast": ["single / DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full shard", "FSDP hybrid shard", "pipeline", *_OFFLOAD],
-    # several machines, slow interconnect (Ethernet): keep the heavy traffic inside machines, DP + PP
-    "slow": ["single / DDP", "ZeRO-1", "pipeline", "FSDP hybrid shard", "ZeRO-2", "ZeRO-3", "FSDP full shard", *_OFFLOAD],
-}  # fmt: skip
-
-
-def recommend(
-    estimates: list[Estimate], gpu_memory: float, num_machines: int = 1, interconnect: str = "fast",
-    cpu_memory: float | None = None,
-) -> tuple[Estimate, str] | None:  # fmt: skip
-    profile = "one machine" if num_machines <= 1 else interconnect
-    by_name = {e.name: e for e in estimates}
-    for name in PREFERENCE[profile]:
-        row = by_name.get(name)
-        if row is not None and row.fits(gpu_memory, cpu_memory):
-            return row, REASONS[name]
-    return None
 
 
 @dataclass
@@ -225,11 +297,11 @@ class Report:
         return next(r for r in self.rows if r.name == name)
 
     def to_dict(self) -> dict:
-        rows = [{**asdict(r), "model_states": r.model_states, "total": r.total, "fits": self.fits(r)}
-                for r in self.rows]  # fmt: skip
+        derived = ("model_states", "buffers", "at_loss", "at_step", "allocated", "peak_at", "total")
+        rows = [{**asdict(r), **{name: getattr(r, name) for name in derived}, "fits": self.fits(r)} for r in self.rows]
         choice = {"strategy": self.choice[0].strategy, "reason": self.choice[1]} if self.choice else None
-        return {**{k: v for k, v in asdict(self).items() if k not in ("rows", "choice")}, "rows": rows,
-                "recommended": choice}  # fmt: skip
+        return {**{k: v for k, v in asdict(self).items() if k not in ("rows", "choice")}, "fit_fraction": FIT_FRACTION,
+                "rows": rows, "recommended": choice}  # fmt: skip
 
 
 def model_facts_for(recipe) -> ModelFacts:
@@ -307,9 +379,13 @@ def check_fits(recipe, plan, gpu_memory: float, facts: ModelFacts | None = None)
                              cpu_memory_of_this_machine(), facts=facts)  # fmt: skip
     name = row_for_plan(plan)
     row = report.row(name)
-    summary = f"{row.total / GB:.1f} GB of {gpu_memory / GB:.0f} GB per GPU ({name}, by llmtune estimate)"
+    limit = FIT_FRACTION * gpu_memory
+    sizes = (f"{row.total / GB:.1f} GB per GPU under {name} (llmtune estimate: peak allocated "
+             f"{row.allocated / GB:.1f} + allocator reserve {row.reserve / GB:.1f} + CUDA context "
+             f"{row.overhead / GB:.1f}); the GPUs have {gpu_memory / GB:.0f} GB and llmtune refuses above "
+             f"{FIT_FRACTION:.0%} of that, {limit / GB:.1f} GB")  # fmt: skip
     if row.fits(gpu_memory):
-        return summary
+        return sizes
     better = (
         f"{report.choice[0].strategy} would fit ({report.choice[1]})"
         if report.choice
@@ -317,8 +393,7 @@ def check_fits(recipe, plan, gpu_memory: float, facts: ModelFacts | None = None)
             "nothing fits on these GPUs: add GPUs, lower micro_batch_size, turn on gradient_checkpointing, or use LoRA"
         )
     )
-    raise UserError(f"the plan needs about {row.total / GB:.1f} GB per GPU under {name} but the GPUs have "
-                    f"{gpu_memory / GB:.0f} GB", f"{better}; see `llmtune estimate`, or pass --no-memory-check")  # fmt: skip
+    raise UserError(f"the plan needs about {sizes}", f"{better}; see `llmtune estimate`, or pass --no-memory-check")
 
 
 def parse_size_option(flag: str, text: str) -> float:

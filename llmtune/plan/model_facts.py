@@ -33,6 +33,10 @@ class ModelFacts:
         mlp = 3 * h * self.intermediate_size
         return attention + mlp + 2 * h
 
+    def linear_params(self) -> int:
+        """The decoder layers' linear weights: what bitsandbytes quantizes (embeddings, lm_head, norms are not)."""
+        return self.num_layers * (self.layer_params() - 2 * self.hidden_size)
+
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 

@@ -5,6 +5,7 @@ Pure: reads at most a local config.json or DeepSpeed JSON, imports no torch.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from llmtune.plan.deepspeed import build_deepspeed_config
 from llmtune.plan.model_facts import ModelFacts, read_model_facts
 from llmtune.plan.pipeline import bubble_fraction, split_layers
 from llmtune.recipe import Recipe
+from llmtune.recipe.kernels import INSTALL_HINT, Kernels, resolve_kernels
 
 STRATEGY_TITLES = {
     "single": "single process", "ddp": "DDP (data parallel)", "zero1": "DeepSpeed ZeRO-1",
@@ -56,6 +58,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     rdzv_backend: str = "static"  # c10d: torchrun's elastic rendezvous (machines join in any order, may rejoin)
     min_machines: int | None = None  # c10d: the job runs with any machine count from this up to num_machines
+    kernels: dict[str, Any] = field(default_factory=dict)  # on GPUs: liger kernels, attention, torch.compile
 
     @property
     def title(self) -> str:
@@ -148,6 +151,13 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
     precision = _precision(recipe, cluster, notes)
     strategy = choose_strategy(recipe, world)
     pipeline = _pipeline_plan(recipe, world, facts) if strategy == "pipeline" else None
+    if pipeline and recipe.precision == "fp16":  # refused in rehearsal too: the GPU run would refuse it
+        raise UserError("pipeline runs take bf16 or fp32: fp16 needs loss scaling, which the pipeline loop does not do",
+                        "set bf16: true (or fp16: false)")  # fmt: skip
+    if pipeline and world > 1 and (cluster.device, cluster.backend) == ("cuda", "gloo"):
+        # measured on an H100 (torch 2.11): gloo's send/recv of CUDA tensors fails with "Bad address"
+        raise UserError("pipeline stages pass activations with send/recv, which gloo cannot do on CUDA tensors",
+                        "run pipeline stages on separate GPUs (NCCL), or rehearse them with --device cpu")  # fmt: skip
     data_parallel = world // pipeline.stages if pipeline else world
     accumulation = pipeline.microbatches if pipeline else recipe.gradient_accumulation_steps
     global_batch = recipe.micro_batch_size * accumulation * data_parallel
@@ -183,6 +193,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         if world == 1:
             notes.append("FSDP with one process shards nothing; it runs, but DDP/single would be faster")
 
+    kernels = _kernels(recipe, cluster, precision, strategy)
+    notes += kernels.notes
     accelerate = None
     if strategy != "single":
         accelerate = build_accelerate_config(
@@ -208,7 +220,18 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         strategy, offload, world, data_parallel, recipe.micro_batch_size, accumulation, global_batch, precision,
         cluster, config_dir, accelerate, deepspeed_config, env, commands, pipeline, notes, recipe.rdzv_backend,
         recipe.min_machines if recipe.min_machines and recipe.min_machines < cluster.num_machines else None,
+        kernels.to_dict(),
     )  # fmt: skip
+
+
+def _kernels(recipe: Recipe, cluster: Cluster, precision: str, strategy: str) -> Kernels:
+    """The fast path as the GPU run will take it (shown by `llmtune plan`); in rehearsal, notes that it is off."""
+    # Looked up, not imported: the plan stays fast and torch-free. The worker imports it for real.
+    flash = not cluster.rehearsal and importlib.util.find_spec("flash_attn") is not None
+    kernels = resolve_kernels(recipe, cluster.device, precision, strategy, flash)
+    if kernels.liger_on and importlib.util.find_spec("liger_kernel") is None:
+        kernels.notes.append(f"liger-kernel is not installed here; the GPU run needs it: {INSTALL_HINT}")
+    return kernels
 
 
 def _check_elastic_sizes(recipe: Recipe, cluster: Cluster, strategy: str, global_batch: int) -> None:

@@ -34,6 +34,8 @@ def summary_lines(plan: Plan, recipe) -> list[tuple[str, str]]:
         ("method", {"lora": "LoRA", "qlora": "QLoRA (4-bit base)"}.get(recipe.adapter or "", "full fine-tune")),
         ("model", recipe.base_model),
     ]
+    if plan.kernels.get("summary"):
+        rows.append(("kernels", plan.kernels["summary"]))
     if plan.zero_stage:
         zero = plan.deepspeed_config["zero_optimization"]
         rows.append(("zero", f"stage {zero['stage']}, offload optimizer: "
@@ -131,7 +133,7 @@ def print_plan(plan: Plan, recipe, files: dict[str, str], notes: list[str], show
         table.add_row(key, value)
     console.print(table)
     for note in [*plan.notes, *notes]:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")  # a note may hold [brackets]: llmtune[kernels]
     console.print("\n[bold]commands[/] (llmtune train runs these; on several machines, run each on its machine):")
     for line in command_lines(plan):
         console.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
@@ -152,25 +154,50 @@ def print_plan(plan: Plan, recipe, files: dict[str, str], notes: list[str], show
                 console.print(escape(files[name].rstrip()), soft_wrap=True, highlight=False)
 
 
+ESTIMATE_NOTES = (
+    "peak: what torch.cuda.max_memory_allocated should show, the larger of the start of backward (params, optim, "
+    "gradients held from earlier micro-batches, buffers, activ, logits) and the optimizer step (params, grads, "
+    "optim, buffers); total = peak + reserve + context",
+    "buffers: the layer ZeRO-3/FSDP gather, DeepSpeed's fp32 gradient copy and reduce buckets, DDP's gradient "
+    "buckets, the optimizer's scratch at the step; activ: saved for backward, with autocast's 16-bit weight copies; "
+    "logits: three fp32 tokens x vocab tensors at the loss",
+    "reserve: what PyTorch's caching allocator keeps but can't use at the peak (idle blocks, fragmentation); "
+    "context: the CUDA context, outside the allocator",
+)
+
+
+def estimate_cells(row) -> list[str]:
+    """One row of the estimate table, in GB: the ZeRO paper's terms, then what the GPU adds."""
+    from llmtune.plan.estimate import GB
+
+    terms = [row.params, row.grads, row.optimizer, row.buffers, row.activations + row.weight_copies, row.logits]
+    cells = [f"{term / GB:.1f}" for term in terms]
+    cells.append(f"{row.allocated / GB:.1f} ({row.peak_at})")
+    return cells + [f"{term / GB:.1f}" for term in (row.reserve, row.overhead, row.total)]
+
+
 def print_estimate(report) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from llmtune.plan.estimate import GB
+    from llmtune.plan.estimate import FIT_FRACTION, GB
 
     table = Table(title=f"{report.model}: {report.total_params / 1e9:.2f}B parameters "
                         f"({report.trainable_params / 1e6:,.1f}M trainable), {report.num_machines} x "
                         f"{report.gpus_per_machine} GPUs of {report.gpu_memory / GB:.0f} GB")  # fmt: skip
-    for column in ("strategy (GB per GPU)", "params", "grads", "optim", "buffers", "activ", "other", "total", "fits",
-                   "CPU/machine"):  # fmt: skip
+    columns = ("strategy (GB per GPU)", "params", "grads", "optim", "buffers", "activ", "logits", "peak (at)",
+               "reserve", "context", "total", "fits", "CPU/machine")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="left" if column.startswith("strategy") else "right")
     for row in report.rows:
-        cells = [row.params, row.grads, row.optimizer, row.buffers, row.activations, row.overhead, row.total]
-        table.add_row(row.strategy, *(f"{c / GB:.1f}" for c in cells), "yes" if report.fits(row) else "no",
-                      f"{row.cpu / GB:.1f}" + (" + NVMe" if row.nvme else "") if row.cpu or row.nvme else "")  # fmt: skip
-    console = Console(width=None if Console().is_terminal else 140)
+        cpu = f"{row.cpu / GB:.1f}" + (" + NVMe" if row.nvme else "") if row.cpu or row.nvme else ""
+        table.add_row(row.strategy, *estimate_cells(row), "yes" if report.fits(row) else "no", cpu)
+    console = Console(width=None if Console().is_terminal else 160)
     console.print(table)
-    console.print("buffers: the largest layer gathered (ZeRO-3/FSDP) and DeepSpeed's fp32 gradient copy at the step")
+    for note in ESTIMATE_NOTES:
+        console.print(note, highlight=False)
+    console.print(f"fits: total under {FIT_FRACTION:.0%} of the GPU's {report.gpu_memory / GB:.0f} GB "
+                  f"({FIT_FRACTION * report.gpu_memory / GB:.1f} GB)", highlight=False)  # fmt: skip
     if report.choice is None:
         console.print(
             "[red]nothing fits[/]: use more GPUs, a smaller micro_batch_size, gradient_checkpointing, or LoRA"

@@ -77,12 +77,15 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
     info = resolve_target(target)
     recipe = info.recipe
     tokenizer = load_tokenizer(recipe, info.adapter_dir or info.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(info.model_dir, dtype=torch.float32)
+    from llmtune.post.generate import inference_device
+
+    device, dtype = inference_device()
+    model = AutoModelForCausalLM.from_pretrained(info.model_dir, dtype=dtype)
     if info.adapter_dir:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, info.adapter_dir)
-    model.eval()
+    model.to(device).eval()
     examples = eval_examples(recipe, tokenizer, data)[:limit]
     collate = Collator(tokenizer.pad_token_id)
     total_loss = total_tokens = 0.0
@@ -91,7 +94,7 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
             batch = collate(examples[start : start + batch_size])
             batch.pop(REAL_TOKENS)
             tokens = int((batch["labels"][:, 1:] != IGNORE).sum())
-            total_loss += model(**batch).loss.item() * tokens
+            total_loss += model(**{k: v.to(device) for k, v in batch.items()}).loss.item() * tokens
             total_tokens += tokens
     loss = total_loss / max(total_tokens, 1)
     results = {
@@ -123,9 +126,9 @@ def exact_match(model, tokenizer, pairs, batch_size: int, max_new_tokens: int | 
         ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk])  # left padding for generation
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=budget, do_sample=False,
+            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=budget, do_sample=False,
                                  pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
-        for (prompt, answer), generated in zip(chunk, out[:, width:], strict=True):
+        for (prompt, answer), generated in zip(chunk, out[:, width:].cpu(), strict=True):
             got = tokenizer.decode(generated, skip_special_tokens=True).strip()
             want = tokenizer.decode(answer, skip_special_tokens=True).strip()
             hits += got == want

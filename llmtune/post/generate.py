@@ -21,14 +21,21 @@ class Loaded:
     label: str
 
 
+def inference_device() -> tuple[str, object]:
+    """The GPU in bf16 where there is one (fp16 on GPUs without bf16), else the CPU in fp32."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu", torch.float32
+    return "cuda", torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
 def load_for_generation(target: str, trust_remote_code: bool = False) -> Loaded:
     """A run folder (adapter on its base, or its full model), a model folder, or a hub id."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(target)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    device, dtype = inference_device()
     adapter = None
     model_dir, tokenizer_dir, label = target, target, target
     if path.is_dir():

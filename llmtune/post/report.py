@@ -12,6 +12,25 @@ from pathlib import Path
 from llmtune.errors import UserError
 
 
+def _throughput(metrics: dict) -> str:
+    whole = metrics.get("tokens_per_second_whole_run", metrics.get("tokens_per_second"))  # older runs: one figure
+    steady = metrics.get("tokens_per_second_steady")
+    return f"{whole} tokens/s over the whole run" + (f", {steady} after the warm-up steps" if steady else "")
+
+
+def _gpu_memory(metrics: dict) -> str | None:
+    """The largest per-rank CUDA peaks, beside the estimate the run was planned with (GPU runs only)."""
+    ranks = [r for r in metrics.get("ranks") or [] if "cuda_max_reserved_bytes" in r]
+    if not ranks:
+        return None
+    gb = 1e9
+    allocated = max(r["cuda_max_allocated_bytes"] for r in ranks) / gb
+    reserved = max(r["cuda_max_reserved_bytes"] for r in ranks) / gb
+    estimate = metrics.get("estimate_total_bytes")
+    return (f"{allocated:.1f} GB allocated, {reserved:.1f} GB reserved (largest rank)"
+            + (f"; estimate {estimate / gb:.1f} GB" if estimate else ""))  # fmt: skip
+
+
 def curves(metrics: dict) -> dict:
     """Train loss and learning rate, eval loss, and throughput, each against the optimizer step."""
     history = metrics.get("log_history") or []
@@ -82,7 +101,8 @@ def _summary(run: Path, metrics: dict, plan: dict, recipe: dict) -> str:
                          f"accumulation {plan.get('gradient_accumulation_steps')} x data-parallel {plan.get('data_parallel_size')}"),
         ("steps", metrics.get("steps")),
         ("tokens seen", f"{metrics.get('tokens_seen'):,}" if metrics.get("tokens_seen") is not None else None),
-        ("training time", f"{minutes:.1f} min ({metrics.get('tokens_per_second')} tokens/s)"),
+        ("training time", f"{minutes:.1f} min ({_throughput(metrics)})"),
+        ("peak GPU memory", _gpu_memory(metrics)),
         ("final train loss", _fmt(metrics.get("final_loss"))),
         ("mean train loss", _fmt(metrics.get("train_loss"))),
         ("final eval loss", _fmt(final_eval)),

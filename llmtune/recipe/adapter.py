@@ -1,12 +1,35 @@
-"""Recipe keys about LoRA / QLoRA adapters and weight quantization."""
+"""Recipe keys about LoRA / QLoRA adapters, weight quantization and which parameters train."""
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from llmtune.recipe.base import Section, empty_to_none
+
+UNFROZEN_RANGE = re.compile(r"^(.+)\[([0-9]*)(?::([0-9]*))?\]$")
+
+
+def unfrozen_pattern(pattern: str) -> tuple[re.Pattern, tuple[int | None, int | None] | None]:
+    """Axolotl's reading of an unfrozen_parameters entry: a regex matched from the start of the parameter name,
+    where '.' is a literal dot unless followed by '+', and an optional trailing [start:end] row range."""
+    rows = None
+    found = UNFROZEN_RANGE.match(pattern)
+    if found:
+        pattern = found.group(1)
+        start, end = found.group(2), found.group(3)
+        rows = (int(start) if start else None, int(end) if end else None)
+    return re.compile(re.sub(r"\.(?!\+)", "\\.", pattern)), rows
+
+
+class LoftQ(Section):
+    loftq_bits: Literal[2, 4, 8] = Field(4, description="Bits of the quantized base LoftQ initialises against.")
+
+
+class PeftOptions(Section):
+    loftq_config: LoftQ | None = Field(None, description="Initialise LoRA with LoftQ (for a base quantized later).")
 
 
 class AdapterKeys(Section):
@@ -28,15 +51,38 @@ class AdapterKeys(Section):
     peft_use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha / sqrt(r).")
     peft_layers_to_transform: list[int] | None = Field(None, description="Only adapt these layer indices.")
     lora_model_dir: str | None = Field(None, description="An existing adapter folder to continue training from.")
+    lora_target_parameters: list[str] | None = Field(
+        None, description="Parameters (not modules) to adapt, e.g. MoE experts: [mlp.experts.gate_up_proj]."
+    )
+    peft: PeftOptions | None = Field(None, description="Axolotl's peft block: {loftq_config: {loftq_bits: 4}}.")
+    unfrozen_parameters: list[str] | None = Field(
+        None,
+        description="Only parameters matching one of these regexes train (from the name's start; '.' is a literal "
+        "dot; a trailing [start:end] trains only those rows). With an adapter, they choose among its parameters.",
+    )
     load_in_4bit: bool = Field(False, description="Load the base weights in 4-bit NF4 (bitsandbytes); for qlora.")
     load_in_8bit: bool = Field(False, description="Load the base weights in 8-bit (bitsandbytes); with lora.")
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
     bnb_4bit_use_double_quant: bool = Field(True, description="Quantize the quantization constants too.")
 
-    @field_validator("adapter", "lora_target_modules", "lora_modules_to_save", "lora_model_dir", mode="before")
+    @field_validator(
+        "adapter", "lora_target_modules", "lora_modules_to_save", "lora_model_dir", "lora_target_parameters", "peft",
+        "unfrozen_parameters", mode="before",
+    )  # fmt: skip
     @classmethod
     def _empty(cls, value):
-        return empty_to_none(value)
+        value = empty_to_none(value)
+        return None if isinstance(value, (list, dict)) and not value else value
+
+    @field_validator("unfrozen_parameters")
+    @classmethod
+    def _patterns_compile(cls, value):
+        for pattern in value or []:
+            try:
+                unfrozen_pattern(pattern)
+            except re.error as err:
+                raise ValueError(f"'{pattern}' is not a regular expression ({err})") from None
+        return value
 
     @model_validator(mode="after")
     def _adapter_rules(self):
@@ -50,4 +96,10 @@ class AdapterKeys(Section):
             )
         if self.adapter is None and self.lora_model_dir:
             raise ValueError("lora_model_dir is set but adapter is empty; set adapter: lora")
+        loftq = self.peft and self.peft.loftq_config
+        if loftq and self.adapter != "lora":
+            raise ValueError("peft.loftq_config needs adapter: lora (LoftQ initialises LoRA for a 16-bit base)")
+        if loftq and (self.load_in_4bit or self.load_in_8bit or self.lora_model_dir):
+            raise ValueError("peft.loftq_config initialises a new adapter on the 16-bit weights; remove "
+                             "load_in_4bit/load_in_8bit/lora_model_dir")  # fmt: skip
         return self

@@ -1,127 +1,433 @@
-"""Keys Axolotl defines that llmtune has no use for, kept as data in one place.
+"""Keys Axolotl defines that llmtune's schema doesn't, kept as data in one place.
 
-Such a key is accepted when its value is inert (empty, false, or the listed default) and
-reported once as having no effect; a value that asks for something llmtune can't honour is
-an error that names the key. ANY marks keys whose value never changes what llmtune does.
+Taken from Axolotl's own schema (src/axolotl/utils/schemas/ and the integrations' args, July 2026), plus a few
+keys of its earlier releases that archived recipes still carry. Every such key is one of:
+
+- no effect (ANY): accepted with any value and reported once, with the reason (performance-only kernels,
+  logging, settings llmtune decides itself);
+- a capability llmtune doesn't have: accepted when its value is inert (empty, false, or a listed default) and
+  reported once; any other value is an error that names the capability and the key.
+
+Keys llmtune honours live in the schema (recipe/*.py); Axolotl's older spellings of them are in RENAMED.
+A key neither defines is an error with a did-you-mean (see loader.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 ANY = object()
 INERT = (None, False, "", [], {}, "false", "none")
 
-# key: (values accepted besides the inert ones, hint shown when the value can't be honoured)
-AXOLOTL_ONLY_KEYS: dict[str, tuple[Any, str]] = {
-    "strict": (ANY, ""),  # llmtune is always strict
-    "local_rank": (ANY, ""),
-    "debug": (ANY, ""),
-    "is_llama_derived_model": (ANY, ""),
-    "is_mistral_derived_model": (ANY, ""),
-    "is_falcon_derived_model": (ANY, ""),
-    "is_qwen_derived_model": (ANY, ""),
-    "model_config_type": (ANY, ""),
-    "save_safetensors": ((True,), "llmtune always saves safetensors"),
-    "bnb_config_kwargs": ((), "use bnb_4bit_quant_type / bnb_4bit_use_double_quant"),
-    "xformers_attention": ((), "use attn_implementation: sdpa"),
-    "s2_attention": ((), "use attn_implementation: sdpa"),
-    "flash_attn_cross_entropy": ((), "remove it"),
-    "flash_attn_rms_norm": ((), "remove it"),
-    "flash_attn_fuse_qkv": ((), "remove it"),
-    "flash_attn_fuse_mlp": ((), "remove it"),
-    "flash_optimum": ((), "remove it"),
-    "torch_compile": ((), "remove it; llmtune does not compile the model yet"),
-    "torch_compile_backend": ((), "remove it"),
-    "tensor_parallel_size": ((1,), "use deepspeed zero3 or fsdp to shard a model that doesn't fit one GPU"),
-    "context_parallel_size": ((1,), "remove it; context parallelism is not supported"),
-    "sequence_parallel_degree": ((1,), "remove it; sequence parallelism is not supported"),
-    "dp_shard_size": ((), "use fsdp_config or deepspeed for sharding"),
-    "dp_replicate_size": ((), "use fsdp_config or deepspeed for sharding"),
-    "hub_model_id": ((), "push the output folder with huggingface-cli upload"),
-    "hub_strategy": ((), "remove it"),
-    "push_dataset_to_hub": ((), "remove it"),
-    "hf_use_auth_token": (ANY, ""),  # the token comes from HF_TOKEN / the hub login
-    "gptq": ((), "GPTQ bases are not supported; use adapter: qlora"),
-    "gptq_disable_exllama": ((), "remove it"),
-    "unfrozen_parameters": ((), "use lora_modules_to_save, or a full fine-tune"),
-    "resize_token_embeddings_to_32x": ((), "remove it"),
-    "shrink_embeddings": ((), "remove it"),
-    "embeddings_skip_upcast": ((), "remove it"),
-    "neftune_noise_alpha": ((), "remove it"),
-    "noisy_embedding_alpha": ((), "remove it"),
-    "relora_steps": ((), "ReLoRA is not supported"),
-    "relora_warmup_steps": ((), "ReLoRA is not supported"),
-    "relora_anneal_steps": ((), "ReLoRA is not supported"),
-    "relora_prune_ratio": ((), "ReLoRA is not supported"),
-    "relora_cpu_offload": ((), "ReLoRA is not supported"),
-    "lora_on_cpu": ((), "remove it"),
-    "loraplus_lr_ratio": ((), "LoRA+ is not supported"),
-    "loraplus_lr_embedding": ((), "LoRA+ is not supported"),
-    "default_system_message": ((), "put the system message in the data"),
-    "eval_table_size": ((0,), "use llmtune infer after training"),
-    "eval_max_new_tokens": (ANY, ""),
-    "do_causal_lm_eval": ((), "use llmtune eval after training"),
-    "eval_causal_lm_metrics": ((), "use llmtune eval after training"),
-    "profiler_steps": ((), "remove it"),
-    "loss_watchdog_threshold": ((), "remove it; llmtune stops on NaN/inf loss by itself"),
-    "loss_watchdog_patience": ((), "remove it"),
-    "plugins": ((), "Axolotl plugins don't run under llmtune; remove them"),
-    "liger_rope": ((), "Liger kernels are not supported"),
-    "liger_rms_norm": ((), "Liger kernels are not supported"),
-    "liger_glu_activation": ((), "Liger kernels are not supported"),
-    "liger_layer_norm": ((), "Liger kernels are not supported"),
-    "liger_fused_linear_cross_entropy": ((), "Liger kernels are not supported"),
-    "cut_cross_entropy": ((), "remove it"),
-    "unsloth_cross_entropy_loss": ((), "unsloth kernels are not supported"),
-    "unsloth_lora_mlp": ((), "unsloth kernels are not supported"),
-    "unsloth_lora_qkv": ((), "unsloth kernels are not supported"),
-    "unsloth_lora_o": ((), "unsloth kernels are not supported"),
-    "sample_packing_eff_est": (ANY, ""),
-    "total_num_tokens": (ANY, ""),
-    "pretrain_multipack_attn": (ANY, ""),
-    "multipack_real_batches": (ANY, ""),
-    "sample_packing_group_size": (ANY, ""),
-    "sample_packing_bin_size": (ANY, ""),
-    "max_packed_sequence_len": ((), "use sequence_len with sample_packing: true"),
-    "curriculum_sampling": ((), "remove it"),
-    "pretraining_dataset": ((), "streamed pretraining is not supported; use datasets with type: completion"),
-    "dataset_exact_deduplication": ((), "deduplicate the data beforehand"),
-    "dataset_keep_in_memory": (ANY, ""),
-    "batch_flattening": ((), "use sample_packing: true"),
-    "include_tokens_per_second": (ANY, ""),  # always reported in metrics.json
-    "use_ray": ((), "Ray is not supported; use llmtune's own launchers"),
-    "low_cpu_mem_usage": (ANY, ""),
-    "fix_untrained_tokens": ((), "remove it"),
-    "save_first_step": ((), "remove it"),
-    "lr_quadratic_warmup": ((), "remove it"),
-    "lr_div_factor": ((), "remove it"),
-    "optim_args": ((), "remove it"),
-    "optim_target_modules": ((), "remove it"),
-    "embedding_lr": ((), "remove it"),
-    "embedding_lr_scale": ((), "remove it"),
-    "evaluation_strategy": ((), "use eval_strategy"),
-    "rl": ((), "preference training (DPO/ORPO/KTO/GRPO) is not supported; llmtune does supervised fine-tuning"),
-    "reward_model": ((), "reward models are not supported"),
-    "auto_find_batch_size": ((), "use llmtune estimate to choose micro_batch_size"),
-    "batch_size": ((), "set micro_batch_size and gradient_accumulation_steps instead"),
-    "dataloader_prefetch_factor": (ANY, ""),
-    "dataloader_drop_last": ((), "remove it"),
-    "mlflow_run_name": (ANY, ""),
-    "hf_mlflow_log_artifacts": ((), "remove it"),
-    "chat_template_kwargs": ((), "remove it"),
-    "overrides_of_model_config": ((), "edit the model's config.json instead"),
-    "overrides_of_model_kwargs": ((), "remove it"),
-    "deepcompile": ((), "remove it"),
-    "gc_steps": (ANY, ""),
+
+@dataclass(frozen=True)
+class AxolotlKey:
+    accepted: Any  # ANY, or values (besides the inert ones) that ask for nothing
+    reason: str  # ANY: why the key has no effect; otherwise the capability a real value asks for
+    hint: str = ""
+
+
+def _no_effect(reason: str, keys: str) -> dict[str, AxolotlKey]:
+    return {key: AxolotlKey(ANY, reason) for key in keys.split()}
+
+
+def _refused(capability: str, hint: str, keys: str, accepted: tuple = ()) -> dict[str, AxolotlKey]:
+    return {key: AxolotlKey(accepted, capability, hint) for key in keys.split()}
+
+
+PERFORMANCE = "performance/memory only: a GPU kernel or memory saver llmtune doesn't use (same training maths)"
+TRACKING = "logging, tracking or evaluation only; it doesn't change training (llmtune eval / llmtune infer run after)"
+DECIDED = "llmtune decides this itself"
+AUTH = "credentials come from HF_TOKEN or `huggingface-cli login`, never from the recipe"
+PUSH = (
+    "nothing is pushed; upload the output folder with `huggingface-cli upload <hub_model_id> <output_dir>` "
+    "(credentials from HF_TOKEN in the environment, never written to disk)"
+)
+
+# Key lists are whitespace-separated names.
+AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
+    **_no_effect("llmtune is always strict", "strict"),
+    **_no_effect("set by the launcher", "local_rank world_size device device_map ddp"),
+    **_no_effect(
+        "Axolotl's model-family hints; llmtune reads the model's config",
+        """
+        is_llama_derived_model is_mistral_derived_model is_falcon_derived_model is_qwen_derived_model
+        model_config_type
+    """,
+    ),
+    **_no_effect(
+        TRACKING,
+        """
+        debug comet_experiment_config comet_experiment_key comet_mode comet_online comet_project_name
+        comet_workspace use_comet trackio_project_name trackio_run_name trackio_space_id use_trackio
+        use_otel_metrics otel_metrics_host otel_metrics_port mlflow_run_name hf_mlflow_log_artifacts
+        include_tokens_per_second include_tkps profiler_steps profiler_steps_start eval_table_size
+        eval_max_new_tokens generate_samples num_generation_samples generation_do_sample
+        generation_max_new_tokens generation_prompt_ratio generation_temperature generation_top_k
+        generation_top_p do_bench_eval bench_dataset bench_split do_causal_lm_eval eval_causal_lm_metrics
+        lm_eval_batch_size lm_eval_model lm_eval_post_train lm_eval_tasks gradio_max_new_tokens
+        gradio_server_name gradio_server_port gradio_share gradio_temperature gradio_title use_swanlab
+        swanlab_api_host swanlab_completion_log_interval swanlab_completion_max_buffer swanlab_description
+        swanlab_experiment_name swanlab_lark_webhook_url swanlab_log_completions swanlab_log_model
+        swanlab_mode swanlab_project swanlab_web_host swanlab_workspace use_wandb
+    """,
+    ),
+    **_no_effect(
+        AUTH,
+        """
+        comet_api_key hf_use_auth_token swanlab_api_key swanlab_lark_secret
+    """,
+    ),
+    **_no_effect(
+        PERFORMANCE,
+        """
+        lora_mlp_kernel lora_qkv_kernel lora_o_kernel lora_embedding_kernel fused_attn_kernel
+        flex_attn_compile_kwargs use_kernels use_scattermoe use_sonicmoe experts_implementation
+        expert_backend moe_bnb_fast moe_dequant_chunk_size moe_grouped_backend use_dsv4_kernels
+        use_glm_dsa_kernels dsv4_bf16_all dsv4_fp4_grouped_mode dsv4_fp8_lora_kernel dsv4_fp8_nonexpert_mode
+        dsv4_shared_mlp_lora_kernel gemma4_fp8_nonexpert gemma4_nf4_nonexpert nonexpert_quantization
+        quantize_moe_experts liger_rms_norm_gated tiled_mlp tiled_mlp_num_shards tiled_mlp_use_original_mlp
+        chunked_cross_entropy chunked_cross_entropy_num_chunks flash_attn_cross_entropy flash_attn_rms_norm
+        flash_attn_fuse_mlp flash_attn_fuse_qkv flash_optimum flash_attn_d512 large_head_attention
+        gemma4_hybrid_attn_impl sdpa_varlen activation_offloading layer_offloading selective_checkpointing
+        embeddings_skip_upcast lora_on_cpu qlora_sharded_model_loading low_cpu_mem_usage
+        experimental_skip_move_to_device gc_steps gc_collect_steps torch_empty_cache_steps gpu_memory_limit
+        max_memory deepcompile torch_compile_options fp8 fp8_enable_fsdp_float8_all_gather fp32_norms
+        fp32_norm_classes expert_parallel_size expert_parallel_backend
+        expert_parallel_fallback_on_unsupported expert_parallel_num_nvl_bytes expert_parallel_num_rdma_bytes
+        expert_parallel_token_capacity dp_shard_size dp_replicate_size accelerator_config
+        ddp_broadcast_buffers dataloader_prefetch_factor torchdistx_path
+    """,
+    ),
+    **_no_effect(
+        "the weights' dtype follows bf16/fp16 and the adapter (full fine-tunes keep fp32 master weights under mixed precision)",
+        "bfloat16 float16 float32",
+    ),
+    **_no_effect("new embedding rows get transformers' mean resizing", "mean_resizing_embeddings"),
+    **_no_effect(
+        "the model's Hugging Face tokenizer is used as it is", "tokenizer_legacy tokenizer_use_mistral_common"
+    ),
+    **_no_effect(
+        "llmtune loads the text model (AutoModelForCausalLM): no vision/audio modules to freeze", "freeze_mm_modules"
+    ),
+    **_no_effect(
+        DECIDED,
+        """
+        dataset_keep_in_memory skip_prepare_dataset is_preprocess preprocess_iterable
+        num_dataset_shards_to_save push_dataset_to_hub sample_packing_eff_est sample_packing_bin_size
+        sample_packing_group_size sample_packing_mp_start_method sample_packing_sequentially
+        multipack_real_batches pretrain_multipack_attn pretrain_multipack_buffer_size
+        streaming_multipack_buffer_size pretraining_sample_concatenation total_num_tokens
+        total_supervised_tokens pad_to_multiple_of remove_unused_columns tokenizer_save_jinja_files
+        save_safetensors save_first_step axolotl_config_path fsdp_final_state_dict_type merge_lora
+        merge_method quantization dynamic_checkpoint sample_packing_seq_len_multiplier
+        base_model_ignore_patterns
+    """,
+    ),
+    **_no_effect(PUSH, "hub_model_id hub_strategy hub_revision"),
+    **_refused(
+        "preference and RL training (DPO, KTO, ORPO, GRPO, ...)",
+        "llmtune does supervised fine-tuning",
+        """
+        rl trl vllm ebft dpo_beta dpo_generate_during_eval dpo_label_smoothing dpo_loss_type
+        dpo_loss_weights dpo_norm_loss dpo_padding_free dpo_use_liger_kernel dpo_use_logits_to_keep
+        dpo_use_weighting kto_desirable_weight kto_undesirable_weight orpo_alpha rl_beta cpo_alpha
+        simpo_gamma rpo_alpha precompute_ref_log_probs max_prompt_len hatchery nemo_gym_enabled nemo_gym_dir
+        nemo_gym_auto_clone nemo_gym_config_paths nemo_gym_head_port nemo_gym_server_timeout
+        nemo_gym_verify_timeout nemo_gym_run_timeout nemo_gym_datasets nemo_gym_auto_start
+        nemo_gym_model_name nemo_gym_multi_turn nemo_gym_max_turns
+    """,
+    ),
+    **_refused(
+        "reward-model and classification training",
+        "llmtune fine-tunes causal language models",
+        """
+        reward_model process_reward_model center_rewards_coefficient num_labels
+    """,
+    ),
+    **_refused(
+        "training vision and audio models",
+        "llmtune fine-tunes text-only causal LMs",
+        """
+        processor_type processor_kwargs image_size image_resize_algorithm role_boundaries
+    """,
+    ),
+    **_refused(
+        "quantization-aware training",
+        "train without it and quantize the result afterwards",
+        "qat nvfp4_merge_aware nvfp4_merge_aware_start_step",
+    ),
+    **_refused(
+        "GPTQ-quantized base models",
+        "use adapter: qlora on the 16-bit model",
+        "gptq gptq_disable_exllama gptq_groupsize gptq_model_v1",
+    ),
+    **_refused(
+        "tensor parallelism",
+        "use fsdp or deepspeed zero3 to shard a model that doesn't fit one GPU",
+        "tensor_parallel_size",
+        accepted=(1,),
+    ),
+    **_refused(
+        "context (sequence) parallelism",
+        "shorten sequence_len, or shard with fsdp / deepspeed",
+        """
+        context_parallel_size sequence_parallel_degree heads_k_stride ring_attn_func
+    """,
+        accepted=(1,),
+    ),
+    **_refused(
+        "ReLoRA",
+        "train one LoRA adapter",
+        """
+        relora relora_steps relora_warmup_steps relora_anneal_steps relora_prune_ratio relora_prune_method
+        relora_cpu_offload
+    """,
+    ),
+    **_refused(
+        "jagged learning-rate restarts",
+        "use lr_scheduler: cosine_with_restarts",
+        """
+        jagged_restart_steps jagged_restart_warmup_steps jagged_restart_anneal_steps
+    """,
+    ),
+    **_refused(
+        "LISA layer sampling",
+        "use unfrozen_parameters, or an adapter",
+        "lisa_n_layers lisa_step_interval lisa_layers_attribute",
+    ),
+    **_refused("LoRA+ learning rates", "remove it (plain LoRA)", "loraplus_lr_ratio loraplus_lr_embedding"),
+    **_refused("per-group learning rates", "use one learning_rate", "lr_groups embedding_lr embedding_lr_scale"),
+    **_refused("quadratic warm-up", "use warmup_steps or warmup_ratio (linear)", "lr_quadratic_warmup"),
+    **_refused("one-cycle schedules (lr_div_factor)", "use lr_scheduler", "lr_div_factor"),
+    **_refused(
+        "a constant phase in the cosine schedule",
+        "use cosine_min_lr_ratio",
+        "cosine_constant_lr_ratio",
+        accepted=(0, 0.0),
+    ),
+    **_refused(
+        "PoSE position skipping",
+        "remove it",
+        """
+        use_pose pose_max_context_len pose_num_chunks pose_split_on_token_ids
+    """,
+    ),
+    **_refused("the EAFT loss", "remove it (plain cross-entropy)", "use_eaft eaft_alpha eaft_k"),
+    **_refused("scaled-softmax attention", "remove it", "scaling_softmax scaling_softmax_factor scaling_softmax_bias"),
+    **_refused(
+        "knowledge distillation",
+        "remove it",
+        """
+        kd_trainer kd_ce_alpha kd_alpha kd_temperature kd_beta kd_normalize_topk kd_online_server_base_url
+        kd_online_topk kd_online_server kd_online_timeout kd_temperature_min
+    """,
+    ),
+    **_refused("diffusion language-model training", "remove it", "diffusion"),
+    **_refused("MoRA adapters", "use adapter: lora", "mora"),
+    **_refused(
+        "Spectrum parameter selection",
+        "list the parameters in unfrozen_parameters",
+        "spectrum_top_fraction spectrum_model_name",
+    ),
+    **_refused("Grokfast gradient filtering", "remove it", "grokfast_alpha grokfast_lamb"),
+    **_refused("DenseMixer MoE training", "remove it", "dense_mixer"),
+    **_refused("sparse fine-tuning with LLM Compressor", "remove it", "llmcompressor"),
+    **_refused("1-bit (BitNet) training", "remove it", "use_onebitllms"),
+    **_refused(
+        "Axolotl's linearized Llama 4 experts",
+        "use a Llama 4 checkpoint transformers loads as it is",
+        "llama4_linearized_experts",
+    ),
+    **_no_effect(
+        "llmtune starts the ranks itself (accelerate/torchrun): give --num-processes, not Ray workers",
+        "use_ray ray_num_workers ray_run_name resources_per_worker",
+    ),
+    **_refused("custom trainer classes", "remove it", "trainer_cls"),
+    **_refused(
+        "this peft option",
+        "remove it",
+        """
+        peft_layers_pattern peft_layer_replication peft_init_lora_weights peft_trainable_token_indices
+        peft_ensure_weight_tying peft_autocast_adapter_dtype lora_alpha_pattern lora_rank_pattern
+    """,
+    ),
+    **_refused(
+        "arguments for Axolotl's own optimizers",
+        "use one of llmtune's optimizers",
+        """
+        optim_args optim_target_modules adam_beta3 adam_epsilon2 dion_lr dion_momentum dion_rank_fraction
+        dion_rank_multiple_of qgalore_cos_threshold qgalore_gamma_proj qgalore_proj_bits
+        qgalore_proj_group_size qgalore_proj_quant qgalore_proj_type qgalore_queue_size qgalore_rank
+        qgalore_scale qgalore_update_proj_gap
+    """,
+    ),
+    **_refused("shrinking the embeddings", "remove it", "shrink_embeddings"),
+    **_refused("re-initialising untrained tokens", "remove it", "fix_untrained_tokens"),
+    **_refused("overriding the tokenizer's added tokens", "add new ones with tokens:", "added_tokens_overrides"),
+    **_refused(
+        "extra from_pretrained arguments",
+        "set config values in overrides_of_model_config",
+        "overrides_of_model_kwargs model_kwargs",
+    ),
+    **_refused(
+        "rope_scaling as its own key",
+        "put it in overrides_of_model_config (model_config: {rope_scaling: ...})",
+        "rope_scaling",
+    ),
+    **_refused(
+        "chat template arguments", "write the template you want with chat_template: jinja", "chat_template_kwargs"
+    ),
+    **_refused("a default system message", "put the system message in the data", "default_system_message"),
+    **_refused("searching for a batch size", "use llmtune estimate to choose micro_batch_size", "auto_find_batch_size"),
+    **_refused("dropping the last partial batch", "remove it", "dataloader_drop_last"),
+    **_refused("sharding the merged dataset", "use datasets[].shards", "dataset_shard_num dataset_shard_idx"),
+    **_refused(
+        "shuffling each dataset before merging",
+        "shuffle_merged_datasets shuffles the mixture",
+        "shuffle_before_merging_datasets",
+        accepted=(True,),
+    ),
+    **_refused("a separate eval sequence length", "remove it (eval uses sequence_len)", "eval_sequence_len"),
+    **_refused(
+        "keeping the best checkpoint by a metric",
+        "early_stopping_patience keeps the best by eval_loss",
+        """
+        load_best_model_at_end metric_for_best_model greater_is_better
+    """,
+    ),
+    **_refused(
+        "Axolotl's deprecated attention switches",
+        "use attn_implementation: sdpa (or xformers/sage, which run as sdpa)",
+        "xformers_attention s2_attention sage_attention",
+    ),
+    **_refused("Axolotl's deprecated attention switches", "use attn_implementation", "eager_attention flex_attention"),
+    **_refused("Liger's token scaling of the loss", "remove it", "liger_use_token_scaling"),
+    **_refused(
+        "unsloth kernels",
+        "use the liger_* keys",
+        """
+        unsloth_cross_entropy_loss unsloth_lora_mlp unsloth_lora_qkv unsloth_lora_o
+    """,
+    ),
+    **_refused("padding-free batch flattening", "use sample_packing: true", "batch_flattening"),
+    **_refused(
+        "max_packed_sequence_len (removed from Axolotl)",
+        "use sequence_len with sample_packing: true",
+        "max_packed_sequence_len",
+    ),
 }
 
+# bnb_config_kwargs entries: llmtune's key for each, or None where llmtune decides (from the precision).
+BNB_CONFIG_KWARGS = {
+    "bnb_4bit_use_double_quant": "bnb_4bit_use_double_quant",
+    "bnb_4bit_quant_type": "bnb_4bit_quant_type",
+    "bnb_4bit_compute_dtype": None,
+    "bnb_4bit_quant_storage": None,
+}
 
-def is_inert(key: str, value: Any) -> bool:
-    """True when an Axolotl-only key's value asks for nothing llmtune would have to do."""
-    accepted, _ = AXOLOTL_ONLY_KEYS[key]
-    if accepted is ANY:
+# Axolotl's older or alternative spellings of keys llmtune honours: old name -> llmtune's name.
+RENAMED = {
+    "evaluation_strategy": "eval_strategy",
+    "noisy_embedding_alpha": "neftune_noise_alpha",
+    "dataset_num_proc": "dataset_processes",
+    "model_config": "overrides_of_model_config",
+    "model_revision": "revision_of_model",
+    "type_of_model": "model_type",
+}
+
+# Keys of one `datasets[]` / `pretraining_dataset[]` entry.
+AXOLOTL_DATASET_KEYS: dict[str, AxolotlKey] = {
+    **_no_effect(DECIDED, "preprocess_shards input_format"),
+    **_refused("per-row input transforms", "transform the data beforehand", "input_transform"),
+    **_refused("sharegpt-era conversation settings", "use type: chat_template", "conversation field_human field_model"),
+    **_refused("tool definitions in chat data", "render tools into the messages beforehand", "field_tools"),
+    **_refused(
+        "per-message partial training",
+        "use message_field_training (whole messages)",
+        "message_field_training_detail split_thinking",
+    ),
+    **_refused("knowledge-distillation data", "remove it", "logprobs_field temperature"),
+    **_refused(
+        "preference data",
+        "llmtune does supervised fine-tuning",
+        """
+        field_chosen field_rejected field_prompt field_system_chosen chosen rejected field_label prompt_key
+        chosen_key rejected_key max_completion_length
+    """,
+    ),
+    **_refused(
+        "step-wise (process reward) data",
+        "llmtune fine-tunes causal language models",
+        "step_separator train_on_last_step_only",
+    ),
+    **_refused("a shard index", "use shards alone (the first shard of each)", "shards_idx", accepted=(0,)),
+}
+RENAMED_DATASET_KEYS = {"text_column": "field"}
+
+# Keys of `fsdp_config` (with or without the fsdp_ prefix).
+AXOLOTL_FSDP_KEYS: dict[str, AxolotlKey] = {
+    **_no_effect(PERFORMANCE, "cpu_offload_pin_memory activation_checkpointing_offload"),
+    **_no_effect("the final model is always saved as one full state dict", "final_state_dict_type"),
+    **_no_effect("mixed precision follows bf16 / fp16", "mixed_precision_policy"),
+}
+
+# Axolotl plugins by class name: None when llmtune provides the effect itself (see kernels.py),
+# a reason when the plugin only changes speed or logging, a capability (refused) otherwise.
+PLUGINS: dict[str, AxolotlKey | None] = {
+    "LigerPlugin": None,
+    "CutCrossEntropyPlugin": None,
+    "KernelsPlugin": AxolotlKey(ANY, "MoE and LoRA kernels: " + PERFORMANCE),
+    "ExpertParallelPlugin": AxolotlKey(ANY, "DeepEP expert dispatch: " + PERFORMANCE),
+    "SwanLabPlugin": AxolotlKey(ANY, "SwanLab tracking: " + TRACKING),
+    "LMEvalPlugin": AxolotlKey(ANY, "lm-eval after training: " + TRACKING),
+    "KDPlugin": AxolotlKey((), "knowledge distillation"),
+    "DiffusionPlugin": AxolotlKey((), "diffusion language-model training"),
+    "LLMCompressorPlugin": AxolotlKey((), "sparse fine-tuning with LLM Compressor"),
+    "SpectrumPlugin": AxolotlKey((), "Spectrum parameter selection"),
+    "GrokfastPlugin": AxolotlKey((), "Grokfast gradient filtering"),
+    "MoraPlugin": AxolotlKey((), "MoRA adapters"),
+    "DenseMixerPlugin": AxolotlKey((), "DenseMixer MoE training"),
+    "HatcheryPlugin": AxolotlKey((), "remote training through Hatchery"),
+    "NemoGymPlugin": AxolotlKey((), "RL environments (NeMo Gym)"),
+}
+
+# attn_implementation values Axolotl knows beyond llmtune's: what runs instead (the same maths).
+ATTENTION_ALIASES = {
+    "xformers": "sdpa",
+    "sage": "sdpa",
+    "fp8": "sdpa",
+    "flash_attention_3": "flash_attention_2",
+}
+
+# Axolotl's top-level keys for launching on a cloud (its `axolotl cloud` config), not for training.
+CLOUD_KEYS = ("provider", "gpu", "gpu_count", "node_count", "secrets", "volumes", "dockerfile_commands",
+              "memory_preprocess", "timeout_preprocess", "project_name", "branch")  # fmt: skip
+
+
+def is_inert(entry: AxolotlKey, value: Any) -> bool:
+    """True when a value asks for nothing llmtune would have to do."""
+    if entry.accepted is ANY:
         return True
     if isinstance(value, (list, dict)) and not value:
         return True
-    return any(value is v or (type(value) is type(v) and value == v) for v in (*INERT, *accepted))
+    return any(value is v or (type(value) is type(v) and value == v) for v in (*INERT, *entry.accepted))
+
+
+def attention_alias(value: Any) -> str | None:
+    """llmtune's attn_implementation for an Axolotl value it doesn't name itself (hub kernels included)."""
+    if not isinstance(value, str):
+        return None
+    if value in ATTENTION_ALIASES:
+        return ATTENTION_ALIASES[value]
+    if "/" in value:  # a hub kernel, e.g. kernels-community/flash-attn3
+        return "flash_attention_2" if "flash" in value else "sdpa"
+    return None
+
+
+def plugin_entry(name: str) -> AxolotlKey | None | bool:
+    """The PLUGINS entry for a plugin path (matched by class name), or False when Axolotl has no such plugin."""
+    if not isinstance(name, str) or not name.startswith("axolotl.integrations."):
+        return False
+    return PLUGINS.get(name.rsplit(".", 1)[-1], False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -17,7 +18,17 @@ DATASET_TYPES = {
     "input_output": "segments [{text, label: true|false}] concatenated; only label: true segments are trained",
     "pretokenized": "input_ids (and optional labels) already tokenized",
 }
-TYPE_ALIASES = {"alpaca_chat": "alpaca", "text": "completion", "pretrain": "completion", "tokenized": "pretokenized"}
+TYPE_ALIASES = {
+    "alpaca_chat": "alpaca", "text": "completion", "pretrain": "completion", "tokenized": "pretokenized",
+    "chat_template.default": "chat_template", "chat_template.load": "chat_template",
+}  # fmt: skip
+# Axolotl's other prompt formats: kept apart from typos, so the error names what isn't supported.
+AXOLOTL_TYPES = (
+    "jeopardy", "oasst", "gpteacher", "reflection", "explainchoice", "concisechoice", "summarizetldr",
+    "alpaca_w_system", "alpaca_instruct", "context_qa", "creative_acr", "llama2_chat", "metharme", "orcamini",
+    "pygmalion", "user_defined", "messages", "stepwise_supervised", "bradley_terry", "dpo", "kto", "orpo", "ebft",
+    "chatml", "llama3", "zephyr", "passthrough", "rwd", "_synthetic",
+)  # fmt: skip
 REMOVED_TYPES = {
     "sharegpt": "use type: chat_template with field_messages: conversations and "
     "message_property_mappings: {role: from, content: value}",
@@ -63,11 +74,24 @@ class DatasetSpec(Section):
     train_on_eos: Literal["turn", "last", "all", "none"] = Field(
         "turn", description="Which end-of-turn tokens get labels: each trained turn's, the last, all, none."
     )
+    train_on_eot: Literal["turn", "last", "all", "none"] | None = Field(
+        None, description="As train_on_eos, for the recipe's eot_tokens (default: train_on_eos)."
+    )
+    message_field_training: str | None = Field(
+        None, description="A per-message true/false field that overrides roles_to_train for that message."
+    )
+    field_thinking: str | None = Field(None, description="Message field holding reasoning text (chat_template).")
+    template_thinking_key: str | None = Field(
+        None, description="Name the chat template reads reasoning from (default: field_thinking); trained with "
+        "the answer.",
+    )  # fmt: skip
     chat_template: str | None = Field(None, description="Per-dataset chat template (overrides the recipe's).")
+    chat_template_jinja: str | None = Field(None, description="Per-dataset Jinja template (chat_template: jinja).")
     drop_system_message: bool = Field(False, description="Drop system messages before templating.")
     shards: int | None = Field(None, gt=0, description="Keep only one of this many shards (quick trials).")
+    skip: int | None = Field(None, ge=0, description="Skip this many rows at the start of the source.")
 
-    @field_validator("type", "data_files", "name", "field", "chat_template", mode="before")
+    @field_validator("type", "data_files", "name", "field", "chat_template", "chat_template_jinja", mode="before")
     @classmethod
     def _empty(cls, value):
         return empty_to_none(value)
@@ -80,6 +104,9 @@ class DatasetSpec(Section):
             if base in REMOVED_TYPES:
                 raise ValueError(f"type '{base}' was removed from Axolotl; {REMOVED_TYPES[base]}")
             base = TYPE_ALIASES.get(base, base)
+            if base not in DATASET_TYPES and base.split(".")[0] in AXOLOTL_TYPES:
+                raise ValueError(f"Axolotl's dataset type '{value}' is not supported; use one of "
+                                 f"{', '.join(DATASET_TYPES)} (or a custom format mapping)")  # fmt: skip
             if base not in DATASET_TYPES:
                 raise ValueError(f"unknown dataset type '{value}'; use one of {', '.join(DATASET_TYPES)}")
             return base
@@ -97,7 +124,23 @@ class DatasetSpec(Section):
 
 
 class DataKeys(Section):
-    datasets: list[DatasetSpec] = Field(min_length=1, description="Training datasets, mixed and shuffled together.")
+    datasets: list[DatasetSpec] | None = Field(
+        None, description="Training datasets, mixed and shuffled together (required unless pretraining_dataset)."
+    )
+    pretraining_dataset: list[DatasetSpec] | None = Field(
+        None, description="Plain-text pre-training data (local file, folder or hub id; field/text_column names the "
+        "text): read as type: completion and packed. Hub sources are streamed: set max_steps.",
+    )  # fmt: skip
+    streaming: bool = Field(
+        False, description="Read hub datasets in datasets' streaming mode (no full download); needs max_steps, "
+        "and only as many rows as max_steps uses are read.",
+    )  # fmt: skip
+    dataset_exact_deduplication: bool = Field(False, description="Drop rows that are exact duplicates of another.")
+    min_sample_len: int | None = Field(None, gt=0, description="Drop examples shorter than this many tokens.")
+    eot_tokens: list[str] | None = Field(
+        None, description="Tokens that end a turn (chat_template): the first after each message gets labels per "
+        "train_on_eot. Default: the first special token after the message.",
+    )  # fmt: skip
     test_datasets: list[DatasetSpec] | None = Field(None, description="Evaluation datasets (instead of val_set_size).")
     val_set_size: float = Field(0.0, ge=0.0, description="Eval split: a fraction (< 1) or a number of examples.")
     dataset_prepared_path: str | None = Field(
@@ -114,10 +157,30 @@ class DataKeys(Section):
     pad_to_sequence_len: bool = Field(False, description="Pad every row to sequence_len (fixed shapes).")
     train_on_inputs: bool = Field(False, description="Also train on prompt tokens (no -100 labels).")
 
-    @field_validator("test_datasets", "dataset_prepared_path", mode="before")
+    @field_validator("test_datasets", "dataset_prepared_path", "pretraining_dataset", "eot_tokens", mode="before")
     @classmethod
     def _empty(cls, value):
-        return empty_to_none(value)
+        value = empty_to_none(value)
+        return [value] if isinstance(value, dict) else value  # Axolotl accepts one mapping for a list
+
+    @model_validator(mode="after")
+    def _pretraining(self):
+        """pretraining_dataset entries become completion datasets, packed; what's left in the recipe is plain."""
+        if self.pretraining_dataset:
+            if self.datasets:
+                raise ValueError("datasets and pretraining_dataset are both set; use one")
+            for spec in self.pretraining_dataset:
+                if spec.type not in (None, "completion"):
+                    raise ValueError(f"pretraining_dataset entries are plain text (type: pretrain), not {spec.type}")
+                spec.type = "completion"
+                if not Path(spec.path).exists():
+                    self.streaming = True  # a hub corpus is streamed, as Axolotl does
+            self.datasets, self.pretraining_dataset, self.sample_packing = self.pretraining_dataset, None, True
+        if not self.datasets:
+            raise ValueError("datasets: required key is missing (or give pretraining_dataset)")
+        if self.streaming and self.dataset_exact_deduplication:
+            raise ValueError("dataset_exact_deduplication can't run on streamed data (it needs every row)")
+        return self
 
     @model_validator(mode="after")
     def _eval_source(self):

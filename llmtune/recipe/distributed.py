@@ -47,6 +47,9 @@ class FsdpConfig(Section):
         "BACKWARD_PRE", description="FSDP1 backward prefetch."
     )
     forward_prefetch: bool = Field(False, description="FSDP1 forward prefetch.")
+    limit_all_gathers: bool | None = Field(
+        None, description="FSDP1: rate-limit all-gathers to bound memory (accelerate's default: true)."
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
 from llmtune.errors import UserError
-from llmtune.recipe.axolotl_keys import AXOLOTL_ONLY_KEYS, is_inert
+from llmtune.recipe.axolotl import screen
 from llmtune.recipe.paths import check_local_paths
 from llmtune.recipe.schema import Recipe
 
@@ -64,18 +63,7 @@ def _yaml_error_line(path: Path, err: yaml.YAMLError) -> str:
 
 
 def recipe_from_mapping(raw: dict, path: Path, check_files: bool = True) -> LoadedRecipe:
-    notes: list[str] = []
-    data: dict[str, Any] = {}
-    for key, value in raw.items():
-        if not isinstance(key, str):
-            raise UserError(f"{path}: key {key!r} is not a string", "recipe keys are names like base_model")
-        if key in AXOLOTL_ONLY_KEYS and key not in Recipe.model_fields:
-            if is_inert(key, value):
-                notes.append(f"{key}: accepted, has no effect in llmtune")
-                continue
-            hint = AXOLOTL_ONLY_KEYS[key][1]
-            raise UserError(f"{path}: {key}: {value!r} is an Axolotl setting llmtune can't honour", hint)
-        data[key] = value
+    data, notes = screen(raw, path)  # Axolotl's keys: renamed, accepted with a note, or refused by capability
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as err:

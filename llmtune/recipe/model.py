@@ -6,7 +6,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from llmtune.recipe.axolotl_keys import attention_alias
 from llmtune.recipe.base import Section, empty_to_none
+from llmtune.recipe.kernels import CCE_PLUGIN, COMPILE_MODES, LIGER_PLUGIN, check_plugins
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
 NAMED_CHAT_TEMPLATES = (
@@ -20,6 +22,21 @@ NAMED_CHAT_TEMPLATES = (
     "alpaca",
     "jinja",
 )
+# Axolotl's other named templates (its ChatTemplate list): model-family formats, see train/data/templates.py.
+FAMILY_CHAT_TEMPLATES = (
+    "mistral_v1", "mistral_v2v3", "mistral_v3_tekken", "mistral_v7_tekken", "pixtral", "cohere", "aya",
+    "command_a", "command_a_tool_use", "command_a_rag", "llama3_2_vision", "llama4", "phi_35", "deepseek_v2",
+    "deepseek_v3", "jamba", "qwen3", "qwen3_5", "qwen2_vl", "falcon_h1", "nemotron_h", "exaone", "exaone4",
+    "metharme", "llava", "gemma3", "gemma3n", "gemma4", "gemma4_unified",
+)  # fmt: skip
+FALLBACK_PREFIX = "tokenizer_default_fallback_"  # Axolotl: the tokenizer's own template, else the named one
+# Quantization configs a checkpoint can be loaded with, and the arguments that make the result trainable.
+MODEL_QUANTIZATION_CONFIGS = {"Mxfp4Config": {"dequantize": True}}
+
+
+def known_chat_template(name: str) -> bool:
+    name = name.removeprefix(FALLBACK_PREFIX) if name.startswith(FALLBACK_PREFIX) else name
+    return name in NAMED_CHAT_TEMPLATES or name in FAMILY_CHAT_TEMPLATES
 
 
 class ModelKeys(Section):
@@ -27,6 +44,10 @@ class ModelKeys(Section):
         description="Hub id, local folder, or a .gguf file (also `folder/file.gguf`) of the causal LM to fine-tune."
     )
     base_model_config: str | None = Field(None, description="Where to read config.json from, if not base_model.")
+    cls_model_config: str | None = Field(
+        None, description="transformers config class to read it with (e.g. Gemma3TextConfig for the text model "
+        "of a multimodal checkpoint); default AutoConfig.",
+    )  # fmt: skip
     tokenizer_config: str | None = Field(None, description="Where to load the tokenizer from, if not base_model.")
     revision_of_model: str | None = Field(None, description="Hub revision (branch, tag or commit) of base_model.")
     trust_remote_code: bool = Field(False, description="Run modelling code shipped with the model. Off unless set.")
@@ -44,19 +65,68 @@ class ModelKeys(Section):
     chat_template: str | None = Field(
         None,
         description="Chat template: 'tokenizer_default', a named template ("
-        + ", ".join(NAMED_CHAT_TEMPLATES[1:-1])
-        + "), or 'jinja' with chat_template_jinja.",
+        + ", ".join(NAMED_CHAT_TEMPLATES[1:-1] + FAMILY_CHAT_TEMPLATES)
+        + "), 'tokenizer_default_fallback_<name>' (the tokenizer's own, else <name>), or 'jinja' with "
+        "chat_template_jinja.",
     )
     chat_template_jinja: str | None = Field(None, description="A Jinja chat template (with chat_template: jinja).")
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] | None = Field(
-        None, description="Attention kernel; default: the model's default (sdpa where supported)."
+        None,
+        description="Attention kernel; default: the model's default (sdpa where supported). Axolotl's xformers, "
+        "sage and fp8 run as sdpa, flash_attention_3 and hub flash kernels as flash_attention_2 (said once).",
     )
     flash_attention: bool = Field(False, description="Axolotl's switch for attn_implementation: flash_attention_2.")
     sdp_attention: bool = Field(False, description="Axolotl's switch for attn_implementation: sdpa.")
+    # The fast path on GPUs (see llmtune/recipe/kernels.py); in CPU rehearsal these are off, said once.
+    plugins: list[str] | None = Field(
+        None,
+        description=f"Axolotl's plugin list: {LIGER_PLUGIN} and {CCE_PLUGIN} are understood, any other is an "
+        "error; liger_* keys also work without it. The kernel keys run on GPUs (pip install 'llmtune[kernels]') "
+        "and have no effect in CPU rehearsal (said once).",
+    )
+    liger_rope: bool = Field(False, description="Liger's fused rotary embedding (GPUs; needs llmtune[kernels]).")
+    liger_rms_norm: bool = Field(False, description="Liger's RMSNorm kernel (GPUs; needs llmtune[kernels]).")
+    liger_glu_activation: bool = Field(False, description="Liger's SwiGLU/GeGLU MLP kernel, by model (GPUs).")
+    liger_swiglu: bool | None = Field(None, description="Axolotl's older name for liger_glu_activation.")
+    liger_layer_norm: bool = Field(
+        False, description="Liger's LayerNorm kernel, for models that have LayerNorm (GPUs)."
+    )
+    liger_cross_entropy: bool = Field(False, description="Liger's cross-entropy kernel over the logits (GPUs).")
+    liger_fused_linear_cross_entropy: bool = Field(
+        False, description="Liger's lm_head + cross-entropy in chunks: the full logits tensor is never made (GPUs)."
+    )
+    cut_cross_entropy: bool | None = Field(
+        None,
+        description="Axolotl's Cut Cross Entropy (on by default with its plugin); runs as Liger's fused linear "
+        "cross-entropy, the same saving.",
+    )
+    torch_compile: bool | Literal["auto"] = Field(
+        False, description="torch.compile the model on GPUs (TrainingArguments.torch_compile); 'auto' is on."
+    )
+    torch_compile_backend: str | None = Field(None, description="torch.compile backend; default inductor.")
+    torch_compile_mode: Literal[COMPILE_MODES] | None = Field(  # type: ignore[valid-type]
+        None, description="torch.compile mode: " + ", ".join(COMPILE_MODES) + "."
+    )
+
+    resize_token_embeddings_to_32x: bool = Field(
+        False, description="Round the embedding rows up to a multiple of 32 (faster matmuls on GPUs)."
+    )
+    overrides_of_model_config: dict | None = Field(
+        None, description="Values set in the model's config before loading, e.g. {output_router_logits: true} "
+        "(Axolotl also spells it model_config).",
+    )  # fmt: skip
+    model_quantization_config: Literal[tuple(MODEL_QUANTIZATION_CONFIGS)] | None = Field(  # type: ignore[valid-type]
+        None, description="Load a quantized checkpoint with this transformers config: Mxfp4Config (gpt-oss), "
+        "with dequantize: true so the weights train in 16 bits.",
+    )  # fmt: skip
+    model_quantization_config_kwargs: dict | None = Field(None, description="Arguments of model_quantization_config.")
+    reinit_weights: bool = Field(False, description="Re-initialise every weight (train from scratch, same config).")
 
     @field_validator(
-        "special_tokens", "tokens", "chat_template", "base_model_config", "tokenizer_config", mode="before"
-    )
+        "special_tokens", "tokens", "chat_template", "overrides_of_model_config", "cls_model_config", "model_quantization_config",
+        "model_quantization_config_kwargs", "base_model_config", "tokenizer_config", "plugins",
+        "torch_compile_backend", mode="before",
+    )  # fmt: skip
     @classmethod
     def _empty(cls, value):
         return empty_to_none(value)
@@ -67,6 +137,11 @@ class ModelKeys(Section):
         if not value.strip():
             raise ValueError("must name a hub id, a local folder or a .gguf file")
         return value.strip()
+
+    @field_validator("plugins")
+    @classmethod
+    def _known_plugins(cls, value):
+        return check_plugins(value)
 
     @field_validator("special_tokens")
     @classmethod
@@ -79,9 +154,22 @@ class ModelKeys(Section):
     @field_validator("chat_template")
     @classmethod
     def _known_template(cls, value):
-        if value is not None and value not in NAMED_CHAT_TEMPLATES:
-            raise ValueError(f"'{value}' is not a known template; use one of {', '.join(NAMED_CHAT_TEMPLATES)}")
+        if value is not None and not known_chat_template(value):
+            names = ", ".join(NAMED_CHAT_TEMPLATES + FAMILY_CHAT_TEMPLATES)
+            raise ValueError(f"'{value}' is not a known template; use one of {names}")
         return value
+
+    @field_validator("cls_model_config")
+    @classmethod
+    def _config_class(cls, value):
+        if value is not None and not (value.isidentifier() and value.endswith("Config")):
+            raise ValueError(f"'{value}' is not a transformers config class name (like LlamaConfig)")
+        return value
+
+    @field_validator("attn_implementation", mode="before")
+    @classmethod
+    def _axolotl_attention(cls, value):
+        return attention_alias(value) or value
 
     @model_validator(mode="after")
     def _attention_switches(self):
@@ -92,6 +180,18 @@ class ModelKeys(Section):
             raise ValueError(f"attn_implementation is '{self.attn_implementation}' but the switches ask for '{wanted}'")
         if wanted:
             self.attn_implementation = wanted
+        if self.liger_swiglu is not None:
+            if self.liger_glu_activation and not self.liger_swiglu:
+                raise ValueError("liger_swiglu (the older name) and liger_glu_activation disagree; keep one")
+            self.liger_glu_activation = self.liger_glu_activation or self.liger_swiglu
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("chat_template: jinja needs chat_template_jinja (the template text)")
+        required = MODEL_QUANTIZATION_CONFIGS.get(self.model_quantization_config or "", {})
+        given = self.model_quantization_config_kwargs or {}
+        wrong = {k: v for k, v in required.items() if given.get(k) != v}
+        if wrong:
+            raise ValueError(f"model_quantization_config: {self.model_quantization_config} trains only with "
+                             f"model_quantization_config_kwargs {wrong} (quantized weights can't be trained)")  # fmt: skip
+        if given and not self.model_quantization_config:
+            raise ValueError("model_quantization_config_kwargs is set without model_quantization_config")
         return self

@@ -22,10 +22,41 @@ def _hub_gguf(name: str) -> bool:
     return name.endswith(".gguf") and not name.startswith(("/", ".", "~")) and name.count("/") >= 2
 
 
+# Axolotl ships these DeepSpeed files in its repository; a recipe naming one that isn't on disk gets the preset
+AXOLOTL_FILES = {
+    "zero1": "zero1", "zero1_torch_compile": "zero1", "zero2": "zero2", "zero2_torch_compile": "zero2",
+    "zero3": "zero3", "zero3_bf16": "zero3", "zero3_bf16_cpuoffload_all": "zero3_offload",
+    "zero3_bf16_cpuoffload_params": "zero3_offload",
+}  # fmt: skip
+
+
+def preset_for_axolotl_file(name: str) -> str | None:
+    """'deepspeed_configs/zero3_bf16.json' -> 'zero3' for Axolotl's shipped files that aren't on disk."""
+    if not name.endswith(".json") or on_disk(name, "deepspeed"):
+        return None
+    return AXOLOTL_FILES.get(Path(name).stem)
+
+
+def on_disk(name: str, key: str, recipe_path: Path | None = None) -> Path | None:
+    """`name` as a path when something exists there, else None; a name no file system takes is a UserError.
+
+    Too long a name (ENAMETOOLONG), a NUL byte or `~user` for a user this machine lacks would otherwise end in a
+    traceback from the first stat().
+    """
+    try:
+        candidate = Path(name).expanduser()
+        return candidate if candidate.exists() else None
+    except (OSError, ValueError, RuntimeError) as err:
+        reason = getattr(err, "strerror", None) or str(err).split(":")[0]
+        where = f"{recipe_path}: " if recipe_path else ""
+        raise UserError(f"{where}{key}: not a usable path ({reason}; {len(name)} characters)",
+                        "give an existing file or folder, or a hub id") from None  # fmt: skip
+
+
 def resolve(name: str, key: str, recipe_path: Path, must_be_dir: bool = False) -> str:
     """The absolute path for a local name, the name itself for a hub id; UserError if missing."""
-    candidate = Path(name).expanduser()
-    if candidate.exists():
+    candidate = on_disk(name, key, recipe_path)
+    if candidate is not None:
         if must_be_dir and not candidate.is_dir():
             raise UserError(f"{recipe_path}: {key}: {name} is a file, expected a folder", "point it at the folder")
         return str(candidate.resolve())
@@ -48,9 +79,7 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
         if not Path(recipe.resume_from_checkpoint).exists():
             raise UserError(f"{recipe_path}: resume_from_checkpoint: {recipe.resume_from_checkpoint} does not exist")
     if isinstance(recipe.deepspeed, str) and (recipe.deepspeed.endswith(".json") or "/" in recipe.deepspeed):
-        from llmtune.plan.deepspeed import preset_for_axolotl_file
-
-        if preset_for_axolotl_file(recipe.deepspeed) is None or Path(recipe.deepspeed).exists():
+        if on_disk(recipe.deepspeed, "deepspeed", recipe_path) or preset_for_axolotl_file(recipe.deepspeed) is None:
             recipe.deepspeed = resolve(recipe.deepspeed, "deepspeed", recipe_path)
             if not Path(recipe.deepspeed).is_file():
                 raise UserError(
@@ -64,5 +93,6 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
             if base.is_dir() and spec.data_files:
                 files = [spec.data_files] if isinstance(spec.data_files, str) else spec.data_files
                 for name in files:
-                    if not (base / name).exists() and not Path(name).exists():
+                    where = f"{group}[{index}].data_files"
+                    if not on_disk(str(base / name), where, recipe_path) and not on_disk(name, where, recipe_path):
                         raise UserError(f"{recipe_path}: {group}[{index}].data_files: {name} not found in {base}")

@@ -8,7 +8,16 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from llmtune.recipe.adapter import AdapterKeys
-from llmtune.recipe.axolotl_keys import ANY, AXOLOTL_ONLY_KEYS
+from llmtune.recipe.axolotl_keys import (
+    ANY,
+    AXOLOTL_DATASET_KEYS,
+    AXOLOTL_FSDP_KEYS,
+    AXOLOTL_ONLY_KEYS,
+    BNB_CONFIG_KWARGS,
+    PLUGINS,
+    RENAMED,
+    RENAMED_DATASET_KEYS,
+)
 from llmtune.recipe.data import CustomFormat, DataKeys, DatasetSpec
 from llmtune.recipe.distributed import DistributedKeys, FsdpConfig
 from llmtune.recipe.model import ModelKeys
@@ -58,19 +67,48 @@ def render() -> str:
                 f"| `{name}` | {_type_name(hint)} | {default} | {(info.description or '').replace('|', '/')} |"
             )
         lines.append("")
-    lines += [
-        "## Axolotl keys llmtune accepts but does not use",
-        "",
-        "Accepted when empty, false or the listed default (reported once as having no effect); any other value is "
-        "an error naming the key.",
-        "",
-        "| key | also accepted | otherwise |",
-        "| --- | --- | --- |",
-    ]
-    for key, (accepted, hint) in sorted(AXOLOTL_ONLY_KEYS.items()):
-        shown = "any value" if accepted is ANY else ", ".join(map(repr, accepted)) or "-"
-        lines.append(f"| `{key}` | {shown} | {hint or '-'} |")
+    lines += _axolotl_sections()
     return "\n".join(lines) + "\n"
+
+
+def _key_table(title: str, table: dict) -> list[str]:
+    lines = [f"### {title}", "", "| key | accepted | otherwise |", "| --- | --- | --- |"]
+    for key, entry in sorted(table.items()):
+        if entry.accepted is ANY:
+            lines.append(f"| `{key}` | any value, no effect: {entry.reason} | - |")
+        else:
+            shown = ", ".join(["empty/false", *map(repr, entry.accepted)])
+            hint = f" ({entry.hint})" if entry.hint else ""
+            lines.append(f"| `{key}` | {shown} | error: {entry.reason} is not supported{hint} |")
+    return [*lines, ""]
+
+
+def _axolotl_sections() -> list[str]:
+    """Axolotl's keys that llmtune's schema doesn't define: older names, no effect, or refused by capability."""
+    lines = [
+        "## Axolotl keys",
+        "",
+        "Every key Axolotl defines is read: honoured (the tables above), read under its newer name, accepted with "
+        "no effect (reported once), or refused by the capability it asks for.",
+        "",
+        "### Older names",
+        "",
+        "| Axolotl key | read as |",
+        "| --- | --- |",
+    ]
+    lines += [f"| `{old}` | `{new}` |" for old, new in sorted({**RENAMED, **RENAMED_DATASET_KEYS}.items())]
+    lines += [f"| `bnb_config_kwargs.{name}` | {f'`{key}`' if key else 'no effect (from the precision)'} |"
+              for name, key in BNB_CONFIG_KWARGS.items()]  # fmt: skip
+    lines += ["", "### Plugins", "", "| plugin class | effect |", "| --- | --- |"]
+    for name, entry in PLUGINS.items():
+        effect = "honoured (see the liger_* and cut_cross_entropy keys)" if entry is None else (
+            f"no effect: {entry.reason}" if entry.accepted is ANY else f"error: {entry.reason} is not supported")  # fmt: skip
+        lines.append(f"| `{name}` | {effect} |")
+    lines.append("")
+    lines += _key_table("Top-level keys", AXOLOTL_ONLY_KEYS)
+    lines += _key_table("Keys of a `datasets` entry", AXOLOTL_DATASET_KEYS)
+    lines += _key_table("Keys of `fsdp_config`", AXOLOTL_FSDP_KEYS)
+    return lines
 
 
 if __name__ == "__main__":

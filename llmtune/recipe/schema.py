@@ -26,6 +26,9 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
             )
         if self.pipeline_parallel_size > 1 and self.adapter == "qlora":
             raise ValueError("pipeline_parallel_size > 1 with adapter: qlora is not supported; use lora")
+        if self.streaming and not self.max_steps:
+            raise ValueError("streamed data has no length known up front (streaming, or a hub pretraining_dataset): "
+                             "set max_steps")  # fmt: skip
         microbatches = self.pipeline_microbatches
         if self.pipeline_parallel_size > 1 and microbatches is not None and microbatches < self.pipeline_parallel_size:
             raise ValueError(

@@ -12,7 +12,13 @@ from llmtune.recipe.base import Section, empty_to_none
 OPTIMIZERS = (
     "adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit",
     "paged_adamw_32bit", "adafactor", "sgd", "adagrad", "rmsprop", "lion_8bit", "lion_32bit",
-    "paged_lion_8bit", "paged_lion_32bit",
+    "paged_lion_8bit", "paged_lion_32bit", "adamw_torch_4bit", "adamw_torch_8bit", "ademamix", "ademamix_8bit",
+    "paged_ademamix_32bit", "paged_ademamix_8bit",
+)  # fmt: skip
+# Optimizers Axolotl implements itself (its CustomSupportedOptimizers): named, so the error says what's missing.
+AXOLOTL_OPTIMIZERS = (
+    "optimi_adamw", "ao_adamw_4bit", "ao_adamw_8bit", "ao_adamw_fp8", "adopt_adamw", "came_pytorch", "muon",
+    "dion", "flash_adamw", "flash_adam", "flash_sgd", "flash_sgdw", "flash_lion", "q_galore_adamw8bit",
 )  # fmt: skip
 LR_SCHEDULERS = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -26,6 +32,10 @@ class TrainingKeys(Section):
     micro_batch_size: int = Field(1, gt=0, description="Rows per device per forward pass.")
     eval_batch_size: int | None = Field(None, gt=0, description="Rows per device in evaluation (default: micro).")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    batch_size: int | None = Field(
+        None, gt=0, description="Axolotl's older key: without gradient_accumulation_steps, that becomes "
+        "batch_size // micro_batch_size (as Axolotl derives it); with it, batch_size is ignored.",
+    )  # fmt: skip
     num_epochs: float = Field(1.0, gt=0, description="Passes over the training data.")
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (wins over epochs).")
     optimizer: Literal[OPTIMIZERS] = Field("adamw_torch", description="Optimizer (transformers' names).")  # type: ignore[valid-type]
@@ -35,7 +45,11 @@ class TrainingKeys(Section):
         None, ge=0, le=1, description="cosine: floor the LR at this fraction of the peak (cosine_with_min_lr)."
     )
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
-    warmup_steps: int | None = Field(None, ge=0, description="Linear warm-up steps.")
+    warmup_steps: int | None = Field(
+        None,
+        ge=0,
+        description="Linear warm-up steps (a fraction below 1 is read as warmup_ratio, as transformers does).",
+    )
     warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warm-up as a fraction of all steps.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     adam_beta1: float = Field(0.9, gt=0, lt=1, description="Adam beta1.")
@@ -45,7 +59,9 @@ class TrainingKeys(Section):
     bf16: bool | Literal["auto"] = Field(False, description="bfloat16 mixed precision ('auto': where the GPU has it).")
     fp16: bool = Field(False, description="float16 mixed precision with loss scaling.")
     tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere+ GPUs.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory (Axolotl's 'offload' recomputes too)."
+    )
     gradient_checkpointing_kwargs: dict | None = Field(None, description="e.g. {use_reentrant: false}.")
     seed: int = Field(42, ge=0, description="Seed for weights of new layers, data order and dropout.")
     logging_steps: int = Field(1, gt=0, description="Log every this many steps.")
@@ -56,11 +72,18 @@ class TrainingKeys(Section):
     save_only_model: bool = Field(False, description="Checkpoints without optimizer state (can't resume exactly).")
     eval_strategy: Literal["steps", "epoch", "no"] | None = Field(None, description="When to evaluate.")
     eval_steps: float | None = Field(None, gt=0, description="Evaluate every N steps (or a fraction of all steps).")
-    evals_per_epoch: int | None = Field(None, gt=0, description="Evaluations per epoch.")
+    evals_per_epoch: int | None = Field(None, ge=0, description="Evaluations per epoch (0: no evaluation).")
     resume_from_checkpoint: str | None = Field(None, description="A checkpoint folder to resume from.")
     auto_resume_from_checkpoints: bool = Field(True, description="Resume from the last complete checkpoint found.")
     early_stopping_patience: int | None = Field(None, gt=0, description="Stop after this many evals without gain.")
     group_by_length: bool = Field(False, description="Batch rows of similar length together.")
+    curriculum_sampling: bool = Field(False, description="Train on rows in data order, not shuffled per epoch.")
+    neftune_noise_alpha: float | None = Field(None, gt=0, description="NEFTune: noise on the embeddings in training.")
+    loss_watchdog_threshold: float | None = Field(
+        None, gt=0, description="Stop training when the logged loss exceeds this for loss_watchdog_patience logs "
+        "in a row.",
+    )  # fmt: skip
+    loss_watchdog_patience: int = Field(3, gt=0, description="Consecutive logged losses above the threshold.")
     dataloader_num_workers: int = Field(0, ge=0, description="Data-loading worker processes per rank.")
     dataloader_pin_memory: bool = Field(True, description="Pin host memory for faster copies to GPU.")
     report_to: list[Literal[REPORT_TARGETS]] | None = Field(None, description="Trackers: tensorboard, wandb, mlflow.")  # type: ignore[valid-type]
@@ -90,6 +113,38 @@ class TrainingKeys(Section):
     @classmethod
     def _report_list(cls, value):
         return [value] if isinstance(value, str) else value
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _axolotl_optimizer(cls, value):
+        if value in AXOLOTL_OPTIMIZERS:
+            raise ValueError(f"'{value}' (an optimizer Axolotl implements itself) is not supported; use one of "
+                             f"{', '.join(OPTIMIZERS)}")  # fmt: skip
+        return value
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _offloaded_checkpointing(cls, value):
+        return True if value in ("offload", "offload_disk") else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _axolotl_values(cls, data):
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        steps = data.get("warmup_steps")
+        if isinstance(steps, float) and 0 < steps < 1 and data.get("warmup_ratio") is None:
+            data["warmup_ratio"] = data.pop("warmup_steps")
+        batch, micro = data.get("batch_size"), data.get("micro_batch_size") or 1
+        if data.get("gradient_accumulation_steps") is None and isinstance(batch, int) and isinstance(micro, int):
+            if batch < micro:
+                raise ValueError(f"batch_size {batch} is below micro_batch_size {micro}; batch_size is rows per "
+                                 "device per optimizer step (micro_batch_size x gradient_accumulation_steps)")  # fmt: skip
+            data["gradient_accumulation_steps"] = batch // micro
+        if data.get("evals_per_epoch") == 0 and data.get("eval_strategy") is None:
+            data["eval_strategy"], data["evals_per_epoch"] = "no", None
+        return data
 
     @model_validator(mode="after")
     def _training_rules(self):

@@ -12,6 +12,15 @@ def lora_config(recipe):
         targets = "all-linear"
     else:
         targets = recipe.lora_target_modules
+    extra = {}
+    if recipe.lora_target_parameters:
+        extra["target_parameters"] = recipe.lora_target_parameters
+        targets = targets or []  # parameters alone: no module targets
+    loftq = recipe.peft.loftq_config if recipe.peft else None
+    if loftq:
+        from peft import LoftQConfig
+
+        extra.update(init_lora_weights="loftq", loftq_config=LoftQConfig(loftq_bits=loftq.loftq_bits))
     return LoraConfig(
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,
@@ -24,11 +33,19 @@ def lora_config(recipe):
         layers_to_transform=recipe.peft_layers_to_transform,
         bias="none",
         task_type="CAUSAL_LM",
+        **extra,
     )
 
 
 def attach_adapter(model, recipe):
-    """The model with a trainable adapter (or unchanged for a full fine-tune)."""
+    """The model with a trainable adapter (or unchanged for a full fine-tune); unfrozen_parameters applied."""
+    model = _with_adapter(model, recipe)
+    if recipe.unfrozen_parameters:
+        freeze_except(model, recipe.unfrozen_parameters, bool(recipe.adapter), recipe.gradient_checkpointing)
+    return model
+
+
+def _with_adapter(model, recipe):
     if not recipe.adapter:
         return model
     from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
@@ -58,3 +75,53 @@ def parameter_counts(model) -> tuple[int, int]:
         total += count
         trainable += count if param.requires_grad else 0
     return trainable, total
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def freeze_except(model, patterns: list[str], adapter: bool, checkpointing: bool) -> None:
+    """unfrozen_parameters, as Axolotl reads them: a parameter trains only if a pattern matches its name from the
+    start; a [start:end] range trains only those rows (the others' gradients are zeroed). With an adapter the
+    names are the base model's (peft's prefix removed) and only the adapter's own parameters can train: base
+    weights trained outside lora_modules_to_save would not be saved with it."""
+    from llmtune.recipe.adapter import unfrozen_pattern
+
+    compiled = [unfrozen_pattern(p) for p in patterns]
+    trainable = 0
+    for name, param in model.named_parameters():
+        shown = name.removeprefix(PEFT_PREFIX) if adapter else name
+        matches = [rows for regex, rows in compiled if regex.match(shown)]
+        if adapter and not param.requires_grad:
+            continue  # the frozen base stays frozen
+        param.requires_grad = bool(matches)
+        if not matches:
+            continue
+        trainable += 1
+        ranges = [rows for rows in matches if rows is not None]
+        if ranges and len(ranges) == len(matches):
+            param.register_hook(_rows_only(ranges, param.shape[0]))
+    if not trainable:
+        names = [n.removeprefix(PEFT_PREFIX) if adapter else n for n, _ in list(model.named_parameters())[:3]]
+        raise UserError(f"unfrozen_parameters matches no {'adapter ' if adapter else ''}parameter, so nothing would "
+                        f"train (names look like: {', '.join(names)})",
+                        "patterns match from the start of the name ('.' is a literal dot); check them against "
+                        "the model's parameter names")  # fmt: skip
+    embeddings = model.get_input_embeddings()
+    if checkpointing and embeddings is not None and not embeddings.weight.requires_grad:
+        model.enable_input_require_grads()  # checkpointed layers need an input that requires grad
+
+
+def _rows_only(ranges: list[tuple[int | None, int | None]], rows: int):
+    """A gradient hook that keeps only the given row ranges of a parameter's gradient."""
+    import torch
+
+    keep = torch.zeros(rows, dtype=torch.bool)
+    for start, end in ranges:
+        keep[slice(start, end)] = True
+
+    def hook(grad):
+        mask = keep.to(grad.device).view(-1, *([1] * (grad.dim() - 1)))
+        return grad * mask
+
+    return hook

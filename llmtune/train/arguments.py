@@ -19,9 +19,33 @@ def _every(steps: float | None, per_epoch: int | None, epoch_steps: int) -> tupl
     return "epoch", None
 
 
+# Optimizers whose implementation lives in another package than transformers: package, pip name.
+OPTIMIZER_PACKAGES = {"adamw_torch_4bit": ("torchao", "torchao"), "adamw_torch_8bit": ("torchao", "torchao")}
+
+
+def _check_optimizer_package(optimizer: str) -> None:
+    """One line instead of the Trainer's ImportError at the first step."""
+    import importlib.util
+
+    from llmtune.errors import UserError
+
+    package = OPTIMIZER_PACKAGES.get(optimizer)
+    if package and importlib.util.find_spec(package[0]) is None:
+        raise UserError(f"optimizer: {optimizer} needs {package[0]}, which is not installed",
+                        f"pip install {package[1]}, or use adamw_torch / adamw_bnb_8bit")  # fmt: skip
+
+
+def _sampling(recipe) -> str:
+    """curriculum_sampling trains on rows in data order (Axolotl's sequential sampler)."""
+    if recipe.curriculum_sampling:
+        return "sequential"
+    return "group_by_length" if recipe.group_by_length else "random"
+
+
 def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **extra):
     from transformers import TrainingArguments
 
+    _check_optimizer_package(recipe.optimizer)
     epoch_steps = steps_per_epoch(train_rows, plan)
     precision = plan["precision"]
     rehearsal = plan["cluster"]["device"] == "cpu"
@@ -65,7 +89,8 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **ex
         save_only_model=recipe.save_only_model,
         eval_strategy=eval_strategy,
         eval_steps=eval_steps,
-        train_sampling_strategy="group_by_length" if recipe.group_by_length else "random",
+        train_sampling_strategy=_sampling(recipe),
+        neftune_noise_alpha=recipe.neftune_noise_alpha,
         dataloader_num_workers=recipe.dataloader_num_workers,
         dataloader_pin_memory=recipe.dataloader_pin_memory and not rehearsal,
         report_to=recipe.trackers or "none",

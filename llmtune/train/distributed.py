@@ -33,10 +33,16 @@ def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
             print(f"[llmtune] elastic: {world} process(es) joined, so gradient accumulation is "
                   f"{sizes['gradient_accumulation_steps']} (global batch {plan['global_batch_size']} kept)",
                   file=sys.stderr, flush=True)  # fmt: skip
+    from llmtune.train import collectives
+
+    collectives.configure(plan["cluster"]["device"], local_rank)
+    backend = plan["cluster"].get("backend") or ("gloo" if plan["cluster"]["device"] == "cpu" else "nccl")
     if world > 1:
-        _join_restarted_group(plan, rank, world, collective_timeout)
+        _join_restarted_group(plan, rank, world, collective_timeout, backend)
     strategy = plan["strategy"]
     kwargs: dict = {}
+    if world > 1 and (plan["cluster"]["device"], backend) == ("cuda", "gloo"):
+        kwargs.update(_gloo_on_gpu(collective_timeout))
     if plan["cluster"]["device"] == "cpu" and (world > 1 or strategy.startswith(("zero", "fsdp"))):
         from llmtune.train import rehearsal
 
@@ -53,7 +59,19 @@ def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
     return RankInfo(rank, local_rank, world, kwargs)
 
 
-def _join_restarted_group(plan: dict, rank: int, world: int, collective_timeout: int) -> None:
+def _gloo_on_gpu(collective_timeout: int) -> dict:
+    """Ranks sharing a GPU: form the group with gloo before accelerate would pick NCCL (which refuses two ranks
+    on one GPU). accelerate, DeepSpeed and FSDP then find it formed; tensors stay on the GPU."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=collective_timeout))
+    return {"ddp_backend": "gloo"}
+
+
+def _join_restarted_group(plan: dict, rank: int, world: int, collective_timeout: int, backend: str) -> None:
     """After an elastic restart, form the process group under a fresh key prefix.
 
     torchrun's static rendezvous keeps one store for every attempt, so the restarted ranks would read the
@@ -72,7 +90,6 @@ def _join_restarted_group(plan: dict, rank: int, world: int, collective_timeout:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_store and rank == 0, timeout=timeout)  # fmt: skip
-    backend = "gloo" if plan["cluster"]["device"] == "cpu" else "nccl"
     dist.init_process_group(backend, store=dist.PrefixStore(f"llmtune/attempt-{attempt}", store), rank=rank,
                             world_size=world, timeout=timeout)  # fmt: skip
 
@@ -85,30 +102,3 @@ def trainer_fsdp_config(section: dict) -> dict:
     if config.get("version") == 1:
         config["reshard_after_forward"] = config.pop("sharding_strategy", "FULL_SHARD")
     return config
-
-
-def barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def all_reduce_sum(value: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor)
-    return float(tensor.item())
-
-
-def teardown() -> None:
-    """Barrier, then destroy the group: a rank that exits without both can abort the whole launch."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

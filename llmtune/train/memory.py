@@ -102,3 +102,17 @@ class ModelStateMeter:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+def cuda_peaks() -> dict[str, int]:
+    """This rank's peak CUDA memory, as the caching allocator saw it (empty on CPU): what the estimate must cover.
+
+    Allocated is what tensors held; reserved adds what the allocator kept from the driver (fragmentation), and is
+    what runs out first.
+    """
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {"cuda_max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+            "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved())}  # fmt: skip

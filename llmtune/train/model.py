@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from llmtune.errors import UserError
@@ -82,13 +83,64 @@ def quantization_config(recipe, dtype):
     )
 
 
-def load_model(recipe, source: str, tokenizer, precision: str, device_map=None):
+def model_config(recipe, source: str, log):
+    """The model's config (from base_model_config, read with cls_model_config, when given) with
+    overrides_of_model_config applied."""
+    import transformers
+
+    name = recipe.base_model_config or source
+    revision = recipe.revision_of_model if name == recipe.base_model else None
+    config_class = transformers.AutoConfig
+    if recipe.cls_model_config:
+        config_class = getattr(transformers, recipe.cls_model_config, None)
+        if config_class is None:
+            raise UserError(f"cls_model_config: transformers has no {recipe.cls_model_config}",
+                            "name a config class of this transformers version, or remove it")  # fmt: skip
+    config = config_class.from_pretrained(name, trust_remote_code=recipe.trust_remote_code, revision=revision)
+    for key, value in (recipe.overrides_of_model_config or {}).items():
+        if not hasattr(config, key):
+            log(f"overrides_of_model_config.{key}: {type(config).__name__} has no such setting; set anyway")
+        setattr(config, key, value)
+    return config
+
+
+def _checkpoint_quantization(recipe, kwargs: dict, log) -> None:
+    """model_quantization_config: load an MXFP4 checkpoint dequantized, so its weights train in 16 bits."""
+    if not recipe.model_quantization_config:
+        return
+    stored = getattr(kwargs["config"], "quantization_config", None) or {}
+    method = stored.get("quant_method") if isinstance(stored, dict) else getattr(stored, "quant_method", None)
+    if str(method).lower() != "mxfp4":
+        log(f"model_quantization_config: {recipe.model_quantization_config}: no effect, the checkpoint is not "
+            "MXFP4-quantized")  # fmt: skip
+        return
+    import transformers
+
+    config_class = getattr(transformers, recipe.model_quantization_config)
+    kwargs["quantization_config"] = config_class(**(recipe.model_quantization_config_kwargs or {}))
+
+
+def reinitialise(model, log) -> None:
+    """reinit_weights: every weight drawn afresh by the model's own initialisation (loaded ones are marked done)."""
+    for item in [*model.modules(), *model.parameters()]:
+        if hasattr(item, "_is_hf_initialized"):
+            item._is_hf_initialized = False
+    model.init_weights()
+    log("reinit_weights: every weight re-initialised (training from scratch)")
+
+
+def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, device: str | None = None):
+    """The model, with the recipe's GPU kernels applied (device: 'cuda' or 'cpu'; default: whether CUDA is visible)."""
     from transformers import AutoModelForCausalLM
 
+    from llmtune.train.kernels import apply_kernels, kernels_for
+    from llmtune.train.progress import log
+
+    kernels = kernels_for(recipe, precision, device)
     dtype = weights_dtype(recipe, precision)
     kwargs = {"dtype": dtype, "trust_remote_code": recipe.trust_remote_code}
-    if recipe.attn_implementation:
-        kwargs["attn_implementation"] = recipe.attn_implementation
+    if kernels.attention:  # flash_attention_2 only where it can run; sdpa otherwise (said in the plan)
+        kwargs["attn_implementation"] = kernels.attention
     quant = quantization_config(recipe, dtype)
     if quant is not None:
         kwargs["quantization_config"] = quant
@@ -96,24 +148,27 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None):
     if source == recipe.base_model:
         kwargs["revision"] = recipe.revision_of_model
     try:
-        if recipe.base_model_config:
-            from transformers import AutoConfig
-
-            kwargs["config"] = AutoConfig.from_pretrained(
-                recipe.base_model_config, trust_remote_code=recipe.trust_remote_code
-            )
+        if (recipe.base_model_config or recipe.cls_model_config or recipe.overrides_of_model_config
+                or recipe.model_quantization_config):  # fmt: skip
+            kwargs["config"] = model_config(recipe, source, log)
+            _checkpoint_quantization(recipe, kwargs, log)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:
         raise _hub_error(err, "model", source) from None
     if recipe.model_type and not recipe.model_type.startswith("Auto") and type(model).__name__ != recipe.model_type:
         raise UserError(f"model_type is {recipe.model_type} but {source} loads as {type(model).__name__}",
                         "remove model_type or set it to AutoModelForCausalLM")  # fmt: skip
+    if recipe.reinit_weights:
+        reinitialise(model, log)
     weight = model.get_input_embeddings().weight
     embeddings = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 partitioned: the full shape is ds_shape
-    if len(tokenizer) > embeddings:
-        model.resize_token_embeddings(len(tokenizer))
+    rows = math.ceil(len(tokenizer) / 32) * 32 if recipe.resize_token_embeddings_to_32x else len(tokenizer)
+    if rows > embeddings:
+        model.resize_token_embeddings(rows)
     # Packed rows leak attention across examples when a KV cache exists (see DESIGN.md).
     model.config.use_cache = False
     if model.generation_config is not None:
         model.generation_config.use_cache = True
+    # Before adapters and wrapping: Liger patches the model's own modules and forward.
+    apply_kernels(model, kernels, log)
     return model

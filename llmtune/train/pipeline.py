@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from llmtune.errors import UserError
+from llmtune.train import collectives
 from llmtune.train import pipeline_checkpoint as checkpoints
 from llmtune.train.checkpoints import resume_point, stop_requested
 from llmtune.train.data.formats import IGNORE
@@ -58,7 +58,8 @@ def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype) -> torch.T
     length = position_ids.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
     allowed = (document[:, :, None] == document[:, None, :]) & causal
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)  # on the stage's device, as the mask
+    return additive.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 class Stage(nn.Module):
@@ -70,7 +71,15 @@ class Stage(nn.Module):
         self.head = parts.head if last else None
         self.rotary = parts.rotary
 
+    autocast_dtype: torch.dtype | None = None  # bf16 mixed precision on GPUs, as the Trainer's autocast does
+
     def forward(self, hidden, position_ids):
+        if self.autocast_dtype is None:
+            return self._forward(hidden, position_ids)
+        with torch.autocast(hidden.device.type, dtype=self.autocast_dtype):
+            return self._forward(hidden, position_ids)
+
+    def _forward(self, hidden, position_ids):
         if self.embed is not None:
             hidden = self.embed(hidden)
         mask = block_causal_mask(position_ids, hidden.dtype)
@@ -104,21 +113,21 @@ class Grid:
 
 def make_grid(stages: int, tied: bool) -> Grid:
     """Rank r is stage r % stages of replica r // stages. Every rank creates every group, as torch requires."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = collectives.world_size(), collectives.rank()
     replicas = world // stages
     pp_group = dp_group = tie_group = None
     for replica in range(replicas):
         ranks = list(range(replica * stages, (replica + 1) * stages))
-        group = dist.new_group(ranks)
+        group = collectives.new_group(ranks)
         if rank in ranks:
             pp_group = group
         if tied and stages > 1:
-            group = dist.new_group([ranks[0], ranks[-1]])
+            group = collectives.new_group([ranks[0], ranks[-1]])
             if rank in (ranks[0], ranks[-1]):
                 tie_group = group
     for stage in range(stages):
         ranks = list(range(stage, world, stages))
-        group = dist.new_group(ranks)
+        group = collectives.new_group(ranks)
         if rank in ranks:
             dp_group = group
     return Grid(stages, replicas, rank % stages, rank // stages, pp_group, dp_group, tie_group)
@@ -148,9 +157,10 @@ def clip_global_norm(params: list[nn.Parameter], max_norm: float, grid: Grid, sk
     """Clip by the norm over all stages' gradients (replicas hold the same gradients after the DP all-reduce)."""
     grads = [p.grad for p in params if p.grad is not None]
     counted = [p.grad for p in params if p.grad is not None and p is not skip]
-    local = torch.stack([g.detach().float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
-    dist.all_reduce(local, group=grid.pp_group)
-    total = local.sqrt().item()
+    # a stage with no trainable gradient (a frozen LoRA stage's norm) still joins the all-reduce, on the same device
+    local = (torch.stack([g.detach().float().pow(2).sum() for g in counted]).sum() if counted
+             else collectives.tensor(0.0, dtype=torch.float32))  # fmt: skip
+    total = collectives.all_reduce(local, group=grid.pp_group).sqrt().item()
     if max_norm > 0 and total > max_norm:
         for g in grads:
             g.mul_(max_norm / (total + 1e-6))
@@ -181,8 +191,8 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
     if chunks > layers:
         raise UserError(f"{stages} stages x {virtual} virtual stages need {chunks} layers; the model has {layers}")
     ranges = split_layers(sizes, parts.embed.weight.numel(), parts.head.weight.numel() if not tied else 0, chunks)
-    mine = [grid.stage + i * stages for i in range(virtual)]
-    stage_module = nn.ModuleList(Stage(parts, ranges[i], i == 0, i == chunks - 1) for i in mine)
+    held = [grid.stage + i * stages for i in range(virtual)]
+    stage_module = nn.ModuleList(Stage(parts, ranges[i], i == 0, i == chunks - 1) for i in held)
     params = owned_names(model, stage_module)
     if tied:
         # The first and last stage both hold the shared weight; their gradients are summed each step, so the
@@ -196,12 +206,13 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         loss = nn.functional.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum")
         return loss / total_tokens_box[0]
 
-    device = (
-        torch.device("cpu") if plan["cluster"]["device"] == "cpu" else torch.device("cuda", torch.cuda.current_device())
-    )
+    device = collectives.device()  # the rank's GPU (or the CPU in rehearsal): P2P buffers and collectives live there
     stage_module.to(device)
+    if plan["precision"] == "bf16":  # the CPU rehearsal plans fp32; without this a GPU run would silently be fp32 too
+        for stage in stage_module:
+            stage.autocast_dtype = torch.bfloat16
     pipeline_stages = [PipelineStage(module, index, chunks, device, group=grid.pp_group)
-                       for module, index in zip(stage_module, mine, strict=True)]  # fmt: skip
+                       for module, index in zip(stage_module, held, strict=True)]  # fmt: skip
     if virtual > 1:
         schedule = ScheduleInterleaved1F1B(pipeline_stages, microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
@@ -234,7 +245,7 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         start, history = checkpoints.load(Path(resume), grid, params, optimizer, scheduler)
         log(f"resuming from {resume} at step {start}")
     interval = checkpoints.save_interval(recipe, steps_per_epoch, total_steps)
-    crash_after = int(os.environ.get("LLMTUNE_TEST_EXIT_AFTER_STEP", 0))  # tests: die right after checkpoint k
+    kill_in = int(os.environ.get("LLMTUNE_TEST_KILL_MID_STEP", 0))  # tests: SIGKILL one rank inside step k
     step_sleep = float(os.environ.get("LLMTUNE_TEST_STEP_SLEEP", 0))  # tests: slow steps, to signal a run mid-way
     stage_module.train()
     for step in range(start, total_steps):
@@ -255,13 +266,17 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
             )
         else:
             schedule.step(target=mine["labels"].to(device), losses=losses)
+        if kill_in == step + 1:  # forward and backward done, the update not: the worst moment to lose a rank
+            from llmtune.train.trainer import _test_kill
+
+            _test_kill("LLMTUNE_TEST_KILL_MID_STEP", step + 1)
         for p in trainable:
             if p.grad is not None and grid.replicas > 1:
-                dist.all_reduce(p.grad, group=grid.dp_group)
+                collectives.all_reduce(p.grad, group=grid.dp_group)
         if grid.tie_group is not None:
             shared = parts.embed.weight if grid.first else parts.head.weight
             if shared.grad is not None:
-                dist.all_reduce(shared.grad, group=grid.tie_group)
+                collectives.all_reduce(shared.grad, group=grid.tie_group)
         norm = clip_global_norm(trainable, recipe.max_grad_norm, grid, skip=shared_copy)
         optimizer.step()
         scheduler.step()
@@ -269,11 +284,10 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         # only last stages contribute the loss: the sum over replicas is the global mean. The same all-reduce
         # carries a stop request (SIGUSR1 to the launcher), so every rank stops after the same step.
         asked = stop_requested(plan["config_dir"])
-        step_loss = torch.tensor(
-            [float(sum(part.item() for part in losses)) if grid.last else 0.0, float(asked)], dtype=torch.float64
+        step_loss, stop_votes = collectives.sum_values(
+            [float(sum(part.item() for part in losses)) if grid.last else 0.0, float(asked)]
         )
-        dist.all_reduce(step_loss)
-        entry = {"loss": step_loss[0].item(), "grad_norm": norm, "learning_rate": scheduler.get_last_lr()[0],
+        entry = {"loss": step_loss, "grad_norm": norm, "learning_rate": scheduler.get_last_lr()[0],
                  "epoch": (step + 1) / steps_per_epoch, "step": step + 1}  # fmt: skip
         history.append(entry)
         time.sleep(step_sleep)
@@ -281,17 +295,17 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
             log(
                 f"step {step + 1}/{total_steps} loss {entry['loss']:.4f} grad norm {norm:.3f} lr {entry['learning_rate']:.3g}"
             )
-        stop = step_loss[1].item() > 0 and step + 1 < total_steps
+        stop = stop_votes > 0 and step + 1 < total_steps
         if (interval and (step + 1) % interval == 0 or stop) and step + 1 < total_steps:
             checkpoints.save(output_dir, step + 1, grid, params, optimizer, scheduler, history, recipe.save_total_limit)
-            if crash_after == step + 1:
-                os._exit(17)
         if stop:
             return {"stopped_at": step + 1}
     seconds = time.time() - started
     return {
         "grid": grid, "params": params, "history": history, "steps": total_steps, "seconds": seconds,
         "tokens_seen": tokens_seen, "rows_seen": (total_steps - start) * global_batch, "stage_module": stage_module,
+        "resumed_from": resume, "steps_run": total_steps - start, "schedule": type(schedule).__name__,
+        "stage_indices": held, "layer_indices": sorted(j for i in held for j in ranges[i]),
         "layers": [r.start for r in ranges] + [layers],
     }  # fmt: skip
 
@@ -300,9 +314,8 @@ def gather_state_dict(result: dict) -> dict | None:
     """Replica 0's stages send their parameters (HF names) to rank 0."""
     grid = result["grid"]
     mine = {n: p.detach().cpu().clone() for n, p in result["params"].items()} if grid.replica == 0 else {}
-    pieces: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, pieces, dst=0)
-    if dist.get_rank() != 0:
+    pieces = collectives.gather_objects(mine, dst=0)
+    if pieces is None:
         return None
     merged: dict = {}
     for piece in pieces:

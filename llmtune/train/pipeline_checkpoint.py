@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from llmtune.train import collectives
 from llmtune.train.checkpoints import MARKER, publish, rotate
 
 
@@ -29,19 +29,19 @@ def save_interval(recipe, steps_per_epoch: int, total_steps: int) -> int | None:
 
 def save(output_dir: Path, step: int, grid, params: dict, optimizer, scheduler, history: list, limit: int | None):
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".checkpoint-{step}.tmp"
-    if dist.get_rank() == 0:
+    if collectives.rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
+    collectives.barrier()
     if grid.replica == 0:
         state = {"params": {n: p.detach().cpu().clone() for n, p in params.items()},
                  "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}  # fmt: skip
         torch.save(state, tmp / f"stage-{grid.stage}.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
+    collectives.barrier()
+    if collectives.rank() == 0:
         publish(tmp, final, {"step": step, "stages": grid.stages, "history": history})
         rotate(output_dir, limit)
-    dist.barrier()
+    collectives.barrier()
 
 
 def load(checkpoint: Path, grid, params: dict, optimizer, scheduler) -> tuple[int, list]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import socket
 
+from llmtune.train import collectives
+
 
 class SilentlyWrongRun(RuntimeError):
     pass
@@ -20,21 +22,12 @@ def fingerprint(input_ids) -> str:
 
 
 def gather(report: dict) -> list[dict]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return [report]
-    reports: list = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    return reports
+    return collectives.all_gather_objects(report)
 
 
 def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset_rows: int) -> list[dict]:
     """Gather every rank's view of the run and stop it if the ranks don't form the planned job."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    rank = dist.get_rank() if world > 1 else 0
+    world, rank = collectives.world_size(), collectives.rank()
     report = {"rank": rank, "host": socket.gethostname(), "world_size": world, "accelerate_world_size": accelerate_world,
               "first_batch": fingerprint(input_ids)}  # fmt: skip
     reports = gather(report)
@@ -62,3 +55,56 @@ def local_parameter_numel(model) -> int:
     from llmtune.train.memory import local_tensor
 
     return sum(local_tensor(param).numel() for param in model.parameters())
+
+
+def engine_report(trainer) -> dict:
+    """What this rank really ran, read from the live engine objects after training (not from the plan).
+
+    Loss parity cannot tell ZeRO-1 from ZeRO-2 or DDP, nor ZeRO-3 with offload from without: these can.
+    """
+    wrapped = trainer.model_wrapped
+    kind = type(wrapped).__name__
+    if kind == "DeepSpeedEngine":
+        return _deepspeed_report(wrapped)
+    if kind == "FullyShardedDataParallel":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return {"engine": "fsdp1", "sharding_strategy": wrapped.sharding_strategy.name,
+                "state_dict_type": FullyShardedDataParallel.get_state_dict_type(wrapped).state_dict_type.name,
+                "wrapped_units": sum(isinstance(m, FullyShardedDataParallel) for m in wrapped.modules())}  # fmt: skip
+    fsdp2 = _fsdp2_units(trainer.model)
+    if fsdp2:
+        plugin = trainer.accelerator.state.fsdp_plugin
+        placements = {str(p.placements[0]) for p in trainer.model.parameters() if hasattr(p, "placements")}
+        return {"engine": "fsdp2", "wrapped_units": fsdp2, "placements": sorted(placements),
+                "state_dict_type": str(plugin.state_dict_type).rsplit(".", 1)[-1]}  # fmt: skip
+    if kind == "DistributedDataParallel":
+        return {"engine": "ddp", "optimizer": type(trainer.optimizer.optimizer).__name__}
+    return {"engine": "none", "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__}
+
+
+def _deepspeed_report(engine) -> dict:
+    zero = engine.optimizer
+    name = type(zero).__name__
+    if name == "DeepSpeedZeroOptimizer_Stage3":
+        stage, optimizer_offloaded, param_offloaded = 3, zero.offload_optimizer, zero.offload_param
+    elif name == "DeepSpeedZeroOptimizer":
+        stage, optimizer_offloaded, param_offloaded = (2 if zero.partition_gradients else 1), zero.cpu_offload, False
+    else:
+        stage, optimizer_offloaded, param_offloaded = 0, False, False
+
+    def device(offloaded: bool, config) -> str:
+        return str(getattr(config, "device", "none")).rsplit(".", 1)[-1] if offloaded else "none"
+
+    return {"engine": "deepspeed", "zero_stage": stage, "zero_optimizer": name,
+            "optimizer": type(engine.basic_optimizer).__name__,
+            "offload_optimizer": device(optimizer_offloaded, engine.zero_offload_optimizer()),
+            "offload_param": device(param_offloaded, engine.zero_offload_param())}  # fmt: skip
+
+
+def _fsdp2_units(model) -> int:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return 0
+    return sum(isinstance(module, FSDPModule) for module in model.modules())

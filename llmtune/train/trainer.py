@@ -13,7 +13,7 @@ from pathlib import Path
 from transformers import Trainer, TrainerCallback
 
 from llmtune.errors import UserError
-from llmtune.train import checkpoints
+from llmtune.train import checkpoints, collectives
 from llmtune.train.data.collate import REAL_TOKENS
 
 NONFINITE_HINT = ("lower learning_rate or add warmup, look for broken rows in the data, and prefer bf16 over fp16 "
@@ -61,26 +61,49 @@ class StopOnNonFiniteLoss(TrainerCallback):
 
 
 class StepStats(TrainerCallback):
-    """Per optimizer step on this rank: wall seconds, real and padded tokens; and when the first step ended."""
+    """Per optimizer step on this rank: wall seconds, real and padded tokens; and when the first step ended.
+
+    A step's seconds run from the end of the step before (the start of training for the first), so fetching and
+    collating its batch are counted, as a user's clock counts them. With LLMTUNE_BATCH_HASHES=1 (benchmarks) each
+    step also records a hash of its input_ids, to prove two runs trained on the same batches.
+    """
 
     def __init__(self, trainer: LlmtuneTrainer) -> None:
         self.trainer = trainer
         self.seconds: list[float] = []
         self.real: list[int] = []
         self.padded: list[int] = []
+        self.hashes: list[str] = []
         self.first_step_end_unix: float | None = None
-        self._start = 0.0
+        self._last_end = 0.0
         self._tokens = (0, 0)
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
-        self._tokens = (self.trainer.tokens_seen, self.trainer.padded_seen)
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last_end = time.perf_counter()
+        if os.environ.get("LLMTUNE_BATCH_HASHES") == "1":
+            import hashlib
+
+            self.trainer.batch_hash = hashlib.sha256()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.seconds.append(round(time.perf_counter() - self._start, 6))
+        now = time.perf_counter()
+        self.seconds.append(round(now - self._last_end, 6))
+        self._last_end = now
         self.real.append(self.trainer.tokens_seen - self._tokens[0])
         self.padded.append(self.trainer.padded_seen - self._tokens[1])
+        self._tokens = (self.trainer.tokens_seen, self.trainer.padded_seen)
+        if self.trainer.batch_hash is not None:
+            import hashlib
+
+            self.hashes.append(self.trainer.batch_hash.hexdigest()[:16])
+            self.trainer.batch_hash = hashlib.sha256()
         self.first_step_end_unix = self.first_step_end_unix or time.time()
+
+    WARMUP_STEPS = 2  # the first steps compile kernels, fill the allocator's cache and (DeepSpeed) build buffers
+
+    def steady(self) -> tuple[int, float]:
+        """Real tokens and seconds of this rank's steps after the warm-up (none if the run was that short)."""
+        return sum(self.real[self.WARMUP_STEPS :]), sum(self.seconds[self.WARMUP_STEPS :])
 
 
 class StopOnRequest(TrainerCallback):
@@ -93,15 +116,7 @@ class StopOnRequest(TrainerCallback):
         self.stopped_at: int | None = None
 
     def on_step_end(self, args, state, control, **kwargs):
-        import torch
-
-        asked = checkpoints.stop_requested(self.config_dir)
-        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-            import torch.distributed as dist
-
-            flag = torch.tensor([float(asked)], device=args.device)
-            dist.all_reduce(flag)
-            asked = bool(flag.item())
+        asked = collectives.any_rank(checkpoints.stop_requested(self.config_dir))
         if asked and state.global_step < state.max_steps:
             control.should_save = True
             control.should_training_stop = True
@@ -154,6 +169,7 @@ class LlmtuneTrainer(Trainer):
     rows_seen = 0
     plan: dict | None = None
     rank_reports: list[dict] | None = None
+    batch_hash = None  # hashlib object while StepStats records batch hashes
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.rank_reports is None and self.plan is not None:
@@ -165,6 +181,8 @@ class LlmtuneTrainer(Trainer):
         self.tokens_seen += int(inputs.pop(REAL_TOKENS, 0))
         self.rows_seen += int(inputs["input_ids"].shape[0])
         self.padded_seen += int(inputs["input_ids"].numel())
+        if self.batch_hash is not None:
+            self.batch_hash.update(inputs["input_ids"].cpu().numpy().tobytes())
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._nonfinite_guard(loss)
         return loss
@@ -179,19 +197,12 @@ class LlmtuneTrainer(Trainer):
     def _check_finite(self) -> None:
         """Before any save: the losses since the last check and this rank's weights (its shard) are finite, on
         every rank. A NaN loss shows one step after the update that broke the weights, so both are checked."""
-        import torch
-
         bad = getattr(self, "_bad_loss", None)
-        flag = torch.zeros(2, dtype=torch.float32, device=self.args.device)
-        flag[0] = float(bool(bad)) if bad is not None else 0.0
-        flag[1] = float(not _weights_finite(self.model))
-        if self.accelerator.num_processes > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(flag)
+        loss_bad, weights_bad = collectives.sum_values([float(bool(bad)) if bad is not None else 0.0,
+                                                        float(not _weights_finite(self.model))])  # fmt: skip
         self._bad_loss = None
-        if flag.any():
-            what = "training loss" if flag[0] else "the weights"
+        if loss_bad or weights_bad:
+            what = "training loss" if loss_bad else "the weights"
             raise NonFiniteLoss(f"{what} became NaN or inf by step {self.state.global_step}; stopped before saving",
                                 NONFINITE_HINT)  # fmt: skip
 
@@ -254,3 +265,30 @@ class LlmtuneTrainer(Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs.pop(REAL_TOKENS, None)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+
+class LossWatchdog(TrainerCallback):
+    """loss_watchdog_threshold / loss_watchdog_patience, as Axolotl reads them: each logged training loss above the
+    threshold is one more strike (one at or below it clears them); at `patience` strikes in a row training stops
+    after that step, and the run ends as any stopped run does (final model saved). A no-op without a threshold.
+
+    The logged loss is the same on every rank (the Trainer reduces it), so every rank stops after the same step."""
+
+    def __init__(self, threshold: float | None, patience: int = 3) -> None:
+        self.threshold, self.patience = threshold, patience or 3
+        self.strikes = 0
+        self.stopped_at: int | None = None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        loss = (logs or {}).get("loss")
+        if self.threshold is None or loss is None:
+            return control
+        self.strikes = self.strikes + 1 if loss > self.threshold else 0
+        if self.strikes >= self.patience and self.stopped_at is None:
+            from llmtune.train.progress import log
+
+            log(f"loss_watchdog: loss {loss:.4f} above {self.threshold} for {self.strikes} logged steps in a row; "
+                f"stopping after step {state.global_step}")  # fmt: skip
+            self.stopped_at = state.global_step
+            control.should_training_stop = True
+        return control

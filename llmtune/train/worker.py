@@ -14,7 +14,7 @@ from pathlib import Path
 from llmtune.errors import EXIT_USER_ERROR, UserError
 from llmtune.recipe import Recipe
 from llmtune.recipe.loader import recipe_fingerprint
-from llmtune.train import distributed
+from llmtune.train import collectives, distributed
 from llmtune.train.progress import log, track
 
 TEST_HOOKS = ("LLMTUNE_TEST_EXIT_AFTER_STEP", "LLMTUNE_TEST_PAUSE_AFTER_STEP", "LLMTUNE_TEST_STEP_SLEEP")
@@ -39,6 +39,7 @@ def _tracking_env(recipe, output_dir: Path) -> None:
 
 def _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_origin, trainable, total) -> dict:
     from llmtune.train.adapters import attach_adapter
+    from llmtune.train.memory import cuda_peaks
     from llmtune.train.model import load_model
     from llmtune.train.pipeline import gather_state_dict, train_pipeline
     from llmtune.train.ranks import gather, local_parameter_numel
@@ -49,22 +50,29 @@ def _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_ori
     if "stopped_at" in result:
         return _stopped(result["stopped_at"])
     grid = result["grid"]
-    reports = gather({"rank": rank.rank, "stage": grid.stage, "replica": grid.replica,
-                      "local_parameters": local_parameter_numel(result["stage_module"]), "world_size": rank.world_size})  # fmt: skip
+    reports = gather({"rank": rank.rank, "stage": grid.stage, "replica": grid.replica, "schedule": result["schedule"],
+                      "stage_indices": result["stage_indices"], "layer_indices": result["layer_indices"],
+                      "local_parameters": local_parameter_numel(result["stage_module"]), "world_size": rank.world_size,
+                      **cuda_peaks()})  # fmt: skip
     state = gather_state_dict(result)
     history = result["history"]
     metrics = {
         "train_loss": sum(e["loss"] for e in history) / len(history), "final_loss": history[-1]["loss"],
         "steps": result["steps"], "rows_seen": result["rows_seen"], "tokens_seen": result["tokens_seen"],
-        "tokens_per_second": round(result["tokens_seen"] / result["seconds"], 2), "train_seconds": round(result["seconds"], 2),
+        "resumed_from": result["resumed_from"], "steps_run": result["steps_run"],
+        "tokens_per_second_whole_run": round(result["tokens_seen"] / result["seconds"], 2),
+        "train_seconds": round(result["seconds"], 2),
         "world_size": rank.world_size, "strategy": "pipeline", "title": plan["title"],
         "global_batch_size": plan["global_batch_size"], "trainable_parameters": trainable, "total_parameters": total,
         "pipeline": {**plan["pipeline"], "layer_bounds": result["layers"]}, "packing_efficiency": data.stats.get("packing_efficiency"),
         "data": data.stats, "ranks": reports, "log_history": history, "recipe_fingerprint": recipe_fingerprint(recipe),
+        **_planned_memory(recipe, plan),
     }  # fmt: skip
     if rank.is_main:
         # One consolidated HF folder: a fresh model (or base + adapter) takes every stage's trained weights.
-        fresh = attach_adapter(load_model(recipe, source, tokenizer, plan["precision"]), recipe)
+        fresh = attach_adapter(
+            load_model(recipe, source, tokenizer, plan["precision"], device=plan["cluster"]["device"]), recipe
+        )
         missing = set(dict(fresh.named_parameters())) - set(state)
         if missing:
             raise RuntimeError(f"pipeline save: no stage held {sorted(missing)[:3]}")
@@ -94,6 +102,28 @@ def _full_state_dict_for_final_save(trainer) -> None:
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
     if plugin is not None and "SHARDED" in str(plugin.state_dict_type):
         plugin.set_state_dict_type("FULL_STATE_DICT")
+
+
+def _planned_memory(recipe, plan: dict) -> dict:
+    """On GPUs, the estimate of this plan's per-GPU memory, recorded beside the measured CUDA peaks."""
+    if plan["cluster"]["device"] != "cuda":
+        return {}
+    from types import SimpleNamespace
+
+    import torch
+
+    from llmtune.plan.estimate import estimate_recipe, row_for_plan
+
+    cluster, strategy = plan["cluster"], plan["strategy"]
+    view = SimpleNamespace(strategy=strategy, offload=plan["offload"], accelerate_config=plan["accelerate_config"],
+                           zero_stage=int(strategy[-1]) if strategy.startswith("zero") else 0)  # fmt: skip
+    try:
+        report = estimate_recipe(recipe, cluster["num_processes"] // cluster["num_machines"], cluster["num_machines"],
+                                 torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)  # fmt: skip
+        row = report.row(row_for_plan(view))
+    except UserError:  # a model shape the estimate doesn't know: nothing to compare with
+        return {}
+    return {"estimate_total_bytes": int(row.total), "estimate_allocated_bytes": int(row.allocated)}
 
 
 def _merge_reports(first_batches: list[dict] | None, shards: list[dict]) -> list[dict]:
@@ -133,6 +163,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from llmtune.train.save import write_run_files
     from llmtune.train.trainer import (
         LlmtuneTrainer,
+        LossWatchdog,
         Rows,
         StepStats,
         StopOnNonFiniteLoss,
@@ -157,8 +188,13 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         # Built before the model: under ZeRO-3 this registers DeepSpeed's config, so from_pretrained creates the
         # parameters already partitioned (zero3_init_flag) and no rank ever holds the whole model.
         _tracking_env(recipe, output_dir)
-        args = training_arguments(recipe, plan, len(data.train), data.eval is not None, **rank.training_kwargs)
-    model = attach_adapter(load_model(recipe, source, tokenizer, plan["precision"]), recipe)
+        from llmtune.recipe.kernels import compile_arguments
+
+        args = training_arguments(recipe, plan, len(data.train), data.eval is not None, **rank.training_kwargs,
+                                  **compile_arguments(recipe, plan["cluster"]["device"]))  # fmt: skip
+    model = attach_adapter(
+        load_model(recipe, source, tokenizer, plan["precision"], device=plan["cluster"]["device"]), recipe
+    )
     loaded_rss = peak_rss_bytes()  # the peak so far: loading the model (and, under ZeRO-3, partitioning it)
     trainable, total = parameter_counts(model)
     log(f"model: {type(model).__name__}, trainable {trainable:,} of {total:,} parameters ({trainable / total:.2%})")
@@ -175,6 +211,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     trainer.add_callback(step_stats)
     stop = StopOnRequest(plan["config_dir"])
     trainer.add_callback(stop)
+    if recipe.loss_watchdog_threshold is not None:
+        trainer.add_callback(LossWatchdog(recipe.loss_watchdog_threshold, recipe.loss_watchdog_patience))
     if state.is_local_main_process:
         clear_staging(output_dir)  # whatever a killed save left half-written
     state.wait_for_everyone()
@@ -193,13 +231,18 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     metrics = {"train_loss": result.training_loss}
     if data.eval:
         metrics.update(trainer.evaluate())
-    tokens = distributed.all_reduce_sum(trainer.tokens_seen)
-    rows = distributed.all_reduce_sum(trainer.rows_seen)
-    from llmtune.train.ranks import gather, local_parameter_numel
+    steady_tokens, steady_seconds = step_stats.steady()
+    tokens, rows, steady_tokens, steady_seconds = collectives.sum_values(
+        [trainer.tokens_seen, trainer.rows_seen, steady_tokens, steady_seconds]
+    )
+    steady_seconds /= rank.world_size  # every rank times the same synchronised steps
+    from llmtune.train.memory import cuda_peaks
+    from llmtune.train.ranks import engine_report, gather, local_parameter_numel
 
     shards = gather({"rank": rank.rank, "local_parameters": local_parameter_numel(trainer.model),
                      "model_state_bytes": meter.result, "peak_rss_bytes": peak_rss_bytes(),
-                     "peak_rss_at_load_bytes": loaded_rss})  # fmt: skip
+                     "peak_rss_at_load_bytes": loaded_rss, **cuda_peaks(),
+                     **engine_report(trainer)})  # fmt: skip
     trainer._check_finite()
     _full_state_dict_for_final_save(trainer)
     trainer.save_model(str(output_dir))
@@ -208,14 +251,17 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     metrics.update(
         final_loss=losses[-1] if losses else None, steps=trainer.state.global_step,
         rows_seen=int(rows), tokens_seen=int(tokens),
-        tokens_per_second=round(tokens / seconds, 2) if seconds else None, train_seconds=round(seconds, 2),
+        # the whole train() call (engine start, first-step compilation included) and the steps after the warm-up
+        tokens_per_second_whole_run=round(tokens / seconds, 2) if seconds else None, train_seconds=round(seconds, 2),
+        tokens_per_second_steady=round(steady_tokens / steady_seconds, 2) if steady_seconds else None,
         world_size=rank.world_size, strategy=plan["strategy"], title=plan["title"],
         global_batch_size=plan["global_batch_size"], trainable_parameters=trainable, total_parameters=total,
         packing_efficiency=stats.get("packing_efficiency"), data=stats, ranks=_merge_reports(trainer.rank_reports, shards),
         log_history=trainer.state.log_history, recipe_fingerprint=recipe_fingerprint(recipe),
         step_seconds=step_stats.seconds, step_real_tokens=step_stats.real, step_padded_tokens=step_stats.padded,
+        step_batch_hashes=step_stats.hashes or None,
         first_step_end_unix=step_stats.first_step_end_unix,
-        resumed_from=resume,
+        resumed_from=resume, **_planned_memory(recipe, plan),
     )  # fmt: skip
     _write_probe(trainer, data.train[0])
     if rank.is_main:
@@ -241,5 +287,5 @@ def main(argv: list[str]) -> int:
         # The launcher sees this rank exit and stops the rest.
         print(f"error: {err.one_line()}", file=sys.stderr)
         return EXIT_USER_ERROR
-    distributed.teardown()
+    collectives.teardown()
     return 0

@@ -43,6 +43,22 @@ CASES = [
     ("fsdp2-sharded", {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}}, "full"),
 ]
 SHARDED = ("zero3", "fsdp2")
+# What each rank must report it really ran (read from the live engine after training): the variants give the same
+# losses by design, so only this tells a strategy from a silent fallback to another.
+ENGINES = {
+    "ddp": {"engine": "ddp"},
+    "zero1": {"engine": "deepspeed", "zero_stage": 1, "offload_optimizer": "none", "offload_param": "none"},
+    "zero2": {"engine": "deepspeed", "zero_stage": 2, "offload_optimizer": "none", "offload_param": "none"},
+    "zero3": {"engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "none", "offload_param": "none"},
+    "zero3-offload": {"engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu",
+                      "optimizer": "DeepSpeedCPUAdam"},
+    "fsdp2": {"engine": "fsdp2", "placements": ["Shard(dim=0)"], "state_dict_type": "FULL_STATE_DICT"},
+    "fsdp2-sharded": {"engine": "fsdp2", "placements": ["Shard(dim=0)"], "state_dict_type": "SHARDED_STATE_DICT"},
+}  # fmt: skip
+
+
+def engine_of(name: str) -> dict:
+    return ENGINES.get(name) or ENGINES[name.removesuffix("-lora")]
 # Measured at the optimizer step. Not ZeRO-1: its full gradients live only during backward, where the
 # step-time measurement can't see them. ZeRO-3 + offload holds the same bytes, on the CPU.
 ESTIMATE_ROWS = {"ddp": "single / DDP", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp2": "FSDP full shard"}
@@ -80,6 +96,10 @@ def test_two_ranks_match_single_process(workspace, reference, name, changes, kin
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world_size"] == 2 for r in ranks)
     assert ranks[0]["first_batch"] != ranks[1]["first_batch"], "both ranks trained on the same data"
     assert metrics["steps"] == ref_metrics["steps"] == 4
+    for rank in ranks:
+        assert {key: rank.get(key) for key in engine_of(name)} == engine_of(name), rank
+    if name.startswith("zero") and "offload" not in name:
+        assert all(r["optimizer"] != "DeepSpeedCPUAdam" for r in ranks)
     assert losses(metrics) == pytest.approx(losses(ref_metrics), abs=2e-5)
     # the saved model (ZeRO-3: gathered from the shards) equals the single-process result
     saved, expected = saved_weights(output_dir), saved_weights(ref_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from harness import LORA, llmtune, losses, make_workspace, saved_weights, train_run, write_run_recipe
+from harness import LORA, llmtune, losses, make_workspace, read_metrics, saved_weights, train_run, write_run_recipe
 
 pytestmark = pytest.mark.integration
 
@@ -48,9 +48,19 @@ def test_pipeline_matches_single_process(workspace, reference, name, processes, 
     assert losses(metrics) == pytest.approx(losses(ref_metrics), abs=1e-4)
     stages = {(r["replica"], r["stage"]) for r in metrics["ranks"]}
     assert stages == {(replica, stage) for replica in range(processes // 2) for stage in range(2)}
-    # each stage holds only its layers: neither holds the whole model
+    # each stage holds only its layers: neither holds the whole model, and one replica's stages hold all of it once
     full = ref_metrics["ranks"][0]["local_parameters"]
     assert all(0 < r["local_parameters"] < full for r in metrics["ranks"]), metrics["ranks"]
+    layers = metrics["pipeline"]["layer_bounds"][-1]
+    for replica in range(processes // 2):
+        mine = [r for r in metrics["ranks"] if r["replica"] == replica]
+        held = sorted(i for r in mine for i in r["layer_indices"])
+        assert held == list(range(layers)), mine  # every layer once (tiny model: untied, nothing shared)
+        assert sum(r["local_parameters"] for r in mine) == full
+    schedule = {"gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B"}.get(name, "Schedule1F1B")
+    assert {r["schedule"] for r in metrics["ranks"]} == {schedule}
+    virtual = changes.get("pipeline_virtual_stages", 1)
+    assert all(len(r["stage_indices"]) == virtual for r in metrics["ranks"])
     saved, expected = saved_weights(output_dir), saved_weights(ref_dir)
     assert saved.keys() == expected.keys()
     for key, tensor in expected.items():
@@ -97,7 +107,8 @@ def test_tied_embeddings_stay_in_sync_across_stages(workspace, tmp_path_factory)
 
 
 def test_resume_after_a_crash_is_bit_exact(workspace):
-    """Die right after checkpoint 2 (test hook), rerun the same command: it resumes and ends bit-identical."""
+    """SIGKILL the last stage inside step 3, after checkpoint 2 (test hook); rerun the same command: it resumes from
+    checkpoint 2, runs only steps 3 and 4, and ends bit-identical to an uninterrupted run."""
     import torch
 
     common = {
@@ -107,16 +118,22 @@ def test_resume_after_a_crash_is_bit_exact(workspace):
         "save_steps": 2,
         "save_strategy": "steps",
     }
-    _, straight = run(workspace, "resume-straight", 2, **common)
+    reference, straight = run(workspace, "resume-straight", 2, **common)
     root = workspace[0]
     path = write_run_recipe(workspace, "resume-crash", **common)  # the same recipe, its own output_dir
-    crashed = llmtune("train", path, "--num-processes", "2", env={"LLMTUNE_TEST_EXIT_AFTER_STEP": "2"})
-    assert crashed.returncode != 0
+    crashed = llmtune("train", path, "--num-processes", "2", env={"LLMTUNE_TEST_KILL_MID_STEP": "3"})
+    assert crashed.returncode == 1 and "rank 1 (local rank 1 on" in crashed.stderr
+    assert "killed by signal 9 (SIGKILL)" in crashed.stderr
     assert (root / "resume-crash" / "checkpoint-2" / "llmtune-complete.json").exists()
+    assert not (root / "resume-crash" / "checkpoint-3").exists()
     assert not (root / "resume-crash" / "model.safetensors").exists()
     resumed = llmtune("train", path, "--num-processes", "2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stderr and "at step 2" in resumed.stderr
+    metrics = read_metrics(path)
+    assert metrics["resumed_from"] == str(root / "resume-crash" / "checkpoint-2")
+    assert metrics["steps"] == 4 and metrics["steps_run"] == 2 and reference["steps_run"] == 4
+    assert metrics["rows_seen"] == 2 * metrics["global_batch_size"]  # only the rows after the checkpoint
+    assert losses(metrics)[2:] == losses(reference)[2:]
     a, b = saved_weights(straight), saved_weights(root / "resume-crash")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

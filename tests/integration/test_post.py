@@ -107,9 +107,18 @@ def test_full_finetune_consolidated_from_sharded_checkpoint(workspace, strategy,
     broken = tmp_path / "no-final-save"
     shutil.copytree(run, broken)
     (broken / "model.safetensors").unlink()
+    checkpoint = broken / "checkpoint-4"
+    if strategy == "zero3":
+        # DeepSpeed also wrote the gathered 16-bit weights into the checkpoint; without them only the partitions remain
+        (checkpoint / "model.safetensors").unlink()
+        assert sorted(p.name for p in checkpoint.glob("global_step4/*model_states.pt")) == [
+            "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]  # fmt: skip
+    else:
+        assert len(list(checkpoint.glob("pytorch_model_fsdp_0/*.distcp"))) == 2  # one shard file per rank
     result = llmtune("merge", broken, "--output", tmp_path / "out", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "checkpoint-" in result.stdout  # it says where the weights came from
+    how = {"zero3": "consolidated from its DeepSpeed ZeRO partitions", "fsdp2": "consolidated from its FSDP sharded"}
+    assert f"checkpoint-4, {how[strategy]}" in result.stdout  # the path that ran
     merged = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(merged) == set(final)
     for key, tensor in final.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -34,39 +35,43 @@ def model_dir(tmp_path) -> Path:
 
 
 def test_interactive_session_in_a_terminal(tmp_path, chat_file, model_dir):
+    """Typed the way a person types: a value then Enter, or Enter alone for the default shown in brackets."""
     pexpect = pytest.importorskip("pexpect")
     output = tmp_path / "my.yaml"
+    missing = "./data/missing.jsonl"
     env = {**os.environ, "TERM": "xterm", "COLUMNS": "160", "LINES": "60", "CUDA_VISIBLE_DEVICES": ""}
     child = pexpect.spawn(sys.executable, ["-m", "llmtune", "config", "-o", str(output)], cwd=str(tmp_path),
                           env=env, encoding="utf-8", timeout=30, dimensions=(60, 160))  # fmt: skip
-    down, enter, clear = "\x1b[B", "\r", "\x15"  # arrow down, Enter, Ctrl-U (clear the pre-filled default)
+    down, enter, backspace = "\x1b[B", "\r", "\x7f"
     try:
-        child.expect("Model")
-        child.send(clear + str(model_dir) + enter)
+        child.expect(re.escape("Model (hub id or local folder) [HuggingFaceTB/SmolLM2-135M-Instruct]:"))
+        child.send(str(model_dir) + enter)  # typing replaces the default (it is shown, not pre-filled)
         child.expect("Fine-tuning method")
         child.send(down + down + enter)  # LoRA -> QLoRA -> Full fine-tune
-        child.expect("Dataset")
-        child.send(clear + str(chat_file) + enter)
+        child.expect(re.escape("Dataset (local .jsonl/.json/.parquet file or hub id) [tatsu-lab/alpaca]:"))
+        child.send(missing + enter)  # a local path that doesn't exist is refused, and the question stays
+        child.expect(re.escape(f"{missing} does not exist here"))
+        child.send(backspace * len(missing) + str(chat_file) + enter)
         child.expect("Dataset format")
         child.send(enter)  # chat_template, guessed from the file, is preselected
-        child.expect("How many machines")
+        child.expect(re.escape("How many machines? [1]"))
         child.send(enter)
-        child.expect("How many GPUs per machine")
-        child.send(clear + "8" + enter)
-        child.expect("Which GPU ids")
+        child.expect(re.escape("How many GPUs per machine? [1]"))
+        child.send("8" + enter)  # 8, not 18
+        child.expect(re.escape("Which GPU ids on each machine (comma separated, or all)? [all]"))
         child.send(enter)
-        child.expect("Memory of one GPU")
-        child.send(clear + "80GB" + enter)
+        child.expect(re.escape("Memory of one GPU [80GB]:"))
+        child.send("80GB" + enter)
         child.expect("Mixed precision")
         child.send(enter)
-        child.expect("Sequence length")
+        child.expect(re.escape("Sequence length (tokens) [2048]:"))
         child.send(enter)
-        child.expect("Micro-batch size")
-        child.send(clear + "1" + enter)
+        child.expect(re.escape("Micro-batch size per GPU [2]:"))
+        child.send("1" + enter)  # 1, not 21
         child.expect("Distributed strategy")
         child.expect(r"ZeRO-1 \(optimizer states sharded\)  \[recommended\]")  # preselected in the menu
         child.send(enter)  # take the preselected recommendation
-        child.expect("Output folder")
+        child.expect(re.escape("Output folder [./outputs/llama8b-full]:"))
         child.send(enter)
         child.expect("wrote")
         child.expect(pexpect.EOF)
@@ -75,9 +80,50 @@ def test_interactive_session_in_a_terminal(tmp_path, chat_file, model_dir):
     assert child.exitstatus == 0, child.before
     text = output.read_text()
     assert "recommended because" in text and f"llmtune train {output} --num-processes 8" in text
+    raw = yaml.safe_load(text)
+    assert raw["base_model"] == str(model_dir) and raw["datasets"][0]["path"] == str(chat_file)  # exactly as typed
+    assert raw["micro_batch_size"] == 1 and raw["sequence_len"] == 2048  # typed; Enter alone
+    assert raw["output_dir"] == "./outputs/llama8b-full"  # Enter alone: the default shown
     recipe = load_recipe(output).recipe
     assert recipe.deepspeed == "zero1" and recipe.adapter is None and recipe.bf16 is True
     assert recipe.datasets[0].type == "chat_template" and recipe.datasets[0].field_messages == "conversations"
+
+
+def test_text_answers_enter_takes_the_default_typing_replaces_it(monkeypatch, tmp_path):
+    """The Asker's rules without a terminal: questionary gets no pre-filled default, and the answer is what was typed."""
+    import questionary
+
+    from llmtune.wizard import Asker, _existing_if_local
+
+    asked: list[tuple[str, dict]] = []
+
+    def answering(typed: str) -> None:
+        class Question:
+            def ask(self):
+                return typed
+
+        def text(message, **options):
+            asked.append((message, options))
+            return Question()
+
+        monkeypatch.setattr(questionary, "text", text)
+
+    ask = Asker(interactive=True)
+    answering("")
+    assert ask.text("Output folder:", "./outputs/run") == "./outputs/run"
+    assert asked[-1][0] == "Output folder [./outputs/run]:" and "default" not in asked[-1][1]
+    answering("  my/data ")
+    assert ask.text("Dataset:", "tatsu-lab/alpaca") == "my/data"
+    assert ask.text("IP address:", "") == "my/data" and asked[-1][0] == "IP address:"
+    assert ask.text("How many?", "1", lambda v: None if v.isdigit() else "a number") == "my/data"
+    validate = asked[-1][1]["validate"]
+    assert validate("") is True and validate("x") == "a number"  # Enter alone is checked as the default
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here.jsonl").write_text("{}\n")
+    for local in ("./nope.jsonl", "nope.parquet", "/no/such/folder", "~/no/such/file.json", "../x/y"):
+        assert "does not exist here" in _existing_if_local(local), local
+    for fine in ("here.jsonl", "./here.jsonl", str(tmp_path), "tatsu-lab/alpaca", "org/repo/model.Q4.gguf"):
+        assert _existing_if_local(fine) is None, fine
 
 
 def test_yes_takes_defaults_and_flags_answer_questions(run_cli, tmp_path, chat_file, model_dir):

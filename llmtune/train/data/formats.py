@@ -33,6 +33,7 @@ class FormatContext:
     train_on_inputs: bool
     sequence_len: int
     template: str | None = None  # the resolved chat template, for chat_template rows
+    eot_ids: frozenset[int] = frozenset()  # the recipe's eot_tokens; empty: the first special token ends a turn
 
 
 Example = tuple[list[int], list[int]]  # input_ids, labels
@@ -135,10 +136,31 @@ def _messages(row: dict, spec) -> list[dict]:
         role = aliases.get(message[role_key], message[role_key])
         if role == "system" and spec.drop_system_message:
             continue
-        messages.append({"role": role, "content": content})
+        entry = {"role": role, "content": content}
+        if spec.message_field_training and isinstance(message.get(spec.message_field_training), bool):
+            entry["training"] = message[spec.message_field_training]
+        thinking = message.get(spec.field_thinking) if spec.field_thinking else None
+        if isinstance(thinking, str) and thinking:
+            entry[spec.template_thinking_key or spec.field_thinking] = thinking
+            entry["has_thinking"] = True
+        messages.append(entry)
     if not messages:
         raise RowError(f"'{spec.field_messages}' is empty")
     return messages
+
+
+def _turn_ends(ids: list[int], offsets, content_end: int, end: int, markers) -> tuple[int, int] | None:
+    """The character span of the first marker token after a message's content, within its turn."""
+    for (a, b), token in zip(offsets, ids, strict=True):
+        if a >= content_end and b <= end and token in markers:
+            return a, b
+    return None
+
+
+def _chosen(ends: list[tuple[int, int, bool]], mode: str) -> list[tuple[int, int]]:
+    """Which end-of-turn tokens get labels: each trained turn's, the last trained one, all, or none."""
+    picked = [(a, b) for a, b, trained in ends if mode == "all" or (mode in ("turn", "last") and trained)]
+    return picked[-1:] if mode == "last" else picked
 
 
 def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
@@ -150,13 +172,17 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     train_roles = set(spec.roles_to_train)
-    # End-of-turn markers (<|im_end|>, <|eot_id|>, <|end|>) are added special tokens, not always in the special map.
+    # Without eot_tokens, a turn ends at the first special token after it (<|im_end|>, <|eot_id|>, <|end|> are
+    # added special tokens, not always in the special map), governed by train_on_eos. With eot_tokens (Axolotl's
+    # meaning), those end turns and follow train_on_eot, and the eos token follows train_on_eos on its own.
     specials = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    eos = {tokenizer.eos_token_id} - set(ctx.eot_ids) if ctx.eot_ids else set()
     trained_chars: list[tuple[int, int]] = []
     eot_chars: list[tuple[int, int, bool]] = []  # end-of-turn token span, and whether its turn is trained
+    eos_chars: list[tuple[int, int, bool]] = []
     previous_end = 0
     for index, message in enumerate(messages):
-        trained = message["role"] in train_roles
+        trained = message.get("training", message["role"] in train_roles)
         upto = render(template, messages[: index + 1], tokenizer)
         if not full.startswith(upto):
             raise RowError("the chat template renders earlier turns differently once later ones are added")
@@ -169,17 +195,18 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
         found = full.find(content, start, end) if content else -1
         content_end = found + len(content) if found >= 0 else end
         if trained:
-            trained_chars.append((found if found >= 0 else start, content_end))
-        for (a, b), token in zip(offsets, ids, strict=True):
-            if a >= content_end and b <= end and token in specials:
-                eot_chars.append((a, b, trained))
-                break
+            # reasoning rendered before the answer trains with it
+            begin = start if message.get("has_thinking") or found < 0 else found
+            trained_chars.append((begin, content_end))
+        turn_end = _turn_ends(ids, offsets, content_end, end, ctx.eot_ids or specials)
+        if turn_end:
+            eot_chars.append((*turn_end, trained))
+        eos_end = _turn_ends(ids, offsets, content_end, end, eos) if eos else None
+        if eos_end:
+            eos_chars.append((*eos_end, trained))
         previous_end = end
-    mode = spec.train_on_eos
-    chosen = [e for e in eot_chars if mode == "all" or (mode in ("turn", "last") and e[2])]
-    if mode == "last":
-        chosen = chosen[-1:]
-    spans = trained_chars + [(a, b) for a, b, _ in chosen]
+    eot_mode = (spec.train_on_eot or spec.train_on_eos) if ctx.eot_ids else spec.train_on_eos
+    spans = trained_chars + _chosen(eot_chars, eot_mode) + _chosen(eos_chars, spec.train_on_eos)
     labels = []
     for (a, _b), token in zip(offsets, ids, strict=True):
         keep = ctx.train_on_inputs or any(s <= a < e for s, e in spans)

@@ -22,7 +22,7 @@ from llmtune.train.data.packing import pack_examples
 from llmtune.train.data.rows import TokenRows
 from llmtune.train.data.sources import fingerprint_source, read_rows
 
-CACHE_FORMAT = 2  # bump when tokenization or the cache layout changes (2: flat numpy arrays)
+CACHE_FORMAT = 3  # bump when tokenization or the cache layout changes (2: flat numpy arrays; 3: eot_tokens)
 
 
 @dataclass
@@ -55,8 +55,12 @@ def cache_key(recipe, tokenizer) -> str:
                 "train_on_inputs",
                 "chat_template",
                 "chat_template_jinja",
+                "eot_tokens",
+                "min_sample_len",
+                "dataset_exact_deduplication",
             )
         },  # fmt: skip
+        "streamed_rows": stream_budget(recipe),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -67,18 +71,67 @@ def _template_for(spec, recipe, tokenizer) -> str | None:
     if spec.type != "chat_template":
         return None
     if spec.chat_template:
-        return resolve_chat_template(spec.chat_template, recipe.chat_template_jinja, tokenizer)
+        return resolve_chat_template(spec.chat_template, spec.chat_template_jinja or recipe.chat_template_jinja,
+                                     tokenizer)  # fmt: skip
     return resolve_chat_template(recipe.chat_template, recipe.chat_template_jinja, tokenizer)
+
+
+def eot_token_ids(recipe, tokenizer) -> frozenset[int]:
+    """The ids of the recipe's eot_tokens; each must be one token (as Axolotl requires)."""
+    ids = set()
+    for token in recipe.eot_tokens or []:
+        encoded = tokenizer.encode(token, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise UserError(f"eot_tokens: '{token}' is {len(encoded)} tokens to this tokenizer, not one",
+                            "add it under tokens: (or special_tokens) so it becomes a single token")  # fmt: skip
+        ids.add(encoded[0])
+    return frozenset(ids)
+
+
+def stream_budget(recipe) -> int | None:
+    """With streaming, how many rows (packed: tokens) each streamed dataset is read for: what max_steps uses on
+    this world size, plus a tenth (and the eval share). None when nothing is streamed."""
+    if not recipe.streaming or not recipe.max_steps:
+        return None
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rows = recipe.max_steps * recipe.micro_batch_size * recipe.gradient_accumulation_steps * world
+    if recipe.val_set_size:
+        size = recipe.val_set_size
+        rows = rows / (1 - size) if size < 1 else rows + size
+    rows = int(rows * 1.1) + 1
+    return rows * recipe.sequence_len if recipe.sample_packing else rows
+
+
+def _deduplicate(groups: dict[str, list[dict]], stats: dict) -> None:
+    """dataset_exact_deduplication: drop examples identical to an earlier one (eval ones also when in train)."""
+    seen: set[tuple] = set()
+    for name in ("train", "test"):
+        kept = []
+        for example in groups.get(name) or []:
+            key = (tuple(example["input_ids"]), tuple(example["labels"]))
+            if key in seen:
+                stats["dropped_duplicates"] += 1
+                continue
+            seen.add(key)
+            kept.append(example)
+        if name in groups:
+            groups[name] = kept
 
 
 def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) -> list[dict]:
     examples: list[dict] = []
+    eot_ids = eot_token_ids(recipe, tokenizer)
+    budget = stream_budget(recipe) if group == "datasets" else None
     for index, spec in enumerate(specs):
         label = f"{group}[{index}]"
         ctx = FormatContext(tokenizer, spec, recipe.train_on_inputs, recipe.sequence_len,
-                            _template_for(spec, recipe, tokenizer))  # fmt: skip
+                            _template_for(spec, recipe, tokenizer), eot_ids)  # fmt: skip
         to_examples = format_for(spec)
-        for row, where in progress(read_rows(spec, label), f"tokenizing {label}"):
+        taken = 0
+        for row, where in progress(read_rows(spec, label, recipe.streaming), f"tokenizing {label}"):
+            if budget is not None and taken >= budget:
+                break  # streamed: max_steps needs no more
+
             try:
                 pieces = to_examples(row, ctx)
             except RowError as err:
@@ -95,7 +148,11 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
                 if all(label_id == IGNORE for label_id in labels[1:]):
                     stats["dropped_no_labels"] += 1
                     continue
+                if recipe.min_sample_len and len(ids) < recipe.min_sample_len:
+                    stats["dropped_too_short"] += 1
+                    continue
                 examples.append({"input_ids": ids, "labels": labels})
+                taken += len(ids) if recipe.sample_packing else 1
     return examples
 
 
@@ -129,16 +186,14 @@ def tokenize_with_cache(recipe, tokenizer, progress=no_progress) -> tuple[dict[s
         if (directory / "stats.json").exists():
             groups, stats = _load(directory)
             return groups, {**stats, "cache_hit": True, "cache_dir": str(directory)}
-    stats = {"rows": 0, "dropped_too_long": 0, "truncated": 0, "dropped_no_labels": 0}
-    groups = {
-        "train": TokenRows.from_examples(
-            tokenize_group(recipe.datasets, "datasets", recipe, tokenizer, stats, progress)
-        )
-    }
+    stats = {"rows": 0, "dropped_too_long": 0, "truncated": 0, "dropped_no_labels": 0, "dropped_too_short": 0,
+             "dropped_duplicates": 0}  # fmt: skip
+    examples = {"train": tokenize_group(recipe.datasets, "datasets", recipe, tokenizer, stats, progress)}
     if recipe.test_datasets:
-        groups["test"] = TokenRows.from_examples(
-            tokenize_group(recipe.test_datasets, "test_datasets", recipe, tokenizer, stats, progress)
-        )
+        examples["test"] = tokenize_group(recipe.test_datasets, "test_datasets", recipe, tokenizer, stats, progress)
+    if recipe.dataset_exact_deduplication:
+        _deduplicate(examples, stats)
+    groups = {name: TokenRows.from_examples(rows) for name, rows in examples.items()}
     if not len(groups["train"]):
         raise UserError(
             f"no usable training examples: {stats['rows']} rows read, {stats['dropped_too_long']} longer than "
@@ -153,7 +208,7 @@ def tokenize_with_cache(recipe, tokenizer, progress=no_progress) -> tuple[dict[s
 
 def split_and_pack(recipe, groups: dict[str, list[dict]], stats: dict) -> PreparedData:
     train = groups["train"]
-    if recipe.shuffle_merged_datasets:
+    if recipe.shuffle_merged_datasets and not recipe.curriculum_sampling:  # curriculum: the data's own order
         order = list(range(len(train)))
         random.Random(recipe.seed).shuffle(order)
         train = train.reorder(order)

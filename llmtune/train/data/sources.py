@@ -6,6 +6,7 @@ named in the error. JSON and JSONL are parsed here, line by line, for exactly th
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,13 +83,13 @@ def _file_rows(path: Path, ds_type: str | None, label: str) -> Iterator[tuple[di
         )
 
 
-def _hub_rows(spec, label: str) -> Iterator[tuple[dict, str]]:
+def _hub_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict, str]]:
     from datasets import load_dataset
 
     try:
         table = load_dataset(
             spec.path, name=spec.name, split=spec.split, data_files=spec.data_files, revision=spec.revision,
-            trust_remote_code=spec.trust_remote_code or None,
+            trust_remote_code=spec.trust_remote_code or None, streaming=streaming,
         )  # fmt: skip
     except Exception as err:
         raise UserError(
@@ -111,8 +112,10 @@ def _saved_dataset_rows(folder: Path, spec, label: str) -> Iterator[tuple[dict, 
         yield row, f"{folder} row {index}"
 
 
-def read_rows(spec, label: str) -> Iterator[tuple[dict, str]]:
-    """Rows of one dataset entry; `label` names the entry (e.g. 'datasets[0]') in errors."""
+def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict, str]]:
+    """Rows of one dataset entry; `label` names the entry (e.g. 'datasets[0]') in errors.
+
+    streaming: a hub dataset is read in datasets' streaming mode (rows arrive as they download)."""
     path = Path(spec.path)
     if path.is_file():
         rows = _file_rows(path, spec.ds_type, label)
@@ -125,7 +128,9 @@ def read_rows(spec, label: str) -> Iterator[tuple[dict, str]]:
                 raise UserError(f"{label}: no data files in {path}", f"put {', '.join(READABLE)} files there")
             rows = (item for f in files for item in _file_rows(f, spec.ds_type, label))
     else:
-        rows = _hub_rows(spec, label)
+        rows = _hub_rows(spec, label, streaming)
+    if spec.skip:
+        rows = itertools.islice(rows, spec.skip, None)
     if spec.shards:
         rows = (item for index, item in enumerate(rows) if index % spec.shards == 0)
     return rows

@@ -123,12 +123,147 @@ NAMED_TEMPLATES: dict[str, str] = {
 }
 
 
+def _literal(text: str) -> str:
+    """A Jinja expression for `text`, where {bos} and {eos} stand for the tokenizer's tokens."""
+    parts = []
+    for piece in text.replace("{bos}", "\0bos\0").replace("{eos}", "\0eos\0").split("\0"):
+        if piece in ("bos", "eos"):
+            parts.append(f"{piece}_token")
+        elif piece:
+            parts.append("'" + piece.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'")
+    return " + ".join(parts) or "''"
+
+
+def turns_template(
+    name: str,
+    roles: dict[str, tuple[str, str]],
+    start: str = "",
+    fold_system: bool = False,
+    default_system: str | None = None,
+    generation: str | None = None,
+    trim: bool = False,
+) -> str:
+    """A prefix-stable template where each message is prefix + content + suffix of its role.
+
+    fold_system: a leading system message goes at the start of the first user turn, then a blank line.
+    default_system: rendered as the system turn when the conversation has none.
+    generation: the generation prompt (default: the assistant prefix).
+    """
+    content = "message['content'] | trim" if trim else "message['content']"
+    parts = ["{% set ns = namespace(system=none) %}"]
+    if start:
+        parts.append("{% if messages %}{{ " + _literal(start) + " }}{% endif %}")
+    if fold_system:
+        parts.append("{% if messages and messages[0]['role'] == 'system' %}{% set ns.system = messages[0]['content'] %}"
+                     "{% endif %}")  # fmt: skip
+    if default_system is not None:
+        prefix, suffix = roles["system"]
+        parts.append("{% if messages and messages[0]['role'] != 'system' %}{{ "
+                     + _literal(prefix + default_system + suffix) + " }}{% endif %}")  # fmt: skip
+    parts.append("{% for message in messages %}")
+    branches = ["{% if message['role'] == 'system' and loop.first %}" if fold_system else "{% if false %}"]
+    for role, (prefix, suffix) in roles.items():
+        if fold_system and role == "system":
+            continue
+        body = content
+        if fold_system and role == "user":
+            body = f"(ns.system + '\\n\\n' if ns.system is not none else '') + {content}"
+        text = "{{ " + _literal(prefix) + " + " + body + " + " + _literal(suffix) + " }}"
+        reset = "{% set ns.system = none %}" if fold_system and role == "user" else ""
+        branches.append("{% elif message['role'] == '" + role + "' %}" + text + reset)
+    allowed = ", ".join(r for r in roles if not (fold_system and r == "system"))
+    branches.append(
+        "{% else %}{{ raise_exception('"
+        + name
+        + ": only "
+        + allowed
+        + (" roles, with one leading system message" if fold_system else " roles")
+        + "') }}{% endif %}"
+    )
+    parts += [*branches, "{% endfor %}"]
+    prompt = roles["assistant"][0] if generation is None else generation
+    parts.append("{% if add_generation_prompt %}{{ " + _literal(prompt) + " }}{% endif %}")
+    return "".join(parts)
+
+
+def _headers(open_: str, close: str, end: str, assistant: str = "assistant") -> dict[str, tuple[str, str]]:
+    return {role: (open_ + shown + close, end) for role, shown in
+            (("system", "system"), ("user", "user"), ("assistant", assistant))}  # fmt: skip
+
+
+_COHERE = {
+    "system": ("<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>", "<|END_OF_TURN_TOKEN|>"),
+    "user": ("<|START_OF_TURN_TOKEN|><|USER_TOKEN|>", "<|END_OF_TURN_TOKEN|>"),
+    "assistant": ("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>"),
+}
+_COMMAND_A = {**_COHERE, "assistant": ("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>",
+                                       "<|END_RESPONSE|><|END_OF_TURN_TOKEN|>")}  # fmt: skip
+_MISTRAL_TEKKEN = {"user": ("[INST]", "[/INST]"), "assistant": ("", "{eos}")}
+_GEMMA4 = _headers("<|turn>", "\n", "<turn|>\n", assistant="model")
+
+# Axolotl's other named templates, as their model families format text conversations. Deviations, all for
+# prefix stability or reproducibility: a system message is folded into the *first* user turn (Mistral's
+# originals move it to the last one); no date-stamped or vendor preambles (Llama 3.2 vision, Mistral v7,
+# Command A, Metharme); no empty <think> blocks or thought channels (Qwen3, EXAONE 4, Gemma 4); every
+# assistant turn ends in eos_token where the original ends only the last one (Metharme, LLaVA).
+FAMILY_TEMPLATES: dict[str, str] = {
+    "mistral_v1": turns_template("mistral_v1", {"user": (" [INST] ", " [/INST]"), "assistant": (" ", "{eos}")},
+                                 start="{bos}", fold_system=True, generation=""),
+    "mistral_v2v3": turns_template("mistral_v2v3", {"user": ("[INST] ", "[/INST]"), "assistant": (" ", "{eos}")},
+                                   start="{bos}", fold_system=True, generation=""),
+    "mistral_v3_tekken": turns_template("mistral_v3_tekken", _MISTRAL_TEKKEN, start="{bos}", fold_system=True),
+    "pixtral": turns_template("pixtral", _MISTRAL_TEKKEN, start="{bos}", fold_system=True),
+    "mistral_v7_tekken": turns_template("mistral_v7_tekken", {"system": ("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"),
+                                        **_MISTRAL_TEKKEN}, start="{bos}"),
+    "cohere": turns_template("cohere", _COHERE, start="{bos}"),
+    "aya": turns_template("aya", _COHERE, start="{bos}"),
+    "command_a": turns_template("command_a", _COMMAND_A, start="{bos}"),
+    "command_a_tool_use": turns_template("command_a_tool_use", _COMMAND_A, start="{bos}"),
+    "command_a_rag": turns_template("command_a_rag", _COMMAND_A, start="{bos}"),
+    "llama3_2_vision": _LLAMA3,
+    "llama4": turns_template("llama4", _headers("<|header_start|>", "<|header_end|>\n\n", "<|eot|>"),
+                             start="{bos}", trim=True),
+    "phi_35": _PHI_3,
+    "deepseek_v2": turns_template("deepseek_v2", {"system": ("", "\n\n"), "user": ("<｜User｜>", ""),
+                                  "assistant": ("<｜Assistant｜>", "{eos}")}, start="{bos}"),
+    "deepseek_v3": turns_template("deepseek_v3", {"system": ("", ""), "user": ("<｜User｜>", ""),
+                                  "assistant": ("<｜Assistant｜>", "<｜end▁of▁sentence｜>")}, start="{bos}"),
+    "jamba": turns_template("jamba", _headers("<|bom|><|", "|> ", "<|eom|>"), start="{bos}", default_system="",
+                            generation="<|bom|><|assistant|>"),
+    "qwen3": _CHATML,
+    "qwen3_5": _CHATML,
+    "nemotron_h": _CHATML,
+    "qwen2_vl": turns_template("qwen2_vl", _headers("<|im_start|>", "\n", "<|im_end|>\n"),
+                               default_system="You are a helpful assistant."),
+    "falcon_h1": turns_template("falcon_h1", _headers("<|im_start|>", "\n", "<|im_end|>\n"), start="{bos}"),
+    "exaone": turns_template("exaone", {"system": ("[|system|]", "[|endofturn|]\n"), "user": ("[|user|]", "\n"),
+                             "assistant": ("[|assistant|]", "[|endofturn|]\n")}, default_system=""),
+    "exaone4": turns_template("exaone4", _headers("[|", "|]\n", "[|endofturn|]\n"), default_system=None),
+    "metharme": turns_template("metharme", {"system": ("<|system|>", ""), "user": ("<|user|>", ""),
+                               "assistant": ("<|model|>", "{eos}")}, start="{bos}"),
+    "llava": turns_template("llava", {"system": ("", " "), "user": ("USER: ", " "),
+                            "assistant": ("ASSISTANT: ", "{eos} ")}, generation="ASSISTANT:"),
+    "gemma3": _GEMMA,
+    "gemma3n": _GEMMA,
+    "gemma4": turns_template("gemma4", _GEMMA4, start="{bos}"),
+    "gemma4_unified": turns_template("gemma4_unified", _GEMMA4, start="{bos}"),
+}  # fmt: skip
+ALL_TEMPLATES = {**NAMED_TEMPLATES, **FAMILY_TEMPLATES}
+FALLBACK_PREFIX = "tokenizer_default_fallback_"
+
+
 def resolve_chat_template(name: str | None, jinja: str | None, tokenizer) -> str | None:
     """The Jinja text for a recipe's `chat_template` (and `chat_template_jinja`).
 
     None or 'tokenizer_default' -> the tokenizer's own template; 'jinja' -> `jinja`;
-    a named template -> its text. Raises UserError when there is nothing to use.
+    a named template -> its text; 'tokenizer_default_fallback_<name>' -> the tokenizer's own, else <name>.
+    Raises UserError when there is nothing to use.
     """
+    if name is not None and name.startswith(FALLBACK_PREFIX):
+        own = getattr(tokenizer, "chat_template", None)
+        if isinstance(own, dict):
+            own = own.get("default")
+        return own or resolve_chat_template(name.removeprefix(FALLBACK_PREFIX), jinja, tokenizer)
     if name is None or name == "tokenizer_default":
         own = getattr(tokenizer, "chat_template", None)
         if isinstance(own, dict):  # some tokenizers keep several named templates
@@ -145,9 +280,9 @@ def resolve_chat_template(name: str | None, jinja: str | None, tokenizer) -> str
         if not jinja or not jinja.strip():
             raise UserError("chat_template: jinja needs the template text", "set chat_template_jinja")
         return jinja
-    if name in NAMED_TEMPLATES:
-        return NAMED_TEMPLATES[name]
-    guess = did_you_mean(name, [*NAMED_TEMPLATES, "tokenizer_default", "jinja"])
+    if name in ALL_TEMPLATES:
+        return ALL_TEMPLATES[name]
+    guess = did_you_mean(name, [*ALL_TEMPLATES, "tokenizer_default", "jinja"])
     raise UserError(
         f"unknown chat template '{name}'",
         f"did you mean '{guess}'?"

@@ -1,0 +1,185 @@
+"""Commands of the recipe and plan rooms: validate, plan, estimate, config.
+
+None of them starts a process or imports torch: they read a recipe (or ask for one) and show what it means.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmtune.cli.options import (
+    Device,
+    Hostfile,
+    Launcher,
+    MachineRank,
+    MainIp,
+    MainPort,
+    NoSsh,
+    NumMachines,
+    NumProcesses,
+    RecipeArg,
+    Rehearse,
+    cluster_flags_given,
+    cluster_from_flags,
+)
+from llmtune.errors import UserError
+
+
+def validate(
+    recipe: RecipeArg,
+    num_processes: NumProcesses = None,
+    num_machines: NumMachines = 1,
+    machine_rank: MachineRank = 0,
+    main_process_ip: MainIp = None,
+    main_process_port: MainPort = None,
+    device: Device = None,
+    rehearse: Rehearse = False,
+    launcher: Launcher = "accelerate",
+    hostfile: Hostfile = None,
+    no_ssh: NoSsh = False,
+) -> None:
+    """Check a recipe (keys, values, local files); with cluster flags, also that it plans for that cluster."""
+    from llmtune.plan import make_plan
+    from llmtune.plan.smallest_cluster import smallest_cluster
+    from llmtune.recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    if cluster_flags_given(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, hostfile):
+        cluster = cluster_from_flags(num_processes, num_machines, machine_rank, main_process_ip, main_process_port,
+                                     device, rehearse, launcher, hostfile, no_ssh)  # fmt: skip
+        cluster_notes = []
+    else:  # a recipe for another machine: checked as a recipe, on GPUs unless told otherwise (described, not probed)
+        described = cluster_from_flags(1, 1, 0, None, None, device or (None if rehearse else "cuda"), rehearse,
+                                       launcher, None, no_ssh)  # fmt: skip
+        cluster, cluster_notes = smallest_cluster(loaded.recipe, described)
+    plan = make_plan(loaded.recipe, cluster)
+    for note in [*loaded.notes, *cluster_notes]:
+        typer.echo(f"note: {note}")
+    typer.echo(f"{recipe}: valid ({plan.title}, world size {plan.world_size}, global batch {plan.global_batch_size})")
+
+
+def plan(
+    recipe: RecipeArg,
+    num_processes: NumProcesses = None,
+    num_machines: NumMachines = 1,
+    machine_rank: MachineRank = 0,
+    main_process_ip: MainIp = None,
+    main_process_port: MainPort = None,
+    device: Device = None,
+    rehearse: Rehearse = False,
+    launcher: Launcher = "accelerate",
+    hostfile: Hostfile = None,
+    no_ssh: NoSsh = False,
+    write: Annotated[
+        Optional[Path],
+        typer.Option("--write", help="Also write accelerate_config.yaml, deepspeed.json and plan.json here."),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Show what a run would do: strategy, sizes, generated configs, the command for each machine."""
+    import json
+
+    from llmtune.plan import make_plan
+    from llmtune.plan.files import plan_files, write_plan_files
+    from llmtune.plan.render import print_plan
+    from llmtune.recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    cluster = cluster_from_flags(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device,
+                                 rehearse, launcher, hostfile, no_ssh)  # fmt: skip
+    the_plan = make_plan(loaded.recipe, cluster, config_dir=str(write) if write else None)
+    files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
+    if json_output:
+        typer.echo(json.dumps(the_plan.to_dict(), indent=2))
+    else:
+        print_plan(the_plan, loaded.recipe, files, loaded.notes, recipe_path=str(recipe))
+    if write:
+        for path in write_plan_files(write, files):
+            typer.echo(f"wrote {path}")
+
+
+def estimate(
+    recipe: RecipeArg,
+    gpus_per_machine: Annotated[int, typer.Option("--gpus-per-machine", min=1)] = 1,
+    num_machines: NumMachines = 1,
+    gpu_memory: Annotated[str, typer.Option("--gpu-memory", help="Memory of one GPU, e.g. 80GB.")] = "80GB",
+    cpu_memory: Annotated[
+        Optional[str], typer.Option("--cpu-memory", help="CPU memory of one machine, for offload (e.g. 512GB).")
+    ] = None,
+    interconnect: Annotated[
+        str, typer.Option("--interconnect", help="Between machines: fast (InfiniBand/NVLink) or slow (Ethernet).")
+    ] = "fast",
+    json_output: Annotated[bool, typer.Option("--json", help="Print the estimates as JSON.")] = False,
+) -> None:
+    """Per-GPU memory under each strategy (ZeRO-paper accounting), what fits, and the recommended strategy."""
+    from llmtune.plan.estimate import estimate_recipe, parse_size_option
+    from llmtune.plan.render import print_estimate
+    from llmtune.recipe import load_recipe
+
+    if interconnect not in ("fast", "slow"):
+        raise UserError(f"--interconnect {interconnect!r} is not fast or slow")
+    loaded = load_recipe(recipe).recipe
+    report = estimate_recipe(
+        loaded, gpus_per_machine, num_machines, parse_size_option("--gpu-memory", gpu_memory),
+        parse_size_option("--cpu-memory", cpu_memory) if cpu_memory else None, interconnect,
+    )  # fmt: skip
+    if json_output:
+        import json
+
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_estimate(report)
+
+
+def _ask_option(flag: str, help_text: str, kind=str):
+    return Annotated[Optional[kind], typer.Option(flag, help=help_text, show_default=False)]
+
+
+def config_command(
+    output: Annotated[Path, typer.Option("--output", "-o", help="The recipe to write.")] = Path("recipe.yaml"),
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Take the default for every question not given as a flag.")
+    ] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --output if it exists.")] = False,
+    base_model: _ask_option("--base-model", "Hub id or local folder.") = None,
+    method: _ask_option("--method", "full, lora or qlora.") = None,
+    dataset: _ask_option("--dataset", "Local file or hub dataset id.") = None,
+    dataset_type: _ask_option("--dataset-type", "alpaca, chat_template, completion, input_output.") = None,
+    num_machines: _ask_option("--num-machines", "Machines in the job.", int) = None,
+    main_process_ip: _ask_option("--main-process-ip", "Address of machine rank 0.") = None,
+    main_process_port: _ask_option("--main-process-port", "Rendezvous port on machine rank 0.", int) = None,
+    interconnect: _ask_option("--interconnect", "Between machines: fast or slow.") = None,
+    gpus_per_machine: _ask_option("--gpus-per-machine", "GPUs on each machine.", int) = None,
+    gpu_ids: _ask_option("--gpu-ids", "GPU ids to use on each machine, comma separated, or all.") = None,
+    gpu_memory: _ask_option("--gpu-memory", "Memory of one GPU, e.g. 80GB.") = None,
+    mixed_precision: _ask_option("--mixed-precision", "bf16, fp16 or no.") = None,
+    sequence_len: _ask_option("--sequence-len", "Tokens per row.", int) = None,
+    micro_batch_size: _ask_option("--micro-batch-size", "Rows per GPU per step.", int) = None,
+    strategy: _ask_option(
+        "--strategy",
+        "ddp, zero1, zero2, zero3, zero2_offload, zero3_offload, zero3_nvme, fsdp, "
+        "fsdp_hybrid, pipeline (default: the recommended one).",
+    ) = None,  # fmt: skip
+    nvme_path: _ask_option("--nvme-path", "NVMe folder for zero3_nvme.") = None,
+    fsdp_version: _ask_option("--fsdp-version", "1 or 2.", int) = None,
+    fsdp_auto_wrap_policy: _ask_option(
+        "--fsdp-auto-wrap-policy", "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP."
+    ) = None,
+    fsdp_state_dict_type: _ask_option("--fsdp-state-dict-type", "FULL_STATE_DICT or SHARDED_STATE_DICT.") = None,
+    fsdp_offload_params: _ask_option("--fsdp-offload-params", "Offload FSDP parameters to CPU.", bool) = None,
+    pipeline_stages: _ask_option("--pipeline-stages", "Pipeline stages.", int) = None,
+    pipeline_schedule: _ask_option("--pipeline-schedule", "gpipe, 1f1b or interleaved_1f1b.") = None,
+    output_dir: _ask_option("--output-dir", "Where the run writes its model and checkpoints.") = None,
+) -> None:
+    """Answer a few questions (those `accelerate config` asks, plus model and data) and get a recipe."""
+    from llmtune.wizard import run_config
+
+    given = {k: v for k, v in locals().items() if k not in ("output", "yes", "force")}
+    written, commands = run_config(given, output, yes, force)
+    typer.echo(f"wrote {written}")
+    typer.echo("run it:" if len(commands) == 1 else "run on each machine:")
+    for line in commands:
+        typer.echo(f"  {line}")

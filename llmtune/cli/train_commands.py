@@ -1,0 +1,152 @@
+"""Commands that prepare or start training: train (and its CPU rehearsal, --rehearse), preprocess, slurm.
+
+Each reads the recipe, makes the plan, and hands it to the launch room (or, for preprocess, to the train room's
+data pipeline).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmtune.cli.options import (
+    Device,
+    Hostfile,
+    Launcher,
+    MachineRank,
+    MainIp,
+    MainPort,
+    NoSsh,
+    NumMachines,
+    NumProcesses,
+    RecipeArg,
+    Rehearse,
+    cluster_from_flags,
+)
+from llmtune.errors import EXIT_USER_ERROR
+
+
+def train(
+    ctx: typer.Context,
+    recipe: RecipeArg,
+    num_processes: NumProcesses = None,
+    num_machines: NumMachines = 1,
+    machine_rank: MachineRank = 0,
+    main_process_ip: MainIp = None,
+    main_process_port: MainPort = None,
+    device: Device = None,
+    rehearse: Rehearse = False,
+    launcher: Launcher = "accelerate",
+    hostfile: Hostfile = None,
+    no_ssh: NoSsh = False,
+    gpu_memory: Annotated[
+        Optional[str],
+        typer.Option("--gpu-memory", help="Check the plan fits GPUs of this size (default on CUDA: measured)."),
+    ] = None,
+    no_memory_check: Annotated[
+        bool, typer.Option("--no-memory-check", help="Launch even if the estimate says it won't fit.")
+    ] = False,
+    max_restarts: Annotated[
+        Optional[int], typer.Option("--max-restarts", min=0, help="Restart the ranks up to N times after a crash.")
+    ] = None,
+    rdzv_timeout: Annotated[
+        Optional[int], typer.Option("--rdzv-timeout", min=1, help="Seconds to wait for every machine to join.")
+    ] = None,
+) -> None:
+    """Fine-tune: validate, plan, write <output_dir>/llmtune/, run the ranks. Launcher flags may follow `--`."""
+    from llmtune.launch.net import free_port
+    from llmtune.launch.preflight import check_trackers, finished_run, memory_check
+    from llmtune.launch.runner import run
+    from llmtune.plan import make_plan
+    from llmtune.plan.files import plan_files, write_plan_files
+    from llmtune.plan.render import summary_lines
+    from llmtune.recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    overrides = {k: v for k, v in {"max_restarts": max_restarts, "rdzv_timeout": rdzv_timeout}.items() if v is not None}
+    if overrides:
+        loaded.recipe = loaded.recipe.model_copy(update=overrides)
+    check_trackers(loaded.recipe)
+    finished = finished_run(loaded.recipe)
+    if finished:
+        typer.echo(finished, err=True)
+        return
+    if main_process_port is None and num_machines == 1 and hostfile is None:
+        main_process_port = free_port()  # one machine: any free port will do, and two runs never collide
+    cluster = cluster_from_flags(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device,
+                                 rehearse, launcher, hostfile, no_ssh)  # fmt: skip
+    the_plan = make_plan(loaded.recipe, cluster)
+    fit = None if no_memory_check else memory_check(loaded.recipe, the_plan, gpu_memory)
+    files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
+    for key, value in summary_lines(the_plan, loaded.recipe):
+        typer.echo(f"{key:>14}  {value}", err=True)
+    if fit:
+        typer.echo(f"{'memory':>14}  {fit}", err=True)
+    for note in [*the_plan.notes, *loaded.notes]:
+        typer.echo(f"{'note':>14}  {note}", err=True)
+    write_plan_files(Path(the_plan.config_dir), files)
+    code = run(the_plan, ctx.args, loaded.recipe.rdzv_timeout)
+    if code:
+        # 2: a user error the worker already explained; 128+N: stopped by signal N (130 for Ctrl-C); else 1
+        raise typer.Exit(code if code == EXIT_USER_ERROR or code > 128 else 1)
+
+
+def preprocess(recipe: RecipeArg) -> None:
+    """Tokenize the recipe's datasets into the cache (dataset_prepared_path), with a progress bar."""
+    from llmtune.recipe import load_recipe
+    from llmtune.train.data.prepare import split_and_pack, tokenize_with_cache
+    from llmtune.train.model import load_tokenizer, model_source
+    from llmtune.train.progress import track
+
+    loaded = load_recipe(recipe)
+    source, _ = model_source(loaded.recipe)
+    tokenizer = load_tokenizer(loaded.recipe, source)
+    groups, stats = tokenize_with_cache(loaded.recipe, tokenizer, track)
+    stats = split_and_pack(loaded.recipe, groups, stats).stats
+    where = stats["cache_dir"] or "(no cache: dataset_prepared_path is empty)"
+    typer.echo(f"{'cache hit' if stats['cache_hit'] else 'tokenized'}: {where}")
+    for key in ("rows", "train_examples", "eval_examples", "train_tokens", "dropped_too_long", "truncated",
+                "dropped_no_labels", "packing_efficiency"):  # fmt: skip
+        if stats.get(key) is not None:
+            typer.echo(f"  {key}: {stats[key]}")
+
+
+def slurm(
+    recipe: RecipeArg,
+    nodes: Annotated[int, typer.Option("--nodes", min=1, help="Nodes to allocate (one launcher each).")] = 1,
+    gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", min=1, help="GPUs (processes) per node.")] = 1,
+    partition: Annotated[Optional[str], typer.Option("--partition", help="Slurm partition.")] = None,
+    time: Annotated[Optional[str], typer.Option("--time", help="Time limit, e.g. 4:00:00.")] = None,
+    account: Annotated[Optional[str], typer.Option("--account", help="Slurm account.")] = None,
+    job_name: Annotated[Optional[str], typer.Option("--job-name", help="Job name (default llmtune-<recipe>).")] = None,
+    cpus_per_task: Annotated[Optional[int], typer.Option("--cpus-per-task", min=1)] = None,
+    signal_seconds: Annotated[
+        int, typer.Option("--signal-seconds", min=10, help="Requeue this many seconds before the time limit.")
+    ] = 300,
+    device: Device = None,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="Script path (default OUT/slurm/job.sbatch).")
+    ] = None,
+    submit: Annotated[
+        bool, typer.Option("--submit", help="Submit it with sbatch and print the job id and logs.")
+    ] = False,
+) -> None:
+    """Write an sbatch script that runs the recipe on N nodes (one launcher per node), and optionally submit it."""
+    from llmtune.launch.slurm import SlurmJob, write_job
+    from llmtune.launch.slurm import submit as sbatch
+    from llmtune.recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    job = SlurmJob(nodes, gpus_per_node, partition, time, account, job_name, cpus_per_task, signal_seconds, device)
+    script = write_job(recipe, loaded.recipe, job, output)
+    output_dir = Path(loaded.recipe.output_dir).resolve()
+    typer.echo(f"wrote {script}")
+    if submit:
+        job_id, _ = sbatch(script)
+        name = job.job_name or f"llmtune-{recipe.stem}"
+        typer.echo(f"submitted job {job_id}; log: {output_dir / 'slurm' / f'{name}-{job_id}.out'}; "
+                   f"rank logs: {output_dir / 'llmtune' / 'logs'}")  # fmt: skip
+    else:
+        typer.echo(f"submit with: sbatch {script}")

@@ -1,0 +1,59 @@
+"""What `llmtune train` checks before any process starts: each a question the ranks would answer too late.
+
+A missing tracker would fail in every rank, a finished run would resume at its end and train nothing, and a plan
+that can't fit the GPUs would fail after the model loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llmtune.errors import UserError
+
+TRACKER_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+
+
+def check_trackers(recipe) -> None:
+    """A tracker the recipe asks for must be installed: say so before any process starts, not in every rank."""
+    import importlib.util
+
+    missing = [name for name in recipe.trackers if importlib.util.find_spec(TRACKER_MODULES[name]) is None]
+    if missing:
+        raise UserError(f"report_to asks for {', '.join(missing)}, which is not installed",
+                        "pip install 'llmtune[trackers]' (or the package itself), or remove it from report_to")  # fmt: skip
+
+
+def finished_run(recipe) -> str | None:
+    """Rerunning a finished run (same recipe, auto-resume on) trains nothing: say so instead of resuming at the end."""
+    from llmtune.recipe.loader import recipe_fingerprint
+
+    metrics_file = Path(recipe.output_dir) / "metrics.json"
+    if not recipe.auto_resume_from_checkpoints or recipe.resume_from_checkpoint or not metrics_file.is_file():
+        return None
+    try:
+        metrics = json.loads(metrics_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if metrics.get("recipe_fingerprint") != recipe_fingerprint(recipe):
+        return None
+    return (f"{recipe.output_dir} already holds this recipe's finished run ({metrics.get('steps')} steps, final loss "
+            f"{metrics.get('final_loss')}); nothing to do. To train again, use another output_dir, remove it, "
+            "or set auto_resume_from_checkpoints: false")  # fmt: skip
+
+
+def memory_check(recipe, plan, gpu_memory: str | None) -> str | None:
+    """On GPUs (or when --gpu-memory is given), refuse a plan the estimate says can't fit; else the fit, in words."""
+    from llmtune.plan.estimate import check_fits, gpu_memory_of_this_machine, parse_size_option
+    from llmtune.plan.model_facts import read_model_facts
+
+    if gpu_memory is not None:
+        memory = parse_size_option("--gpu-memory", gpu_memory)
+    elif plan.cluster.device == "cuda":
+        memory = gpu_memory_of_this_machine()
+    else:
+        return None  # a CPU rehearsal: nothing to check against
+    facts = read_model_facts(recipe.base_model_config or recipe.base_model, fetch=True) if memory else None
+    if facts is None:
+        return None  # unknown GPU size or model shape: the estimate can't judge, so it doesn't block
+    return check_fits(recipe, plan, memory, facts)

@@ -1,0 +1,128 @@
+"""Folding a LoRA / QLoRA / DoRA adapter into its base weights, tensor by tensor.
+
+The base is read straight from its safetensors files, without building the model: peak memory is one output
+shard plus one tensor plus the adapter, not two copies of the model. QLoRA bases are stored unquantized, so
+the result lands in the dtype asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmtune.errors import UserError
+from llmtune.post.shards import ShardWriter, iter_tensors, read_tensor
+
+
+@dataclass
+class LoraPair:
+    a: object
+    b: object
+    scale: float
+    embedding: bool = False
+    magnitude: object = None  # DoRA
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    for pattern, value in (patterns or {}).items():
+        if module == pattern or re.fullmatch(rf"(.*\.)?{pattern}", module):
+            return value
+    return default
+
+
+def read_adapter(folder: Path) -> tuple[dict[str, LoraPair], dict[str, object], dict]:
+    """LoRA pairs by base weight name, whole tensors the adapter replaces (modules_to_save), the adapter config."""
+    import math
+
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    weights = folder / "adapter_model.safetensors"
+    if not weights.exists():
+        raise UserError(f"{folder} has adapter_config.json but no adapter_model.safetensors", "rerun the training save")
+    state = load_file(str(weights))
+    pairs: dict[str, dict] = {}
+    replaced: dict[str, object] = {}
+    for key, tensor in state.items():
+        name = key.removeprefix("base_model.model.")
+        match = re.fullmatch(r"(.+)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.[^.]+)?(?:\.weight)?", name)  # fmt: skip
+        if match:
+            module, part = match.groups()
+            pairs.setdefault(module, {})[part] = tensor
+        else:  # modules_to_save (a trained lm_head, a resized embedding): the tensor replaces the base's
+            # (PEFT also saves an adapted embedding's own weight as ".base_layer.weight" when it may be resized)
+            replaced[re.sub(r"\.(modules_to_save|original_module)(\.[^.]+)?\.|\.base_layer\.", ".", name)] = tensor
+    lora = {}
+    for module, parts in pairs.items():
+        rank = _pattern_value(config.get("rank_pattern"), module, config["r"])
+        alpha = _pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", rank))
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        embedding = "lora_embedding_A" in parts
+        a, b = (
+            (parts.get("lora_embedding_A"), parts.get("lora_embedding_B"))
+            if embedding
+            else (parts.get("lora_A"), parts.get("lora_B"))
+        )
+        if a is None or b is None:
+            raise UserError(f"adapter module {module} has only one of its LoRA matrices", "the adapter file is damaged")
+        lora[f"{module}.weight"] = LoraPair(a, b, scale, embedding, parts.get("lora_magnitude_vector"))
+    return lora, replaced, config
+
+
+def merged_weight(base, pair: LoraPair, fan_in_fan_out: bool):
+    """W + scale * B A in fp32 (DoRA: rescaled to the trained magnitude per output row)."""
+    weight = base.float()
+    delta = (pair.b.float() @ pair.a.float()) * pair.scale
+    if pair.embedding:
+        delta = delta.T
+    elif fan_in_fan_out:
+        delta = delta.T
+    if delta.shape != weight.shape:
+        raise UserError(f"the adapter's update has shape {tuple(delta.shape)} but the base weight has "
+                        f"{tuple(weight.shape)}", "the adapter was trained on another base model")  # fmt: skip
+    weight = weight + delta
+    if pair.magnitude is not None:
+        norm = weight.norm(p=2, dim=1, keepdim=True)
+        weight = weight * (pair.magnitude.float().view(-1, 1) / norm)
+    return weight
+
+
+def fold_adapter(adapter: Path, folder: Path, writer: ShardWriter, target, progress: Callable) -> tuple[int, dict]:
+    """Base weights from `folder` with the adapter folded in, into the writer: (modules folded, config changes)."""
+    lora, replaced, adapter_config = read_adapter(adapter)
+    base_config = json.loads((folder / "config.json").read_text())
+    fan_in_fan_out = bool(adapter_config.get("fan_in_fan_out"))
+    changes, done, embedding = {}, 0, None  # embedding: (name, rows) of the input embedding, kept as facts only
+    for name, tensor in progress(iter_tensors(folder), "merging", total=None):
+        if name in replaced:
+            tensor = replaced.pop(name)
+        pair = lora.pop(name, None)
+        if pair is not None:
+            tensor = merged_weight(tensor, pair, fan_in_fan_out)
+            done += 1
+        if name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")):
+            embedding = (name, int(tensor.shape[0]))
+        writer.add(name, tensor.to(target))
+    # A tied output layer is stored once, as the embedding: an adapter on it gets an output layer of its own.
+    for name in dict.fromkeys(n for n in [*lora, *replaced] if n.endswith("lm_head.weight")):
+        if embedding is None or not base_config.get("tie_word_embeddings", True):
+            break
+        tensor = replaced.pop(name, None)
+        if tensor is None:
+            tensor = read_tensor(folder, embedding[0])
+        pair = lora.pop(name, None)
+        if pair is not None:
+            tensor = merged_weight(tensor, pair, fan_in_fan_out)
+            done += 1
+        writer.add(name, tensor.to(target))
+        changes["tie_word_embeddings"] = False
+    if lora or replaced:
+        missing = ", ".join(sorted([*lora, *replaced])[:3])
+        raise UserError(f"the adapter changes weights the base model doesn't have ({missing})",
+                        "the adapter was trained on another base model")  # fmt: skip
+    if embedding is not None and embedding[1] != base_config.get("vocab_size"):
+        changes["vocab_size"] = embedding[1]  # the adapter carried a resized embedding (added tokens)
+    return done, changes

@@ -1,0 +1,214 @@
+"""Read an Axolotl recipe as written: its older spellings renamed, keys with no effect reported once, keys that ask
+for a capability llmtune lacks refused by that capability, and unknown keys refused with a did-you-mean.
+
+Runs on the raw mapping before the schema; the tables are in axolotl_keys.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llmtune.errors import UserError
+from llmtune.recipe.axolotl_keys import (
+    ANY,
+    AXOLOTL_DATASET_KEYS,
+    AXOLOTL_FSDP_KEYS,
+    AXOLOTL_ONLY_KEYS,
+    BNB_CONFIG_KWARGS,
+    CLOUD_KEYS,
+    RENAMED,
+    RENAMED_DATASET_KEYS,
+    AxolotlKey,
+    attention_alias,
+    is_inert,
+    plugin_entry,
+)
+from llmtune.recipe.base import unknown_key_message
+from llmtune.recipe.data import DatasetSpec
+from llmtune.recipe.distributed import FsdpConfig
+from llmtune.recipe.model import SPECIAL_TOKEN_NAMES
+from llmtune.recipe.schema import Recipe
+
+REFERENCE_HINT = "see docs/recipe-reference.md for every key"
+DATASET_GROUPS = ("datasets", "test_datasets", "pretraining_dataset")
+
+
+class Notes:
+    """Notes said once each; keys without effect are grouped by their reason."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.no_effect: dict[str, list[str]] = {}
+
+    def add(self, line: str) -> None:
+        if line not in self.lines:
+            self.lines.append(line)
+
+    def unused(self, key: str, reason: str) -> None:
+        self.no_effect.setdefault(reason, []).append(key)
+
+    def result(self) -> list[str]:
+        """One line per key left empty or default; keys that ask for something, grouped by why it has no effect."""
+        lines = [f"{key}: accepted, has no effect in llmtune" for key in self.no_effect.pop("", [])]
+        lines += [f"{', '.join(keys)}: accepted, has no effect in llmtune ({reason})"
+                  for reason, keys in self.no_effect.items()]  # fmt: skip
+        return lines + self.lines
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _screen_key(where: str, key: str, value: Any, entry: AxolotlKey, notes: Notes, path: Path) -> None:
+    """Accept (with a note) or refuse one Axolotl-only key."""
+    if not is_inert(entry, value):
+        raise UserError(f"{path}: {entry.reason} is not supported ({where}{key}: {_shown(value)})", entry.hint or None)
+    asked = entry.accepted is ANY and not is_inert(AxolotlKey((), ""), value)
+    notes.unused(where + key, entry.reason if asked else "")
+
+
+def _cloud_config(raw: dict, path: Path) -> None:
+    if "base_model" not in raw and any(key in raw for key in CLOUD_KEYS):
+        raise UserError(f"{path} is an Axolotl cloud launch config (provider, gpu, secrets, ...), not a training "
+                        "recipe: launching on Modal or Baseten is not supported",
+                        "run llmtune on the machines themselves with a training recipe")  # fmt: skip
+
+
+def _top_level(raw: dict, path: Path, notes: Notes) -> dict:
+    data: dict[str, Any] = {}
+    known = [*Recipe.model_fields, *AXOLOTL_ONLY_KEYS, *RENAMED, "bnb_config_kwargs"]
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise UserError(f"{path}: key {key!r} is not a string", "recipe keys are names like base_model")
+        if key == "bnb_config_kwargs":
+            _bnb_kwargs(value, raw, data, path, notes)
+        elif key in RENAMED:
+            new = RENAMED[key]
+            if new in raw and raw[new] != value:
+                raise UserError(f"{path}: {key} (Axolotl's older name of {new}) and {new} disagree; keep {new}")
+            if value is not None:
+                data.setdefault(new, value)
+                notes.add(f"{key}: read as {new} (Axolotl's older name)")
+        elif key in Recipe.model_fields:
+            data[key] = value
+        elif key in AXOLOTL_ONLY_KEYS:
+            _screen_key("", key, value, AXOLOTL_ONLY_KEYS[key], notes, path)
+        else:
+            raise UserError(f"{path}: {unknown_key_message(key, known)}", REFERENCE_HINT)
+    return data
+
+
+def _bnb_kwargs(value: Any, raw: dict, data: dict, path: Path, notes: Notes) -> None:
+    """Axolotl's bitsandbytes arguments: the two llmtune has keys for are read as those keys."""
+    if not value:
+        return
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: bnb_config_kwargs must be a mapping of BitsAndBytesConfig arguments")
+    for name, setting in value.items():
+        if name not in BNB_CONFIG_KWARGS:
+            raise UserError(f"{path}: the bitsandbytes option {name} is not supported (bnb_config_kwargs.{name})",
+                            "llmtune sets bnb_4bit_quant_type and bnb_4bit_use_double_quant")  # fmt: skip
+        key = BNB_CONFIG_KWARGS[name]
+        if key is None:
+            notes.unused(f"bnb_config_kwargs.{name}", "set from the run's precision")
+            continue
+        if key in raw and raw[key] != setting:
+            raise UserError(f"{path}: bnb_config_kwargs.{name} and {key} disagree; keep {key}")
+        data[key] = setting
+        notes.add(f"bnb_config_kwargs.{name}: read as {key}")
+
+
+def _plugins(data: dict, path: Path, notes: Notes) -> None:
+    plugins = data.get("plugins")
+    if not isinstance(plugins, list):
+        return
+    kept = []
+    for name in plugins:
+        entry = plugin_entry(name)
+        if entry is None or entry is False:
+            kept.append(name)  # honoured (Liger, Cut Cross Entropy), or not Axolotl's: kernels.py says which
+        elif entry.accepted is ANY:
+            notes.unused(f"plugins: {name.rsplit('.', 1)[-1]}", entry.reason)
+        else:
+            raise UserError(f"{path}: plugins: plugin '{name}' is not supported; llmtune has no plugin system "
+                            f"({entry.reason} is not supported)", "remove it from plugins")  # fmt: skip
+    data["plugins"] = kept
+
+
+def _datasets(data: dict, path: Path, notes: Notes) -> None:
+    for group in DATASET_GROUPS:
+        entries = data.get(group)
+        entries = [entries] if isinstance(entries, dict) else entries
+        if not isinstance(entries, list):
+            continue
+        screened = []
+        for index, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                screened.append(entry)
+                continue
+            spec: dict[str, Any] = {}
+            for key, value in entry.items():
+                if key in RENAMED_DATASET_KEYS:
+                    new = RENAMED_DATASET_KEYS[key]
+                    if entry.get(new) not in (None, value):
+                        raise UserError(f"{path}: {group}[{index}].{key} and .{new} disagree; keep {new}")
+                    spec[new] = value
+                elif key in AXOLOTL_DATASET_KEYS and key not in DatasetSpec.model_fields:
+                    _screen_key(f"{group}[{index}].", key, value, AXOLOTL_DATASET_KEYS[key], notes, path)
+                else:
+                    spec[key] = value
+            screened.append(spec)
+        data[group] = screened
+
+
+def _fsdp_config(data: dict, path: Path, notes: Notes) -> None:
+    config = data.get("fsdp_config")
+    if not isinstance(config, dict):
+        return
+    kept = {}
+    for key, value in config.items():
+        bare = key.removeprefix("fsdp_") if isinstance(key, str) else key
+        if bare in AXOLOTL_FSDP_KEYS and bare not in FsdpConfig.model_fields:
+            _screen_key("fsdp_config.", key, value, AXOLOTL_FSDP_KEYS[bare], notes, path)
+        else:
+            kept[key] = value
+    data["fsdp_config"] = kept
+
+
+def _values(data: dict, notes: Notes) -> None:
+    """Axolotl values llmtune spells otherwise, rewritten with a note."""
+    attention = attention_alias(data.get("attn_implementation"))
+    if attention:
+        notes.add(f"attn_implementation: {data['attn_implementation']} runs as {attention} (the same attention maths)")
+        data["attn_implementation"] = attention
+    if data.get("gradient_checkpointing") in ("offload", "offload_disk"):
+        notes.add(f"gradient_checkpointing: {data['gradient_checkpointing']}: activations are recomputed, "
+                  "not offloaded (the same maths, more GPU memory)")  # fmt: skip
+    tokens = data.get("tokens")
+    if isinstance(tokens, dict) and all(name in SPECIAL_TOKEN_NAMES for name in tokens):
+        # Axolotl's early releases gave special tokens under `tokens`
+        data["special_tokens"] = {**tokens, **(data.get("special_tokens") or {})}
+        data["tokens"] = None
+        notes.add("tokens: a mapping of special tokens (Axolotl's older form), read as special_tokens")
+    steps = data.get("warmup_steps")
+    if isinstance(steps, float) and 0 < steps < 1:
+        notes.add(f"warmup_steps: {steps} is below 1, read as warmup_ratio (as transformers reads it)")
+    if data.get("pretraining_dataset"):
+        notes.add("pretraining_dataset: read as plain-text completion data and packed (sample_packing: true); "
+                  "hub sources are streamed up to what max_steps needs")  # fmt: skip
+    if data.get("batch_size") and data.get("gradient_accumulation_steps"):
+        notes.add("batch_size: ignored, gradient_accumulation_steps is set (as Axolotl does)")
+
+
+def screen(raw: dict, path: Path) -> tuple[dict, list[str]]:
+    """The mapping the schema validates, and the notes to show once. Raises UserError for refused keys."""
+    _cloud_config(raw, path)
+    notes = Notes()
+    data = _top_level(raw, path, notes)
+    _plugins(data, path, notes)
+    _datasets(data, path, notes)
+    _fsdp_config(data, path, notes)
+    _values(data, notes)
+    return data, notes.result()

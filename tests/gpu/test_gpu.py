@@ -1,0 +1,212 @@
+"""Every strategy trains and saves over CUDA: one GPU, NCCL at world size 1, and 2 ranks sharing the GPU over gloo.
+
+What the CPU rehearsal cannot see lives here: NCCL refusing CPU tensors, bf16 on real kernels, DeepSpeed's CUDA
+ops (CPU Adam for offload, NVMe swapping), bitsandbytes' 4-bit weights. Each run goes through `llmtune train`;
+the assertions are on what it did (exit code, falling loss, strategy and world size in metrics.json, a saved
+model that reloads to the logits the run recorded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from harness import LORA, llmtune, losses, make_workspace, read_metrics, saved_weights, write_run_recipe
+
+QLORA = {"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True}
+ZERO3_NVME = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "NVME"},
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": "NVME"}}}  # fmt: skip
+
+
+def output_of(recipe: Path) -> Path:
+    return Path(yaml.safe_load(recipe.read_text())["output_dir"])
+
+
+def reloaded_logits(output_dir: Path, input_ids, four_bit: bool):
+    """The saved model (or base + adapter) loaded fresh with transformers/peft, on the GPU, in its saved dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    adapter = output_dir / "adapter_config.json"
+    if adapter.exists():
+        from peft import PeftModel
+
+        base_name = json.loads(adapter.read_text())["base_model_name_or_path"]
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
+        extra = {"quantization_config": quant} if four_bit else {}
+        base = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch.bfloat16, device_map={"": 0}, **extra)
+        model = PeftModel.from_pretrained(base, str(output_dir))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(output_dir), device_map={"": 0})
+    with torch.no_grad():
+        return model.eval()(input_ids=input_ids.cuda()).logits.float().cpu()
+
+
+def train_with_probe(make_recipe, tmp_path, name: str, *flags, **changes) -> tuple[dict, Path, Path]:
+    recipe = make_recipe(name, bf16=True, **changes)
+    probe = tmp_path / f"{name}-probe.safetensors"
+    result = llmtune("train", recipe, "--device", "cuda", *flags, env={"LLMTUNE_PROBE_FILE": str(probe)}, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return read_metrics(recipe), output_of(recipe), probe
+
+
+def assert_learned_and_reloads(metrics: dict, output_dir: Path, probe: Path, four_bit: bool = False) -> None:
+    from safetensors.torch import load_file
+
+    history = losses(metrics)
+    assert len(history) == metrics["steps"] > 5
+    assert sum(history[-3:]) / 3 < history[0] - 0.5, history
+    recorded = load_file(str(probe))
+    logits = reloaded_logits(output_dir, recorded["input_ids"], four_bit)
+    scale = recorded["logits"].abs().max().item()
+    # fp32 weights reload exactly; 16-bit bases differ by kernel choice at most
+    tolerance = 1e-4 if metrics["trainable_parameters"] == metrics["total_parameters"] else 2e-2
+    assert (logits - recorded["logits"]).abs().max().item() <= tolerance * max(scale, 1.0)
+    ranks = metrics["ranks"]
+    assert all(r["cuda_max_allocated_bytes"] > 0 and r["cuda_max_reserved_bytes"] >= r["cuda_max_allocated_bytes"]
+               for r in ranks)  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "changes"), [("full", {}), ("lora", LORA), ("qlora", QLORA)])
+def test_one_gpu_trains_saves_and_reloads(make_recipe, tmp_path, method, changes):
+    metrics, out, probe = train_with_probe(make_recipe, tmp_path, method, **changes)
+    assert metrics["strategy"] == "single" and metrics["world_size"] == 1
+    assert_learned_and_reloads(metrics, out, probe, four_bit=method == "qlora")
+
+
+WORLD_SIZE_1 = {
+    "zero1": {"deepspeed": "zero1"},
+    "zero2": {"deepspeed": "zero2"},
+    "zero3": {"deepspeed": "zero3"},
+    "zero3-cpu-offload": {"deepspeed": "zero3_offload"},
+    "zero3-nvme-offload": {"deepspeed": ZERO3_NVME},
+    "fsdp1": {"fsdp_version": 1, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}},
+    "fsdp2": {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}},
+}
+
+
+@pytest.mark.parametrize("name", list(WORLD_SIZE_1))
+def test_every_strategy_over_nccl_at_world_size_1(make_recipe, tmp_path, name):
+    """World size 1 over NCCL: the collectives at the end of a run (token counts, rank reports) are the real path
+    that killed ZeRO-2 and ZeRO-3 runs after their last step."""
+    changes = json.loads(json.dumps(WORLD_SIZE_1[name]).replace('"NVME"', json.dumps(str(tmp_path / "nvme"))))
+    if isinstance(changes.get("deepspeed"), dict):
+        ds = tmp_path / "ds.json"
+        ds.write_text(json.dumps(changes["deepspeed"]))
+        changes["deepspeed"] = str(ds)
+    metrics, out, probe = train_with_probe(make_recipe, tmp_path, name, **changes)
+    expected = name.split("-")[0] if name.startswith("zero") else name
+    assert metrics["strategy"] == expected and metrics["world_size"] == 1
+    assert_learned_and_reloads(metrics, out, probe)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_model):
+    return make_workspace(tmp_path_factory, "gpu-shared", tiny_model)
+
+
+def shared_gpu_run(workspace, name: str, processes: int, **changes) -> tuple[dict, Path]:
+    """Same global batch of 8 either way: one process accumulates 2, two ranks 1 each (fp32, so parity is tight)."""
+    path = write_run_recipe(workspace, name, gradient_accumulation_steps=2 // processes, **changes)
+    device = "cuda:gloo" if processes > 1 else "cuda"
+    result = llmtune("train", path, "--num-processes", processes, "--device", device, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return read_metrics(path), workspace[0] / name
+
+
+SHARED = {
+    "ddp": {},
+    "zero2": {"deepspeed": "zero2"},
+    "zero3": {"deepspeed": "zero3"},
+    "fsdp2": {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}},
+}
+
+
+@pytest.mark.parametrize("name", list(SHARED))
+def test_two_ranks_sharing_the_gpu_match_one_process(workspace, name):
+    reference, _ = shared_gpu_run(workspace, f"one-{name}", 1)
+    metrics, out = shared_gpu_run(workspace, f"two-{name}", 2, **SHARED[name])
+    assert metrics["world_size"] == 2 and metrics["strategy"] == name
+    assert [r["world_size"] for r in metrics["ranks"]] == [2, 2]
+    assert len({r["first_batch"] for r in metrics["ranks"]}) == 2  # distinct data shards
+    mine, theirs = losses(metrics), losses(reference)
+    assert len(mine) == len(theirs) > 2
+    assert max(abs(a - b) for a, b in zip(mine, theirs, strict=True)) < 1e-4, (mine, theirs)
+    assert saved_weights(out)
+
+
+def test_a_pipeline_on_a_shared_gpu_is_refused_with_the_reason(workspace):
+    path = write_run_recipe(workspace, "pipe", pipeline_parallel_size=2)
+    result = llmtune("train", path, "--num-processes", 2, "--device", "cuda:gloo", timeout=300)
+    assert result.returncode == 2
+    assert "send/recv, which gloo cannot do on CUDA tensors" in result.stderr
+
+
+COLLECTIVES_SCRIPT = """
+import json, os, sys, torch, torch.distributed as dist
+from llmtune.train import collectives
+dist.init_process_group("gloo")
+collectives.configure("cuda", int(os.environ["LOCAL_RANK"]))
+summed = collectives.sum_values([1.0])[0]
+try:
+    collectives.all_reduce(torch.ones(1))
+    refused = False
+except collectives.MisplacedTensor:
+    refused = True
+print(json.dumps({"rank": dist.get_rank(), "summed": summed, "cpu_refused": refused,
+                  "device": str(collectives.device())}), flush=True)
+collectives.teardown()
+"""
+
+
+def test_a_cpu_tensor_fails_on_a_gpu_plan_even_under_gloo(tmp_path):
+    script = tmp_path / "collectives.py"
+    script.write_text(COLLECTIVES_SCRIPT)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             "29641", str(script)], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    assert all(r["summed"] == 2.0 and r["cpu_refused"] and r["device"] == "cuda:0" for r in reports)
+
+
+def test_kill_9_mid_run_then_resume(make_recipe):
+    """SIGKILL right after checkpoint 6 (ZeRO-3 over NCCL), then the same command resumes and finishes."""
+    changes = {"deepspeed": "zero3", "bf16": True, "num_epochs": 1, "save_strategy": "steps", "save_steps": 6}
+    recipe = make_recipe("killed", **changes)
+    out = output_of(recipe)
+    killed = llmtune("train", recipe, "--device", "cuda", env={"LLMTUNE_TEST_EXIT_AFTER_STEP": "6"}, timeout=900)
+    assert killed.returncode != 0 and "signal 9" in killed.stderr, killed.stderr[-3000:]
+    assert (out / "checkpoint-6" / "llmtune-complete.json").is_file() and not (out / "metrics.json").exists()
+    resumed = llmtune("train", recipe, "--device", "cuda", timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    metrics = read_metrics(recipe)
+    assert metrics["resumed_from"] == str(out / "checkpoint-6") and metrics["steps"] == 12
+    assert min(e["step"] for e in metrics["log_history"] if "loss" in e) == 7
+
+
+def test_merge_eval_and_infer_on_the_gpu(make_recipe, tmp_path):
+    recipe = make_recipe("post", bf16=True, **LORA)
+    assert llmtune("train", recipe, "--device", "cuda", timeout=900).returncode == 0
+    out = output_of(recipe)
+    merged = llmtune("merge", out, timeout=600)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    assert (out / "merged" / "config.json").exists()
+    evaluated = llmtune("eval", out / "merged", timeout=600)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    result = json.loads(next((out / "merged").rglob("eval.json")).read_text())
+    assert 0 < result["eval_loss"] < 20 and result["examples"] > 0  # finite, on real rows
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Repeat the word {w}"}) + "\n" for w in ("apple", "river")))
+    answers = tmp_path / "answers.jsonl"
+    inferred = llmtune("infer", out, "--file", prompts, "--output", answers, timeout=600)
+    assert inferred.returncode == 0, inferred.stderr[-3000:]
+    rows = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert len(rows) == 2 and all("output" in r for r in rows)

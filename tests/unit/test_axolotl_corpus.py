@@ -1,0 +1,130 @@
+"""Axolotl recipes as written: every recipe of the corpus validates and plans, or is refused by a capability.
+
+The corpus (tests/fixtures/axolotl_recipes/) is written in the style of Axolotl's examples and covers every key
+those examples use; each recipe says what `llmtune validate` must answer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmtune.errors import UserError
+from llmtune.plan import make_cluster, make_plan
+from llmtune.recipe import load_recipe
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "axolotl_recipes"
+RECIPES = sorted(CORPUS.glob("*.yml"))
+
+# Every key Axolotl's own examples use (examples/ of axolotl-ai-cloud/axolotl, July 2026), save the few that
+# Axolotl itself ignores (adam_eps, eta_min, test_value, torch_dtype, full_finetune, context_parapllel_size).
+EXAMPLE_KEYS = """
+accelerator_config activation_offloading adam_beta1 adam_beta2 adam_epsilon adapter attn_implementation
+auto_resume_from_checkpoints base_model base_model_ignore_patterns batch_size bf16 bfloat16 bnb_config_kwargs branch
+center_rewards_coefficient chat_template cls_model_config context_parallel_size cosine_constant_lr_ratio
+cosine_min_lr_ratio curriculum_sampling cut_cross_entropy dataset_exact_deduplication dataset_prepared_path datasets
+ddp ddp_find_unused_parameters debug deepspeed device_map diffusion do_causal_lm_eval dockerfile_commands
+dp_replicate_size dp_shard_size dsv4_fp4_grouped_mode eaft_alpha eaft_k early_stopping_patience ebft eot_tokens
+eval_batch_size eval_causal_lm_metrics eval_max_new_tokens eval_sample_packing eval_steps eval_strategy
+eval_table_size evals_per_epoch evaluation_strategy experimental_skip_move_to_device expert_parallel_num_nvl_bytes
+expert_parallel_size expert_parallel_token_capacity experts_implementation flash_attention flash_attn_cross_entropy
+flash_attn_fuse_mlp flash_attn_rms_norm flash_optimum flex_attn_compile_kwargs float16 fp16 fp8
+fp8_enable_fsdp_float8_all_gather fsdp fsdp_config fsdp_version fused_attn_kernel gemma4_hybrid_attn_impl gpu
+gpu_count gptq gptq_disable_exllama gptq_groupsize gptq_model_v1 gradient_accumulation_steps gradient_checkpointing
+gradient_checkpointing_kwargs group_by_length hf_use_auth_token hub_model_id jagged_restart_anneal_steps
+jagged_restart_steps jagged_restart_warmup_steps kto_desirable_weight learning_rate liger_fused_linear_cross_entropy
+liger_glu_activation liger_layer_norm liger_rms_norm liger_rms_norm_gated liger_rope lisa_layers_attribute
+lisa_n_layers lisa_step_interval llama4_linearized_experts llmcompressor load_in_4bit load_in_8bit local_rank
+logging_steps lora_alpha lora_dropout lora_fan_in_fan_out lora_mlp_kernel lora_model_dir lora_modules_to_save
+lora_o_kernel lora_qkv_kernel lora_r lora_target_linear lora_target_modules lora_target_parameters
+loss_watchdog_patience loss_watchdog_threshold low_cpu_mem_usage lr_quadratic_warmup lr_scheduler max_grad_norm
+max_packed_sequence_len max_steps memory memory_preprocess micro_batch_size min_sample_len model_config
+model_quantization_config model_quantization_config_kwargs model_type node_count num_epochs num_labels
+nvfp4_merge_aware optimizer orpo_alpha otel_metrics_host otel_metrics_port output_dir pad_to_sequence_len peft
+peft_use_rslora plugins pretrain_multipack_attn pretraining_dataset process_reward_model processor_type project_name
+provider push_dataset_to_hub qat quantize_moe_experts ray_num_workers reinit_weights relora relora_cpu_offload
+relora_prune_ratio remove_unused_columns resize_token_embeddings_to_32x resume_from_checkpoint revision_of_model
+reward_model rl rl_beta sample_packing sample_packing_eff_est sample_packing_seq_len_multiplier
+sample_packing_sequentially save_only_model save_safetensors save_steps save_strategy save_total_limit
+saves_per_epoch secrets seed sequence_len shuffle_merged_datasets skip_prepare_dataset special_tokens streaming
+streaming_multipack_buffer_size strict swanlab_completion_log_interval swanlab_completion_max_buffer
+swanlab_description swanlab_experiment_name swanlab_log_completions swanlab_log_model swanlab_mode swanlab_project
+swanlab_workspace tensor_parallel_size tf32 tiled_mlp timeout timeout_preprocess tokenizer_config tokenizer_legacy
+tokenizer_type tokenizer_use_fast tokenizer_use_mistral_common tokens torch_compile torch_compile_mode
+torchdistx_path total_num_tokens trackio_project_name trackio_run_name trackio_space_id train_on_inputs trl
+trust_remote_code unfrozen_parameters use_dsv4_kernels use_eaft use_glm_dsa_kernels use_kernels use_onebitllms
+use_otel_metrics use_ray use_scattermoe use_sonicmoe use_swanlab use_tensorboard use_wandb val_set_size vllm volumes
+wandb_entity wandb_log_model wandb_name wandb_project wandb_run_id wandb_watch warmup_ratio warmup_steps weight_decay
+""".split()
+EXAMPLE_DATASET_KEYS = """
+data_files drop_system_message field field_chosen field_messages field_rejected field_thinking max_completion_length
+message_field_content message_field_role message_property_mappings name path roles split step_separator
+template_thinking_key text_column train_on_last_step_only type
+""".split()
+EXAMPLE_FSDP_KEYS = """
+activation_checkpointing auto_wrap_policy cpu_ram_efficient_loading fsdp_activation_checkpointing
+fsdp_auto_wrap_policy fsdp_backward_prefetch fsdp_cpu_ram_efficient_loading fsdp_forward_prefetch
+fsdp_limit_all_gathers fsdp_offload_params fsdp_reshard_after_forward fsdp_sharding_strategy fsdp_state_dict_type
+fsdp_sync_module_states fsdp_transformer_layer_cls_to_wrap fsdp_use_orig_params fsdp_version offload_params
+reshard_after_forward sharding_strategy state_dict_type transformer_layer_cls_to_wrap
+""".split()
+
+
+def expectation(path: Path) -> str:
+    """'accepted', or the capability a refusal must name (from the recipe's `# expect:` line)."""
+    for line in path.read_text().splitlines():
+        if line.startswith("# expect: "):
+            return line.removeprefix("# expect: ").removeprefix("refused: ").strip()
+    raise AssertionError(f"{path.name} has no '# expect:' line")
+
+
+def corpus_keys() -> tuple[set, set, set]:
+    top, datasets, fsdp = set(), set(), set()
+    for path in RECIPES:
+        raw = yaml.safe_load(path.read_text())
+        top |= set(raw)
+        for group in ("datasets", "test_datasets", "pretraining_dataset"):
+            for entry in raw.get(group) or []:
+                datasets |= set(entry)
+        fsdp |= set(raw.get("fsdp_config") or {})
+    return top, datasets, fsdp
+
+
+def test_the_corpus_covers_every_key_axolotls_examples_use():
+    top, datasets, fsdp = corpus_keys()
+    assert not sorted(set(EXAMPLE_KEYS) - top)
+    assert not sorted(set(EXAMPLE_DATASET_KEYS) - datasets)
+    assert not sorted(set(EXAMPLE_FSDP_KEYS) - fsdp)
+
+
+def test_the_corpus_has_both_outcomes():
+    outcomes = [expectation(p) for p in RECIPES]
+    assert outcomes.count("accepted") >= 20 and len(outcomes) - outcomes.count("accepted") >= 15
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_is_accepted_or_refused_by_capability(path, monkeypatch):
+    monkeypatch.chdir(CORPUS)  # relative paths are read from the current directory, as Axolotl does
+    expected = expectation(path)
+    try:
+        loaded = load_recipe(path)
+        plan = make_plan(loaded.recipe, make_cluster(2, device="cuda"), config_dir=str(CORPUS / ".plan"))
+    except UserError as err:
+        line = err.one_line()
+        assert expected != "accepted", line
+        assert expected in line and "not supported" in line, line
+        assert "unknown key" not in line and "\n" not in line
+        return
+    assert expected == "accepted", f"{path.name} was accepted; expected a refusal naming {expected}"
+    assert plan.world_size == 2
+    assert not [n for n in loaded.notes if "unknown" in n]
+
+
+def test_a_key_neither_defines_stays_unknown_with_a_did_you_mean(tmp_path):
+    path = tmp_path / "typo.yml"
+    text = (CORPUS / "llama3-lora-8bit.yml").read_text() + "context_parapllel_size: 2\n"
+    path.write_text(text)
+    with pytest.raises(UserError, match="unknown key 'context_parapllel_size'; did you mean 'context_parallel_size'"):
+        load_recipe(path)
