@@ -75,7 +75,9 @@ def engine_report(trainer) -> dict:
     fsdp2 = _fsdp2_units(trainer.model)
     if fsdp2:
         plugin = trainer.accelerator.state.fsdp_plugin
-        placements = {str(p.placements[0]) for p in trainer.model.parameters() if hasattr(p, "placements")}
+        # "Shard(0)": torch prints placements as S(0) or Shard(dim=0) depending on the version
+        placements = {f"{type(pl).__name__}({getattr(pl, 'dim', '')})" for p in trainer.model.parameters()
+                      for pl in getattr(p, "placements", ())[:1]}  # fmt: skip
         return {"engine": "fsdp2", "wrapped_units": fsdp2, "placements": sorted(placements),
                 "state_dict_type": str(plugin.state_dict_type).rsplit(".", 1)[-1]}  # fmt: skip
     if kind == "DistributedDataParallel":

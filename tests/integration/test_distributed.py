@@ -52,8 +52,8 @@ ENGINES = {
     "zero3": {"engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "none", "offload_param": "none"},
     "zero3-offload": {"engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu",
                       "optimizer": "DeepSpeedCPUAdam"},
-    "fsdp2": {"engine": "fsdp2", "placements": ["Shard(dim=0)"], "state_dict_type": "FULL_STATE_DICT"},
-    "fsdp2-sharded": {"engine": "fsdp2", "placements": ["Shard(dim=0)"], "state_dict_type": "SHARDED_STATE_DICT"},
+    "fsdp2": {"engine": "fsdp2", "placements": ["Shard(0)"], "state_dict_type": "FULL_STATE_DICT"},
+    "fsdp2-sharded": {"engine": "fsdp2", "placements": ["Shard(0)"], "state_dict_type": "SHARDED_STATE_DICT"},
 }  # fmt: skip
 
 
