@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from llmtune import __version__
-from llmtune.cli import post_commands, recipe_commands, train_commands
+from llmtune.cli import post_commands, recipe_commands, rehearse_cmd, train_commands
 from llmtune.errors import EXIT_USER_ERROR, UserError
 
 app = typer.Typer(
@@ -30,6 +30,7 @@ COMMANDS = [
     (recipe_commands.validate, "validate"),
     (recipe_commands.plan, "plan"),
     (train_commands.train, "train"),
+    (rehearse_cmd.rehearse, "rehearse"),
     (train_commands.preprocess, "preprocess"),
     (recipe_commands.estimate, "estimate"),
     (recipe_commands.config_command, "config"),
@@ -41,7 +42,10 @@ COMMANDS = [
     (train_commands.slurm, "slurm"),
 ]
 # train passes what follows `--` (and flags it doesn't know) to the launcher
-CONTEXT_SETTINGS = {"train": {"allow_extra_args": True, "ignore_unknown_options": True}}
+CONTEXT_SETTINGS = {
+    "train": {"allow_extra_args": True, "ignore_unknown_options": True},
+    "rehearse": {"allow_extra_args": True, "ignore_unknown_options": True},
+}
 
 for function, name in COMMANDS:
     app.command(name=name, context_settings=CONTEXT_SETTINGS.get(name))(function)

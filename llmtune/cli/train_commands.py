@@ -25,7 +25,7 @@ from llmtune.cli.options import (
     Rehearse,
     cluster_from_flags,
 )
-from llmtune.errors import EXIT_USER_ERROR
+from llmtune.errors import EXIT_USER_ERROR, UserError
 
 
 def train(
@@ -54,8 +54,24 @@ def train(
     rdzv_timeout: Annotated[
         Optional[int], typer.Option("--rdzv-timeout", min=1, help="Seconds to wait for every machine to join.")
     ] = None,
+    shrink: Annotated[
+        bool,
+        typer.Option(
+            "--shrink",
+            help="With --rehearse: a shrunken model of the same architecture, the real tokenizer "
+            "and data, a stop, a resume and the merge; then a report (`llmtune rehearse`).",
+        ),
+    ] = False,
 ) -> None:
     """Fine-tune: validate, plan, write <output_dir>/llmtune/, run the ranks. Launcher flags may follow `--`."""
+    if shrink:
+        from llmtune.cli.rehearse_cmd import rehearse_from_train
+
+        if not rehearse:
+            raise UserError("--shrink is a rehearsal option", "add --rehearse, or run `llmtune rehearse RECIPE`")
+        rehearse_from_train(recipe, num_processes, num_machines, machine_rank, main_process_ip, main_process_port,
+                            device, launcher, hostfile, no_ssh, list(ctx.args))  # fmt: skip
+        return
     from llmtune.launch.net import free_port
     from llmtune.launch.preflight import check_trackers, finished_run, memory_check
     from llmtune.launch.runner import run

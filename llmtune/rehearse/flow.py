@@ -1,0 +1,262 @@
+"""The rehearsal itself: a copy of the recipe on the shrunken model and sampled data, launched as `llmtune train`
+launches it (same plan, same launcher, same worker), stopped after its first step by the stop request SIGUSR1
+makes, resumed from that checkpoint to the end, saved, and merged with `llmtune merge`'s function.
+
+Every "machine" of a multi-machine plan is a launcher on 127.0.0.1 (machine 0 in this process, the others in
+forked processes), so the lobby, the rendezvous and the cross-machine collectives run as they would.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from llmtune.errors import UserError
+from llmtune.rehearse.data import DEFAULT_SAMPLE_ROWS
+
+STEPS = 2  # step 1, then the stop (a checkpoint); the resumed run does step 2 and saves
+DEFAULT_SEQUENCE_LEN = 128  # the shrunken run's longest row: logits of a full vocabulary stay small on CPU
+# The output layer (hidden x the real vocabulary) is most of a shrunken model's work: at hidden 64 an 8-rank
+# rehearsal of a 128k-vocabulary model takes minutes on 2 cores; the real head dimension (--keep-head-dim) costs
+# 8x more there (hidden 512 for Llama-3.1-8B's 4 query heads per key/value head of 128).
+DEFAULT_HIDDEN = 64
+REPORT = "rehearsal.json"
+
+
+@dataclass
+class RehearsalOptions:
+    output: Path | None = None  # default: ./rehearsals/<recipe name>
+    hidden_size: int | None = None  # None: the fewest heads at the real head dimension (the CLI's default: 64)
+    layers: int | None = None  # default: what the plan needs (one per pipeline stage, at least 2)
+    sequence_len: int | None = None  # of the shrunken run; default min(recipe's, DEFAULT_SEQUENCE_LEN)
+    sample_rows: int = DEFAULT_SAMPLE_ROWS
+    stand_in_tokenizer: str | None = None
+    stand_in_data: list[str] = field(default_factory=list)
+    gpu_memory: str = "80GB"  # the GPUs the full-scale estimate is judged against
+
+
+@dataclass
+class ClusterFlags:
+    num_processes: int | None = None
+    num_machines: int = 1
+    main_process_port: int | None = None
+    launcher: str = "accelerate"
+
+
+def _echo(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _prepare_output(output: Path) -> None:
+    """A fresh rehearsal folder; an earlier rehearsal's is replaced, anything else is left alone."""
+    if output.exists() and any(output.iterdir()):
+        if not (output / REPORT).exists() and not (output / "run" / "llmtune").exists():
+            raise UserError(f"{output} exists and is not a rehearsal folder", "pass --output to another folder")
+        shutil.rmtree(output)
+    output.mkdir(parents=True, exist_ok=True)
+
+
+def rehearsal_mapping(recipe, model_dir: Path, tokenizer: str, sources, output: Path, sequence_len: int) -> dict:
+    """The recipe the ranks run: the original with the shrunken model, the sampled data, a short run."""
+    data = recipe.model_dump(mode="json")
+    groups: dict[str, list] = {"datasets": [], "test_datasets": []}
+    for source in sources:
+        groups[source.label.split("[")[0]].append(source.spec)
+    shorter = sequence_len < recipe.sequence_len
+    data.update(
+        base_model=str(model_dir), base_model_config=None, revision_of_model=None, tokenizer_config=tokenizer,
+        datasets=groups["datasets"], test_datasets=groups["test_datasets"] or None, sequence_len=sequence_len,
+        excess_length_strategy="truncate" if shorter else recipe.excess_length_strategy, max_steps=STEPS,
+        output_dir=str(output / "run"), dataset_prepared_path=str(output / "prepared"), resume_from_checkpoint=None,
+        auto_resume_from_checkpoints=True, streaming=False,
+    )  # fmt: skip
+    if recipe.trackers:  # nothing of the rehearsal reaches a tracking server
+        data.update(wandb_mode="offline", mlflow_tracking_uri=None)
+    return {key: value for key, value in data.items() if key in type(recipe).model_fields}
+
+
+def _stop_after_first_step(config_dir: Path) -> None:
+    """Ask the ranks to checkpoint and stop after their first step, as `kill -USR1` does: the launcher clears an
+    old request when it starts, so the request is made again right after that."""
+    from llmtune.train.checkpoints import STOP_FILE
+
+    stop = config_dir / STOP_FILE
+    stop.parent.mkdir(parents=True, exist_ok=True)
+    stop.touch()
+
+    def again() -> None:
+        deadline = time.monotonic() + 900
+        while stop.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stop.touch()
+
+    threading.Thread(target=again, daemon=True).start()
+
+
+def _machine(plan, extra: list[str], timeout: float) -> None:
+    from llmtune.launch.runner import run
+
+    os._exit(run(plan, extra, timeout))
+
+
+def launch(plans: list, extra: list[str], timeout: float) -> int:
+    """Every machine's launcher: machine 0 here, the others forked; the first failure's exit code."""
+    from llmtune.launch.runner import run
+
+    context = multiprocessing.get_context("fork")
+    others = [context.Process(target=_machine, args=(plan, extra, timeout), daemon=True) for plan in plans[1:]]
+    for process in others:
+        process.start()
+    code = run(plans[0], extra, timeout)
+    for process in others:
+        process.join(timeout=None if code == 0 else 60)
+        if process.is_alive():
+            process.terminate()
+            process.join()
+        code = code or process.exitcode or 0
+    return code
+
+
+def _clusters(flags: ClusterFlags) -> list:
+    """One CPU cluster per machine rank, all on 127.0.0.1, validated as `llmtune train` validates its flags."""
+    from llmtune.launch.net import free_port
+    from llmtune.plan import make_cluster
+
+    port = flags.main_process_port or free_port()
+    processes = flags.num_processes or flags.num_machines  # without the flag: one process per machine, as on CPU
+    return [make_cluster(processes, flags.num_machines, rank, "127.0.0.1", port, "cpu", flags.launcher)
+            for rank in range(flags.num_machines)]  # fmt: skip
+
+
+def _gpu_plan(recipe, cluster):
+    """The plan as the GPUs will run it (precision, kernels), whatever this machine has."""
+    from dataclasses import replace
+
+    from llmtune.plan import make_plan
+
+    return make_plan(recipe, replace(cluster, device="cuda", backend="nccl"))
+
+
+@dataclass
+class _Model:
+    full: object  # plan.shrink.FullConfig
+    shrunk: object  # plan.shrink.Shrunk
+    tokenizer_choice: object  # rehearse.model.TokenizerChoice
+    tokenizer: object
+    folder: Path
+
+
+def _shrunken_model(recipe, gpu_plan, options: RehearsalOptions, online: bool, echo) -> _Model:
+    from llmtune.plan.shrink import KBIT_CPU_BLOCK, layers_needed, shrink_config
+    from llmtune.rehearse import model as rehearsal_model
+
+    full, gguf_tokenizer = rehearsal_model.full_config(recipe, online)
+    pipeline = gpu_plan.pipeline
+    needed = layers_needed(pipeline.stages, pipeline.virtual_stages) if pipeline else layers_needed()
+    # a k-bit base evaluated on CPU runs bitsandbytes' packed kernel, which needs widths in blocks of 64
+    evaluates = recipe.val_set_size or recipe.test_datasets
+    multiple = KBIT_CPU_BLOCK if (recipe.load_in_4bit or recipe.load_in_8bit) and evaluates else 1
+    shrunk = shrink_config(full.config, needed, options.hidden_size, options.layers, multiple)
+    choice = rehearsal_model.choose_tokenizer(recipe, gguf_tokenizer, options.stand_in_tokenizer, online)
+    tokenizer = rehearsal_model.load_rehearsal_tokenizer(recipe, choice)
+    echo(f"[llmtune] rehearsal: {recipe.base_model} shrunk ({', '.join(shrunk.changes)}); {choice.note}")
+    folder = rehearsal_model.materialise(shrunk.config, recipe.base_model, tokenizer)
+    return _Model(full, shrunk, choice, tokenizer, folder)
+
+
+def _stop_then_resume(plans: list, rehearsal, extra: list[str], timings: dict, echo) -> tuple[int, Path | None]:
+    """Run 1 stops after its first step (a checkpoint); run 2, the same command, resumes from it and finishes."""
+    from llmtune.train.checkpoints import last_complete
+
+    run_dir = Path(rehearsal.output_dir)
+    mark = time.monotonic()
+    echo("[llmtune] rehearsal run 1: the ranks stop after step 1 and save a checkpoint (as `kill -USR1` asks)")
+    _stop_after_first_step(Path(plans[0].config_dir))
+    code = launch(plans, extra, rehearsal.rdzv_timeout)
+    timings["run_until_stop_s"] = time.monotonic() - mark
+    if code:
+        return code, None
+    checkpoint = last_complete(run_dir)
+    if checkpoint is None or (run_dir / "metrics.json").exists():
+        raise RuntimeError(f"the first rehearsal run did not stop at a checkpoint ({run_dir})")
+    mark = time.monotonic()
+    echo(f"[llmtune] rehearsal run 2: the same command, resumed from {checkpoint.name}")
+    code = launch(plans, extra, rehearsal.rdzv_timeout)
+    timings["run_resumed_s"] = time.monotonic() - mark
+    return code, checkpoint
+
+
+def rehearse_recipe(recipe_path: Path, flags: ClusterFlags, options: RehearsalOptions,
+                    extra_launcher_args: list[str] | None = None, echo: Callable[[str], None] = _echo) -> tuple[int, dict]:  # fmt: skip
+    """Rehearse the recipe; returns (exit code, report). User errors raise UserError, as in `llmtune train`."""
+    from llmtune.launch.preflight import check_trackers
+    from llmtune.plan import make_plan
+    from llmtune.plan.files import plan_files, write_plan_files
+    from llmtune.plan.render import summary_lines
+    from llmtune.post.merge import merge_run
+    from llmtune.recipe import Recipe, load_recipe
+    from llmtune.rehearse import data as rehearsal_data
+    from llmtune.rehearse.model import hub_reachable
+    from llmtune.rehearse.report import build_report, print_report
+    from llmtune.train.progress import track
+
+    started = time.monotonic()
+    timings: dict[str, float] = {}
+    loaded = load_recipe(recipe_path)
+    recipe = loaded.recipe
+    stand_ins = rehearsal_data.parse_stand_ins(options.stand_in_data)
+    clusters = _clusters(flags)
+    gpu_plan = _gpu_plan(recipe, clusters[0])  # the real plan: its sizes and checks, as on GPUs
+    make_plan(recipe, clusters[0])  # and what CPU processes refuse, before anything is built
+    output = Path(options.output or Path("rehearsals") / recipe_path.stem).resolve()
+    _prepare_output(output)
+    notes: list[str] = []
+    online = hub_reachable()
+    if not online:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # the libraries would retry the Hub for a minute per file
+        notes.append("offline: the Hub is unreachable, so only local files and the HF cache were used")
+    model = _shrunken_model(recipe, gpu_plan, options, online, echo)
+    timings["model_and_tokenizer_s"] = time.monotonic() - started
+
+    mark = time.monotonic()
+    sources = rehearsal_data.gather_sources(recipe, options.sample_rows, output / "data", stand_ins)
+    checked = rehearsal_data.check_data(recipe, model.tokenizer, sources, options.sample_rows, output / "checked")
+    timings["data_check_s"] = time.monotonic() - mark
+    sequence_len = options.sequence_len or min(recipe.sequence_len, DEFAULT_SEQUENCE_LEN)
+    mapping = rehearsal_mapping(recipe, model.folder, model.tokenizer_choice.location, sources, output, sequence_len)
+    (output / "recipe.yaml").write_text(yaml.safe_dump(mapping, sort_keys=False))
+    rehearsal = Recipe.model_validate(mapping)
+    check_trackers(rehearsal)
+    plans = [make_plan(rehearsal, cluster) for cluster in clusters]
+    for key, value in summary_lines(plans[0], rehearsal):
+        echo(f"{key:>14}  {value}")
+    for note in [*plans[0].notes, *loaded.notes, *checked.notes, *notes]:
+        echo(f"{'note':>14}  {note}")
+    files = plan_files(plans[0], rehearsal.model_dump(mode="json"), str(output / "recipe.yaml"), loaded.notes)
+    write_plan_files(Path(plans[0].config_dir), files)
+
+    code, checkpoint = _stop_then_resume(plans, rehearsal, extra_launcher_args or [], timings, echo)
+    if code:
+        return code, {}
+    mark = time.monotonic()
+    merged = merge_run(Path(rehearsal.output_dir), force=True, progress=track)
+    timings["merge_s"] = time.monotonic() - mark
+    timings["total_s"] = time.monotonic() - started
+    metrics = json.loads((Path(rehearsal.output_dir) / "metrics.json").read_text())
+    report = build_report(recipe=recipe, rehearsal=rehearsal, plan=plans[0], gpu_plan=gpu_plan, shrunk=model.shrunk,
+                          full=model.full, tokenizer=model.tokenizer_choice, data=checked, metrics=metrics,
+                          checkpoint_dir=checkpoint, merged=merged, timings=timings, notes=notes, options=options)  # fmt: skip
+    (output / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print_report(report, echo)
+    echo(f"[llmtune] rehearsal report: {output / REPORT}")
+    return 0, report

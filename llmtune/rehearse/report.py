@@ -1,0 +1,285 @@
+"""What a rehearsal tells about the GPU run: the sizes and batch arithmetic, the data at full scale, whether the
+ranks saw distinct data, memory per rank (measured on the shrunken model beside the estimate of the same
+shape, then the estimate of the real one), the checkpoint's layout and size at full scale, and what the GPU run
+does that the rehearsal could not.
+
+Memory: `llmtune estimate`'s formulas (plan/estimate.py) are checked against what each rank really held
+(metrics.json ranks[].model_state_bytes) on the shrunken model, in fp32 as the rehearsal runs; the same formulas
+then give the real model's figure in the recipe's precision. Agreement within MEMORY_TOLERANCE is the check.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+MEMORY_TOLERANCE = 0.10  # what tests/integration/test_distributed.py requires of the estimate on 2 ranks
+# estimate rows whose model states are the same bytes as the row named, held on the CPU instead of the GPU
+SAME_STATES = {"ZeRO-2 + CPU offload": "ZeRO-2", "ZeRO-3 + CPU offload": "ZeRO-3", "ZeRO-3 + NVMe offload": "ZeRO-3"}
+GB = 1e9
+
+
+def _gb(value: float | None) -> str:
+    return "?" if value is None else f"{value / GB:.2f} GB" if value >= 0.1 * GB else f"{value / 1e6:.1f} MB"
+
+
+def parallel_sizes(plan) -> dict:
+    stages = plan.pipeline.stages if plan.pipeline else 1
+    accumulation = "micro-batches" if plan.pipeline else "accumulation"
+    return {"strategy": plan.title, "world_size": plan.world_size, "num_machines": plan.cluster.num_machines,
+            "processes_per_machine": plan.cluster.processes_per_machine, "data_parallel_size": plan.data_parallel_size,
+            "pipeline_stages": stages, "micro_batch_size": plan.micro_batch_size,
+            "gradient_accumulation_steps": plan.gradient_accumulation_steps, "global_batch_size": plan.global_batch_size,
+            "global_batch": f"{plan.global_batch_size} = micro {plan.micro_batch_size} x {accumulation} "
+                            f"{plan.gradient_accumulation_steps} x data-parallel {plan.data_parallel_size}"}  # fmt: skip
+
+
+def full_scale_data(recipe, plan, data) -> dict:
+    """The sampled rows' numbers at the recipe's sequence_len, and the full run's steps and tokens from them."""
+    from llmtune.train.arguments import steps_per_epoch
+
+    stats = data.stats
+    train_sources = [s for s in data.sources if s.label.startswith("datasets")]
+    sampled = sum(s.rows_sampled for s in train_sources)
+    totals = [None if s.stand_in else s.rows_total for s in train_sources]  # a stand-in says nothing of the size
+    total = None if None in totals else sum(totals)
+    rows = stats.get("train_rows") or stats.get("train_examples") or 0
+    full_rows = round(rows * total / sampled) if total is not None and sampled else None
+    sizes = {"micro_batch_size": plan.micro_batch_size, "data_parallel_size": plan.data_parallel_size,
+             "gradient_accumulation_steps": plan.gradient_accumulation_steps}  # fmt: skip
+    per_epoch = steps_per_epoch(full_rows, sizes) if full_rows else None
+    rows_per_step = plan.micro_batch_size * plan.data_parallel_size * plan.gradient_accumulation_steps
+    per_thousand = round(1000 * rows / sampled / rows_per_step, 2) if sampled else None
+    total_steps = recipe.max_steps or (math.ceil(per_epoch * recipe.num_epochs) if per_epoch else None)
+    fixed = recipe.sample_packing or recipe.pad_to_sequence_len
+    mean_tokens = stats.get("train_tokens", 0) / rows if rows else 0
+    return {
+        "sources": [
+            {
+                "label": s.label,
+                "path": s.path,
+                "rows_total": s.rows_total,
+                "rows_sampled": s.rows_sampled,
+                "stand_in": s.stand_in,
+            }
+            for s in data.sources
+        ],
+        "sampled": data.sampled,
+        "sequence_len": recipe.sequence_len,
+        "checked_at_real_sequence_len": stats,
+        "train_rows_full": full_rows,
+        "steps_per_epoch": per_epoch,
+        "total_steps": total_steps,
+        "steps_per_1000_source_rows": per_thousand,
+        "token_slots_per_step": plan.global_batch_size * recipe.sequence_len if fixed else None,
+        "real_tokens_per_step": round(plan.global_batch_size * mean_tokens),
+        "stand_in": any(s.stand_in for s in data.sources),
+    }
+
+
+def distinct_data(metrics: dict) -> dict:
+    batches = [r.get("first_batch") for r in metrics.get("ranks", []) if r.get("first_batch")]
+    if not batches:
+        return {"checked": False, "why": "this strategy's loop does not fingerprint first batches (pipeline)"}
+    return {"checked": True, "ranks": len(batches), "distinct_first_batches": len(set(batches)),
+            "ok": len(set(batches)) == len(batches)}  # fmt: skip
+
+
+def memory(recipe, rehearsal, plan, shrunk, gpu_memory: float, metrics: dict) -> dict:
+    """Measured model states per rank vs the estimate for the shrunken shape (fp32), and the full-scale figures."""
+    from llmtune.plan.estimate import estimate_recipe, row_for_plan
+
+    cluster = plan.cluster
+    name = row_for_plan(plan)
+    same = SAME_STATES.get(name, name)
+    small = estimate_recipe(rehearsal, cluster.processes_per_machine, cluster.num_machines, gpu_memory,
+                            facts=shrunk.shrunk, mixed=False)  # fmt: skip
+    full = estimate_recipe(recipe, cluster.processes_per_machine, cluster.num_machines, gpu_memory, facts=shrunk.full)
+    expected_row, full_same, full_row = small.row(same), full.row(same), full.row(name)
+    expected = expected_row.model_states + expected_row.step_copy
+    measured = [sum(r["model_state_bytes"].values()) for r in metrics.get("ranks", []) if r.get("model_state_bytes")]
+    result = {"estimate_row": name, "tolerance": MEMORY_TOLERANCE, "shrunk_estimate_bytes": expected,
+              "measured_bytes_per_rank": measured,
+              "full_model_states_per_rank_bytes": full_same.model_states + full_same.step_copy,
+              "full_gpu_total_per_rank_bytes": full_row.total, "full_gpu_allocated_per_rank_bytes": full_row.allocated,
+              "full_cpu_offload_per_machine_bytes": full_row.cpu, "full_nvme_per_machine_bytes": full_row.nvme,
+              "gpu_memory_bytes": gpu_memory, "fits": full.fits(full_row),
+              "recommended": full.choice[0].strategy if full.choice else None}  # fmt: skip
+    if not measured:
+        result.update(checked=False, why="this strategy's loop does not measure model states (pipeline)")
+    elif plan.strategy == "zero1":
+        result.update(checked=False, why="ZeRO-1's full gradients live only during backward, where the step-time "
+                                         "measurement can't see them")  # fmt: skip
+    else:
+        ratio = max(measured) / expected if expected else float("inf")
+        result.update(checked=True, ratio=ratio, ok=abs(ratio - 1) <= MEMORY_TOLERANCE,
+                      full_scaled_measurement_bytes=ratio * result["full_model_states_per_rank_bytes"])  # fmt: skip
+    return result
+
+
+_RANKED = [(re.compile(r"pp_rank_\d+"), "pp_rank_{r}"), (re.compile(r"__\d+_\d+\.distcp$"), "__{r}_0.distcp"),
+           (re.compile(r"rng_state_\d+"), "rng_state_{r}"), (re.compile(r"global_step\d+"), "global_step{N}"),
+           (re.compile(r"^stage-\d+\.pt$"), "stage-{s}.pt")]  # fmt: skip
+
+
+def _kind(relative: str) -> str:
+    lowered = relative.lower()
+    if "optim" in lowered:
+        return "optimizer"
+    # pipeline stages: a stage's trained weights and their optimizer states in one file, both scale alike
+    weights = (".safetensors", ".distcp", "model_states.pt")
+    if lowered.endswith(weights) or re.search(r"pytorch_model.*\.bin$|^stage-\d+\.pt$", lowered):
+        return "weights"
+    return "other"
+
+
+def checkpoint(recipe, plan, shrunk, folder: Path, trainable: int, total: int) -> dict:
+    """The checkpoint's files (rank numbers folded into {r}) and their size at full scale: weights scale with the
+    parameters they hold (in 16 bits where DeepSpeed keeps them so), optimizer states with the trainable ones."""
+    from llmtune.plan.estimate import is_mixed, trainable_parameters
+
+    full_trainable = trainable_parameters(recipe, shrunk.full)
+    basis = (full_trainable / trainable) if recipe.adapter else (shrunk.full.total_params() / total)
+    sixteen = plan.strategy.startswith("zero") and is_mixed(recipe)
+    scale = {"weights": basis * (0.5 if sixteen else 1.0), "optimizer": full_trainable / trainable, "other": 1.0}
+    groups: dict[str, dict] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        relative = str(path.relative_to(folder))
+        pattern = relative
+        for regex, replacement in _RANKED:
+            pattern = regex.sub(replacement, pattern)
+        group = groups.setdefault(pattern, {"files": 0, "bytes": 0, "kind": _kind(relative)})
+        group["files"] += 1
+        group["bytes"] += path.stat().st_size
+    measured = sum(g["bytes"] for g in groups.values())
+    full = sum(g["bytes"] * scale[g["kind"]] for g in groups.values())
+    return {"folder": folder.name, "layout": groups, "rehearsal_bytes": measured, "full_scale_bytes": full,
+            "scaling": {k: round(v, 2) for k, v in scale.items()}}  # fmt: skip
+
+
+def differences(recipe, rehearsal, plan, gpu_plan, shrunk, tokenizer, data) -> tuple[list[str], list[str]]:
+    """(what the GPU run does differently, what the rehearsal could not check)."""
+    different = [
+        f"precision: the GPU run computes in {gpu_plan.precision}; the rehearsal ran fp32",
+        f"collectives: NCCL on GPUs; gloo here ({plan.world_size} CPU processes"
+        + (f", {plan.cluster.num_machines} launchers on 127.0.0.1)" if plan.cluster.num_machines > 1 else ")"),
+        f"model: {shrunk.full.num_layers} layers, hidden {shrunk.full.hidden_size}, "
+        f"{shrunk.full.total_params() / 1e9:.2f}B parameters on GPUs; rehearsed with "
+        f"{', '.join(shrunk.changes)} ({shrunk.shrunk.total_params() / 1e6:.1f}M, random weights)",
+    ]
+    if gpu_plan.kernels.get("summary"):
+        different.append(f"kernels: {gpu_plan.kernels['summary']} on GPUs; off in the rehearsal")
+    if plan.strategy.startswith("zero"):
+        different.append("DeepSpeed: CUDA accelerator and pinned-memory offload on GPUs; its CPU accelerator here")
+    if rehearsal.sequence_len < recipe.sequence_len:
+        different.append(f"sequence_len: {recipe.sequence_len} on GPUs; the shrunken run packed/truncated rows to "
+                         f"{rehearsal.sequence_len} (the data itself was checked at {recipe.sequence_len})")  # fmt: skip
+    if recipe.load_in_4bit or recipe.load_in_8bit:
+        different.append("quantized base: bitsandbytes' CUDA kernels on GPUs; its CPU path here")
+    unchecked = ["activation, logits and allocator memory at full size (only model states are measured here; "
+                 "the estimate's GPU terms are calibrated on an H100, see docs/estimate.md)",
+                 "speed: step time and throughput on CPU say nothing about the GPUs",
+                 "failures only NCCL or CUDA shows (a collective on a CPU tensor, out-of-memory)"]  # fmt: skip
+    if not tokenizer.real:
+        unchecked.append(f"the real tokenizer: {tokenizer.note}")
+    unchecked += [n for n in data.notes]
+    if data.sampled:
+        unchecked.append("rows past the sample (the first rows of each source were read)")
+    return different, unchecked
+
+
+def build_report(*, recipe, rehearsal, plan, gpu_plan, shrunk, full, tokenizer, data, metrics, checkpoint_dir,
+                 merged, timings, notes, options) -> dict:  # fmt: skip
+    from llmtune.plan.estimate import parse_size_option
+
+    gpu_memory = parse_size_option("--gpu-memory", options.gpu_memory)
+    losses = [e["loss"] for e in metrics.get("log_history", []) if "loss" in e]
+    different, unchecked = differences(recipe, rehearsal, plan, gpu_plan, shrunk, tokenizer, data)
+    return {
+        "recipe": recipe.base_model,
+        "parallel": parallel_sizes(gpu_plan),
+        "model": {
+            "config_from": full.source,
+            "full": vars(shrunk.full),
+            "shrunk": vars(shrunk.shrunk),
+            "changes": shrunk.changes,
+            "full_parameters": shrunk.full.total_params(),
+            "shrunk_parameters": shrunk.shrunk.total_params(),
+            "folder": rehearsal.base_model,
+        },  # fmt: skip
+        "tokenizer": {"location": tokenizer.location, "real": tokenizer.real, "note": tokenizer.note},
+        "data": full_scale_data(recipe, gpu_plan, data),
+        "ranks": distinct_data(metrics),
+        "memory": memory(recipe, rehearsal, plan, shrunk, gpu_memory, metrics),
+        "checkpoint": checkpoint(
+            recipe, plan, shrunk, checkpoint_dir, metrics["trainable_parameters"], metrics["total_parameters"]
+        ),  # fmt: skip
+        "run": {
+            "steps": metrics.get("steps"),
+            "stopped_after_step": int(checkpoint_dir.name.rsplit("-", 1)[-1]),
+            "resumed_from": metrics.get("resumed_from"),
+            "losses": losses,
+            "final_loss": metrics.get("final_loss"),
+            "merged": str(merged.output),
+            "merged_bytes": merged.total_bytes,
+            "merged_shards": len(merged.shards),
+            "output": str(Path(rehearsal.output_dir)),
+        },  # fmt: skip
+        "gpu_run_differs": different,
+        "not_checked": unchecked,
+        "notes": notes,
+        "timings_s": timings,
+    }
+
+
+def report_lines(report: dict) -> list[tuple[str, str]]:
+    par, data, ranks, mem, ckpt, run = (report[k] for k in ("parallel", "data", "ranks", "memory", "checkpoint", "run"))
+    lines = [("world", f"{par['world_size']} = {par['num_machines']} machine(s) x {par['processes_per_machine']}; "
+                       f"data parallel {par['data_parallel_size']}, pipeline stages {par['pipeline_stages']}"),
+             ("global batch", par["global_batch"])]  # fmt: skip
+    per_epoch = data["steps_per_epoch"]
+    unknown = " (the dataset's size is unknown" + (": STAND-IN data)" if data["stand_in"] else ")")
+    lines.append(("full run", f"{per_epoch or '?'} steps per epoch, {data['total_steps'] or '?'} steps in all"
+                              f"{'' if per_epoch else unknown}; {data['steps_per_1000_source_rows']} steps per 1,000 "
+                              "rows of data"))  # fmt: skip
+    slots = f"{data['token_slots_per_step']:,} token slots, " if data["token_slots_per_step"] else ""
+    lines.append(("tokens/step", f"{slots}~{data['real_tokens_per_step']:,} real tokens"))
+    stats = data["checked_at_real_sequence_len"]
+    sample = "a sample: the first rows of each source" if data["sampled"] else "every row"
+    packing = f", packing efficiency {stats['packing_efficiency']:.1%}" if stats.get("packing_efficiency") else ""
+    lines.append(("data", f"{stats['rows']} rows read ({sample}) at sequence_len {data['sequence_len']}: "
+                          f"{stats['train_examples']} train / {stats['eval_examples']} eval examples, "
+                          f"{stats['dropped_too_long']} too long, {stats['dropped_no_labels']} without trained "
+                          f"tokens{packing}"))  # fmt: skip
+    if ranks["checked"]:
+        lines.append(("ranks", f"{ranks['distinct_first_batches']} distinct first batches of {ranks['ranks']} ranks"
+                               + ("" if ranks["ok"] else ": SOME RANKS SAW THE SAME DATA")))  # fmt: skip
+    if mem.get("checked"):
+        verdict = "agree" if mem["ok"] else "DISAGREE"
+        lines.append(("model states", f"measured {_gb(max(mem['measured_bytes_per_rank']))} per rank vs estimate "
+                                      f"{_gb(mem['shrunk_estimate_bytes'])} for the shrunken model ({mem['ratio']:.3f}x: "
+                                      f"{verdict} within {mem['tolerance']:.0%})"))  # fmt: skip
+    offload = mem["full_cpu_offload_per_machine_bytes"]
+    where = " (in CPU memory: offloaded)" if offload else ""
+    lines.append(("full scale", f"{mem['estimate_row']}: model states {_gb(mem['full_model_states_per_rank_bytes'])} "
+                                f"per rank{where}; estimated GPU total {_gb(mem['full_gpu_total_per_rank_bytes'])} per GPU"
+                                + (f", CPU offload {_gb(offload)} per machine" if offload else "")
+                                + f"; {'fits' if mem['fits'] else 'does NOT fit'} {_gb(mem['gpu_memory_bytes'])} GPUs"))  # fmt: skip
+    layout = ", ".join(f"{name}{' x' + str(g['files']) if g['files'] > 1 else ''}"
+                       for name, g in ckpt["layout"].items() if g["kind"] != "other")  # fmt: skip
+    lines.append(("checkpoint", f"{ckpt['folder']}: {layout}; {_gb(ckpt['rehearsal_bytes'])} here, "
+                                f"~{_gb(ckpt['full_scale_bytes'])} at full scale"))  # fmt: skip
+    lines.append(("run", f"{run['steps']} steps, stopped after step {run['stopped_after_step']} and resumed; "
+                         f"losses {', '.join(f'{x:.3f}' for x in run['losses'])}; merged {_gb(run['merged_bytes'])}"))  # fmt: skip
+    lines += [("gpu differs", text) for text in report["gpu_run_differs"]]
+    lines += [("not checked", text) for text in report["not_checked"]]
+    lines.append(("time", ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in report["timings_s"].items())))
+    return lines
+
+
+def print_report(report: dict, echo: Callable[[str], None]) -> None:
+    echo("rehearsal report")
+    for key, value in report_lines(report):
+        echo(f"{key:>14}  {value}")
