@@ -99,10 +99,6 @@ def sum_values(values: list[float], group=None) -> list[float]:
     return [float(v) for v in reduced.tolist()]
 
 
-def all_reduce_sum(value: float) -> float:
-    return sum_values([value])[0]
-
-
 def any_rank(flag: bool) -> bool:
     """True on every rank when at least one rank says True (stop requests, non-finite losses)."""
     return sum_values([float(flag)])[0] > 0
