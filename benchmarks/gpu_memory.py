@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -151,6 +152,8 @@ def measured(recipe_path: Path, out: Path, processes: int) -> dict:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         return {"error": f"exit {done.returncode}: {last[:300]}"}
     ranks = [r for r in json.loads((out / "metrics.json").read_text()).get("ranks", []) if "cuda_max_reserved_bytes" in r]
+    for saved in [*out.glob("*.safetensors"), *out.glob("checkpoint-*"), *out.glob("pytorch_model*")]:
+        shutil.rmtree(saved) if saved.is_dir() else saved.unlink()  # a 1B/8B matrix would fill the disk
     if not ranks:
         return {"error": "metrics.json has no cuda_max_*_bytes (a worker without CUDA peak recording)"}
     return {"measured_allocated_bytes": max(r["cuda_max_allocated_bytes"] for r in ranks),
@@ -224,6 +227,8 @@ def main() -> None:
               f"{gb(row.total - row.overhead)} {gb(resv)} {ratio(row.total - row.overhead, resv):>6} "
               f"{gb(row.total)}" + (f"  {result['error']}" if "error" in result else ""))  # fmt: skip
         rows.append(result)
+        with (args.work / "rows.jsonl").open("a") as log:  # a matrix cut off by a time limit keeps its rows
+            log.write(json.dumps(result) + "\n")
     if rows and not args.estimate_only:
         record("gpu_memory", {"rows": rows})
 

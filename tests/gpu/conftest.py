@@ -7,6 +7,7 @@ recorded in RESULTS.md.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -75,4 +76,6 @@ def pytest_sessionfinish(session, exitstatus):
         *[f"| {name} | {outcome} | {seconds:.1f} |" for name, outcome, seconds in _outcomes],
         "",
     ]
-    (HERE / "last-run.md").write_text("\n".join(lines))
+    # LLMTUNE_GPU_RUN_FILE: where to write it instead (several pytest groups sharing one GPU at once)
+    target = Path(os.environ.get("LLMTUNE_GPU_RUN_FILE") or HERE / "last-run.md")
+    target.write_text("\n".join(lines))
