@@ -73,7 +73,7 @@ def train(
                             device, launcher, hostfile, no_ssh, list(ctx.args))  # fmt: skip
         return
     from llmtune.launch.net import free_port
-    from llmtune.launch.preflight import check_trackers, finished_run, memory_check
+    from llmtune.launch.preflight import check_nvme_offload, check_trackers, finished_run, memory_check
     from llmtune.launch.runner import run
     from llmtune.plan import make_plan
     from llmtune.plan.files import plan_files, write_plan_files
@@ -94,6 +94,7 @@ def train(
     cluster = cluster_from_flags(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device,
                                  rehearse, launcher, hostfile, no_ssh)  # fmt: skip
     the_plan = make_plan(loaded.recipe, cluster)
+    check_nvme_offload(the_plan)
     fit = None if no_memory_check else memory_check(loaded.recipe, the_plan, gpu_memory)
     files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
     for key, value in summary_lines(the_plan, loaded.recipe):

@@ -42,6 +42,31 @@ def finished_run(recipe) -> str | None:
             "or set auto_resume_from_checkpoints: false")  # fmt: skip
 
 
+def check_nvme_offload(plan, compatible=None) -> None:
+    """ZeRO-Infinity swaps to NVMe through DeepSpeed's async_io op, which builds only where libaio and its headers
+    are: without them every rank dies after loading the model (measured on an H100 image). Say so first."""
+    if plan.offload != "nvme" or plan.cluster.device != "cuda":
+        return  # CPU rehearsal runs the NVMe config through DeepSpeed's CPU accelerator, which checks for itself
+    if compatible is None:
+        compatible = async_io_builds
+    if not compatible():
+        raise UserError("NVMe offload needs DeepSpeed's async_io op, which can't build on this machine (libaio and "
+                        "its headers not found)", "install libaio-dev (apt) or libaio-devel (dnf), or offload to "
+                        "cpu (deepspeed: zero3_offload)")  # fmt: skip
+
+
+def async_io_builds() -> bool:
+    import contextlib
+    import io
+
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except Exception:  # no deepspeed at all: the plan's own import fails with its own message
+        return True
+    with contextlib.redirect_stdout(io.StringIO()):  # its warnings go to stdout; our message replaces them
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
 def memory_check(recipe, plan, gpu_memory: str | None) -> str | None:
     """On GPUs (or when --gpu-memory is given), refuse a plan the estimate says can't fit; else the fit, in words."""
     from llmtune.plan.estimate import check_fits, gpu_memory_of_this_machine, parse_size_option

@@ -13,7 +13,8 @@ def _millions(n: int) -> str:
 
 def summary_lines(plan: Plan, recipe) -> list[tuple[str, str]]:
     cluster = plan.cluster
-    device = "cpu rehearsal (gloo)" if cluster.rehearsal else "cuda (NCCL)"
+    device = ("cpu rehearsal (gloo)" if cluster.rehearsal else "cuda (NCCL)" if cluster.backend == "nccl"
+              else "cuda (gloo: ranks share GPUs, for tests)")  # fmt: skip
     if plan.strategy.startswith("zero") and cluster.rehearsal:
         device += ", DS_ACCELERATOR=cpu"
     rows = [

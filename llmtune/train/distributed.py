@@ -68,6 +68,13 @@ def _gloo_on_gpu(collective_timeout: int) -> dict:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=collective_timeout))
+    # accelerate's wait_for_everyone passes device_ids=[local rank] on every multi-GPU path: with more ranks than
+    # GPUs, rank 1 names a GPU that doesn't exist (measured on an H100: "invalid device ordinal")
+    from accelerate.state import PartialState
+
+    from llmtune.train import collectives
+
+    PartialState.wait_for_everyone = lambda self: collectives.barrier()
     return {"ddp_backend": "gloo"}
 
 

@@ -114,5 +114,8 @@ def cuda_peaks() -> dict[str, int]:
 
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return {}
+    import os
+
     return {"cuda_max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
-            "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved())}  # fmt: skip
+            "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")}  # fmt: skip

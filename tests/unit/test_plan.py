@@ -148,3 +148,20 @@ def test_gloo_on_a_gpu_lets_ranks_share_it_and_refuses_a_pipeline(monkeypatch):
     assert make_plan(recipe(deepspeed="zero3"), shared).strategy == "zero3"
     with pytest.raises(UserError, match="send/recv, which gloo cannot do on CUDA tensors"):
         make_plan(recipe(pipeline_parallel_size=2), shared)
+
+
+def test_nvme_offload_on_gpus_is_refused_where_async_io_cannot_build():
+    """Measured on an H100 image without libaio: every rank died after loading the model. Now: one line, first."""
+    from llmtune.launch.preflight import check_nvme_offload
+
+    nvme = recipe(deepspeed="zero3_nvme", offload_nvme_path="/local/nvme")
+    on_gpus = make_plan(nvme, make_cluster(num_processes=2, device="cuda"))
+    assert on_gpus.offload == "nvme"
+    with pytest.raises(UserError) as refused:
+        check_nvme_offload(on_gpus, compatible=lambda: False)
+    assert "async_io" in str(refused.value) and "libaio-dev" in refused.value.hint
+    check_nvme_offload(on_gpus, compatible=lambda: True)  # libaio present: no objection
+    rehearsal = make_plan(nvme, make_cluster(num_processes=2, device="cpu"))
+    check_nvme_offload(rehearsal, compatible=lambda: False)  # CPU rehearsal: not this check's business
+    cpu_offload = make_plan(recipe(deepspeed="zero3_offload"), make_cluster(num_processes=2, device="cuda"))
+    check_nvme_offload(cpu_offload, compatible=lambda: False)
