@@ -42,13 +42,19 @@ def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
     strategy = plan["strategy"]
     kwargs: dict = {}
     if world > 1 and (plan["cluster"]["device"], backend) == ("cuda", "gloo"):
-        kwargs.update(_gloo_on_gpu(collective_timeout))
+        kwargs.update(_gloo_on_gpu(collective_timeout, local_rank))
     if plan["cluster"]["device"] == "cpu" and (world > 1 or strategy.startswith(("zero", "fsdp"))):
         from llmtune.train import rehearsal
 
         kwargs.update(rehearsal.configure(strategy))
     if strategy.startswith("zero"):
         kwargs["deepspeed"] = str(Path(plan["config_dir"]) / "deepspeed.json")
+        arch_list = arch_list_for_deepspeed(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+        if arch_list is not None and plan["cluster"]["device"] == "cuda":
+            if rank == 0:
+                print(f"[llmtune] TORCH_CUDA_ARCH_LIST {os.environ['TORCH_CUDA_ARCH_LIST']!r} -> {arch_list!r} for "
+                      "DeepSpeed's op builder, which can't read arch suffixes", file=sys.stderr, flush=True)  # fmt: skip
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
     elif strategy.startswith("fsdp"):
         config = trainer_fsdp_config(plan["accelerate_config"]["fsdp_config"])
         if plan["cluster"]["device"] == "cpu":
@@ -59,22 +65,37 @@ def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
     return RankInfo(rank, local_rank, world, kwargs)
 
 
-def _gloo_on_gpu(collective_timeout: int) -> dict:
+def arch_list_for_deepspeed(value: str | None) -> str | None:
+    """TORCH_CUDA_ARCH_LIST without arch-specific suffixes ("9.0a" -> "9.0"), or None when nothing needs it.
+
+    DeepSpeed 0.19.8 builds its ops (async_io for NVMe offload, ...) for the listed archs and parses each minor
+    number with int(): "9.0a", which Hopper images set, fails as "invalid literal for int() with base 10: '0a'"
+    (measured on an H100, in zero.Init). The suffix only unlocks instructions those ops don't use.
+    """
+    import re
+
+    if not value:
+        return None
+    parts = [part for part in re.split(r"[;\s]+", value.strip()) if part]
+    fixed = [re.sub(r"^(\d+)\.(\d+)[a-z]+", r"\1.\2", part) for part in parts]
+    return ";".join(dict.fromkeys(fixed)) if fixed != parts else None
+
+
+def _gloo_on_gpu(collective_timeout: int, local_rank: int) -> dict:
     """Ranks sharing a GPU: form the group with gloo before accelerate would pick NCCL (which refuses two ranks
-    on one GPU). accelerate, DeepSpeed and FSDP then find it formed; tensors stay on the GPU."""
+    on one GPU). accelerate, DeepSpeed and FSDP then find it formed; tensors stay on the GPU.
+
+    accelerate's barrier (device_ids=[LOCAL_RANK]), the Trainer's DDP (device_ids) and DeepSpeed's set_device all
+    take LOCAL_RANK for a GPU index: with more ranks than GPUs, rank 1 names a GPU that doesn't exist (measured on
+    an H100: "invalid device ordinal", three places). So LOCAL_RANK becomes the GPU this rank shares."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=collective_timeout))
-    # accelerate's wait_for_everyone passes device_ids=[local rank] on every multi-GPU path: with more ranks than
-    # GPUs, rank 1 names a GPU that doesn't exist (measured on an H100: "invalid device ordinal")
-    from accelerate.state import PartialState
-
-    from llmtune.train import collectives
-
-    PartialState.wait_for_everyone = lambda self: collectives.barrier()
+    os.environ["LOCAL_RANK"] = str(local_rank % max(torch.cuda.device_count(), 1))
     return {"ddp_backend": "gloo"}
 
 

@@ -24,6 +24,14 @@ def model_source(recipe) -> tuple[str, str | None]:
     return name, None
 
 
+def raised_inside(err: BaseException, package: str) -> bool:
+    """Whether the innermost frames of err's traceback lie in that package."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and f"/{package}/" in frames[-1].filename.replace("\\", "/")
+
+
 def _hub_error(err: Exception, what: str, name: str) -> UserError:
     first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
     return UserError(f"could not load the {what} from '{name}' ({first})",
@@ -154,6 +162,8 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
             _checkpoint_quantization(recipe, kwargs, log)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:
+        if raised_inside(err, "deepspeed"):
+            raise  # DeepSpeed's own failure under zero.Init (an op build, an offload path): not the model's source
         raise _hub_error(err, "model", source) from None
     if recipe.model_type and not recipe.model_type.startswith("Auto") and type(model).__name__ != recipe.model_type:
         raise UserError(f"model_type is {recipe.model_type} but {source} loads as {type(model).__name__}",

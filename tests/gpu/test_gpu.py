@@ -82,9 +82,10 @@ def assert_learned_and_reloads(metrics: dict, output_dir: Path, probe: Path, bas
     # The probe ran in the run's precision (bf16 autocast, or FSDP's bf16 parameters): a reload in the saved dtype
     # differs by bf16 rounding, measured 0.013-0.018 at a logit scale of 3.8 on an H100. A save that lost the
     # training would reload to the base model, which the same tolerance must tell apart.
-    tolerance = 2e-2 * scale
+    # An adapter's base reloads in bf16 (all its compute in bf16, not autocast): measured 0.027 at scale 1.0.
+    tolerance = (5e-2 if (output_dir / "adapter_config.json").exists() else 2e-2) * scale
     assert (logits - recorded["logits"]).abs().max().item() <= tolerance
-    assert (base_logits(base, recorded["input_ids"]) - recorded["logits"]).abs().max().item() > 5 * tolerance
+    assert (base_logits(base, recorded["input_ids"]) - recorded["logits"]).abs().max().item() > 3 * tolerance
     ranks = metrics["ranks"]
     assert all(r["cuda_max_allocated_bytes"] > 0 and r["cuda_max_reserved_bytes"] >= r["cuda_max_allocated_bytes"]
                for r in ranks)  # fmt: skip
@@ -210,7 +211,9 @@ def test_kill_9_mid_run_then_resume(make_recipe):
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     metrics = read_metrics(recipe)
     assert metrics["resumed_from"] == str(out / "checkpoint-6") and metrics["steps"] == 12
-    assert min(e["step"] for e in metrics["log_history"] if "loss" in e) == 7
+    # the history carries the killed run's steps 1-6 from the checkpoint, then the resumed run's own 7-12
+    assert sorted(e["step"] for e in metrics["log_history"] if "loss" in e) == list(range(1, 13))
+    assert f"resuming from {out / 'checkpoint-6'}" in resumed.stderr
 
 
 def test_merge_eval_and_infer_on_the_gpu(make_recipe, alpaca_file, tmp_path):

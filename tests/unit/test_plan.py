@@ -45,7 +45,12 @@ def test_plan_write_gives_files_plain_accelerate_can_use(run_cli, write_recipe, 
     out = tmp_path / "cfg"
     result = run_cli("plan", write_recipe({"deepspeed": "zero2"}), "--num-processes", "2", "--write", out)
     assert result.code == 0, result.err
-    assert {p.name for p in out.iterdir()} == {"plan.json", "recipe.resolved.yaml", "accelerate_config.yaml", "deepspeed.json"}
+    assert {p.name for p in out.iterdir()} == {
+        "plan.json",
+        "recipe.resolved.yaml",
+        "accelerate_config.yaml",
+        "deepspeed.json",
+    }
     import yaml
 
     accel = yaml.safe_load((out / "accelerate_config.yaml").read_text())
@@ -71,8 +76,13 @@ def test_strategy_choice(changes, world, strategy):
 
 
 def test_inline_deepspeed_auto_values_are_filled():
-    ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}, "train_batch_size": "auto",
-          "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}, "scheduler": {"type": "WarmupLR"}}
+    ds = {
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "bf16": {"enabled": "auto"},
+        "scheduler": {"type": "WarmupLR"},
+    }
     plan = make_plan(recipe(deepspeed=ds, micro_batch_size=3, gradient_accumulation_steps=2, bf16=True),
                      make_cluster(4, device="cuda"))  # fmt: skip
     config = plan.deepspeed_config
@@ -83,7 +93,9 @@ def test_inline_deepspeed_auto_values_are_filled():
 
 
 def test_multi_node_commands_differ_only_in_machine_rank():
-    cluster = make_cluster(4, num_machines=2, machine_rank=1, main_process_ip="10.1.2.3", main_process_port=29555, device="cuda")
+    cluster = make_cluster(
+        4, num_machines=2, machine_rank=1, main_process_ip="10.1.2.3", main_process_port=29555, device="cuda"
+    )
     plan = make_plan(recipe(adapter="lora"), cluster)
     assert len(plan.commands) == 2
     assert plan.commands[0][plan.commands[0].index("--machine_rank") + 1] == "0"
@@ -99,8 +111,16 @@ def test_cpu_rehearsal_environment():
 
 
 def test_pipeline_split_and_bubble(tmp_path):
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 6,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 512,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     plan = make_plan(recipe(base_model=str(tmp_path), pipeline_parallel_size=2, pipeline_microbatches=4),
                      make_cluster(4, device="cuda"))  # fmt: skip
@@ -165,3 +185,28 @@ def test_nvme_offload_on_gpus_is_refused_where_async_io_cannot_build():
     check_nvme_offload(rehearsal, compatible=lambda: False)  # CPU rehearsal: not this check's business
     cpu_offload = make_plan(recipe(deepspeed="zero3_offload"), make_cluster(num_processes=2, device="cuda"))
     check_nvme_offload(cpu_offload, compatible=lambda: False)
+
+
+@pytest.mark.parametrize(("value", "fixed"), [("9.0a", "9.0"), ("8.0;9.0a+PTX", "8.0;9.0+PTX"), ("9.0 10.0f", "9.0;10.0"),
+                                              ("8.0;9.0", None), ("", None), (None, None), ("9.0+PTX", None)])  # fmt: skip
+def test_arch_list_for_deepspeed_drops_arch_suffixes(value, fixed):
+    from llmtune.train.distributed import arch_list_for_deepspeed
+
+    assert arch_list_for_deepspeed(value) == fixed
+
+
+def test_errors_raised_inside_deepspeed_are_not_blamed_on_the_model_source():
+    from llmtune.train.model import raised_inside
+
+    namespace: dict = {}
+    exec(
+        compile("def fail():\n    int('0a')\n", "/site-packages/deepspeed/ops/op_builder/builder.py", "exec"), namespace
+    )
+    try:
+        namespace["fail"]()
+    except ValueError as err:
+        assert raised_inside(err, "deepspeed") and not raised_inside(err, "transformers")
+    try:
+        int("0a")
+    except ValueError as err:
+        assert not raised_inside(err, "deepspeed")
