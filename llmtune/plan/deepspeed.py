@@ -15,6 +15,9 @@ from llmtune.errors import UserError
 from llmtune.plan.model_facts import ModelFacts
 from llmtune.recipe.paths import on_disk, preset_for_axolotl_file
 
+# ZeRO-3's live-parameter budget in elements (DeepSpeed's default): the estimate counts it as gathered memory
+MAX_LIVE_PARAMETERS = 1_000_000_000
+
 
 @dataclass(frozen=True)
 class ZeroPreset:
@@ -75,7 +78,7 @@ def _preset_zero(preset: ZeroPreset, recipe, facts: ModelFacts | None) -> dict:
         zero.update(
             stage3_prefetch_bucket_size=int(0.9 * bucket),
             stage3_param_persistence_threshold=10 * hidden if hidden else 100_000,
-            stage3_max_live_parameters=1_000_000_000,
+            stage3_max_live_parameters=MAX_LIVE_PARAMETERS,
             stage3_max_reuse_distance=1_000_000_000,
             stage3_gather_16bit_weights_on_model_save=True,
             sub_group_size=1_000_000_000,

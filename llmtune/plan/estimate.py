@@ -15,6 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from llmtune.plan import gpu_memory as gpu
+from llmtune.plan.deepspeed import MAX_LIVE_PARAMETERS
 from llmtune.plan.gpu_memory import CUDA_CONTEXT, GB
 from llmtune.plan.model_facts import ModelFacts
 from llmtune.plan.recommend import recommend
@@ -129,16 +130,19 @@ class Estimate:
         return self.allocated + self.reserve + self.overhead
 
 
-def with_reserve(row: Estimate, idle_at_loss: float, fraction: float) -> Estimate:
+def with_reserve(row: Estimate, idle_at_loss: float, allocator: gpu.Allocator) -> Estimate:
     """The row with the caching allocator's reserve: max_memory_reserved - max_memory_allocated.
 
-    Blocks the allocator caches but can't use at the loss (idle_at_loss: the 16-bit logits' block, the layer
-    working set that checkpointed forwards free before the loss, DeepSpeed's flat gradient buffers) plus
-    fragmentation, a fraction of the transient bytes (allocated and freed within a step)."""
+    Expandable segments (llmtune's default): a base plus a fraction of the transient bytes (allocated and freed
+    within a step). Otherwise blocks the allocator caches but can't use at the loss (idle_at_loss: the 16-bit
+    logits' block, the layer working set that checkpointed forwards free before the loss, DeepSpeed's flat
+    gradient buffers) plus fragmentation, a fraction of the transient bytes."""
     row = replace(row, reserve=0.0)
-    reserved = max(row.at_loss + idle_at_loss, row.in_backward, row.at_step)
     transient = row.allocated - row.persistent
-    return replace(row, reserve=reserved - row.allocated + fraction * transient)
+    if allocator.expandable:
+        return replace(row, reserve=allocator.base + allocator.fraction * transient)
+    reserved = max(row.at_loss + idle_at_loss, row.in_backward, row.at_step)
+    return replace(row, reserve=reserved - row.allocated + allocator.fraction * transient)
 
 
 def is_mixed(recipe) -> bool:
@@ -193,17 +197,24 @@ def _layout(recipe, facts: ModelFacts, mixed: bool, sixteen_bit: bool, trainable
 
 
 def _gpu_row(base: Estimate, layout: _Layout, held: float, comm: float, temporaries: float, idle_flat: float,
-             fraction: float, share: float = 1.0) -> Estimate:  # fmt: skip
+             allocator: gpu.Allocator, share: float = 1.0) -> Estimate:  # fmt: skip
     acts = layout.acts
     row = replace(base, activations=acts.saved, logits=acts.logits, weight_copies=layout.copies * share,
                   held_grads=held, comm=comm, temporaries=temporaries, recompute=acts.recompute)  # fmt: skip
-    return with_reserve(row, acts.idle_logits + acts.recompute + idle_flat, fraction)
+    return with_reserve(row, acts.idle_logits + acts.recompute + idle_flat, allocator)
 
 
 def estimate(
-    recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: int, stages: int = 1, mixed: bool | None = None
+    recipe,
+    facts: ModelFacts,
+    data_parallel: int,
+    gpus_per_machine: int,
+    stages: int = 1,
+    mixed: bool | None = None,
+    expandable: bool | None = None,
 ) -> list[Estimate]:
-    """One Estimate per strategy, per GPU. `mixed` overrides the recipe's precision (CPU rehearsals run fp32)."""
+    """One Estimate per strategy, per GPU. `mixed` overrides the recipe's precision (CPU rehearsals run fp32);
+    `expandable` the allocator mode, which otherwise follows PYTORCH_CUDA_ALLOC_CONF as the workers will."""
     mixed = is_mixed(recipe) if mixed is None else mixed
     params, grads, optimizer = _states(recipe, facts, mixed, deepspeed=False)
     zp, zg, zo = _states(recipe, facts, mixed, deepspeed=True)
@@ -212,6 +223,13 @@ def estimate(
     width = 2.0 if mixed else 4.0
     # gathered while a layer runs: its params, and their grads unless the base is frozen
     largest = width * (1 if recipe.adapter else 2) * max(facts.layer_params(), facts.embedding_params())
+    # ZeRO-3 keeps gathered parameters alive up to stage3_max_live_parameters (llmtune's presets: 1e9, with a
+    # reuse distance as long): a 1B model stays gathered through forward and backward. Offloaded, every live
+    # parameter is a GPU copy (measured on an H100: 1B full fine-tune, ZeRO-3 + CPU offload, 1.7 GB above the
+    # one-layer count); on the GPU, this rank's own partition is among them.
+    live = width * min(MAX_LIVE_PARAMETERS, facts.total_params())
+    gathered_zero3 = max(largest, live * (1 - 1 / n))
+    gathered_offload = max(largest, live)
     # DeepSpeed flattens each param group's gradient partition to fp32 before stepping it (measured; and
     # the "4_grads_32bit" of its own estimate functions); with offload that copy lives on the CPU.
     trainable = trainable_parameters(recipe, facts)
@@ -221,10 +239,10 @@ def estimate(
         ("single / DDP",               params, grads,   optimizer, 0.0, 0.0, 0.0, 0.0),
         ("ZeRO-1",                     zp,     zg,      zo / n,    0.0, 0.0, 0.0, fp32_grads / n),
         ("ZeRO-2",                     zp,     zg / n,  zo / n,    0.0, 0.0, 0.0, fp32_grads / n),
-        ("ZeRO-3",                     zp / n, zg / n,  zo / n,    0.0, 0.0, largest, fp32_grads / n),
+        ("ZeRO-3",                     zp / n, zg / n,  zo / n,    0.0, 0.0, gathered_zero3, fp32_grads / n),
         ("ZeRO-2 + CPU offload",       zp,     0.0,     0.0,       (zg + fp32_grads + zo) / n * per_machine, 0.0, 0.0, 0.0),
-        ("ZeRO-3 + CPU offload",       0.0,    0.0,     0.0,       (zp + zg + fp32_grads + zo) / n * per_machine, 0.0, largest, 0.0),
-        ("ZeRO-3 + NVMe offload",      0.0,    0.0,     0.0,       (zg + fp32_grads) / n * per_machine, (zp + zo) / n * per_machine, largest, 0.0),
+        ("ZeRO-3 + CPU offload",       0.0,    0.0,     0.0,       (zp + zg + fp32_grads + zo) / n * per_machine, 0.0, gathered_offload, 0.0),
+        ("ZeRO-3 + NVMe offload",      0.0,    0.0,     0.0,       (zg + fp32_grads) / n * per_machine, (zp + zo) / n * per_machine, gathered_offload, 0.0),
         ("FSDP full shard",            params / n, grads / n, optimizer / n, 0.0, 0.0, largest, 0.0),
         ("FSDP shard grad op",         params, grads / n, optimizer / n, 0.0, 0.0, 0.0, 0.0),
         ("FSDP hybrid shard",          params / per_machine, grads / per_machine, optimizer / per_machine, 0.0, 0.0, largest, 0.0),
@@ -260,8 +278,9 @@ def estimate(
         "FSDP shard grad op":    (sixteen, held(grads / n),    0.0,         scratch / n,           0.0),
         "FSDP hybrid shard":     (sixteen, held(grads / per_machine), 0.0,  scratch / per_machine, 0.0),
     }  # fmt: skip
-    fraction = gpu.reserve_fraction(recipe)
-    estimates = [_gpu_row(Estimate(name, p, g, o, 0.0, CUDA_CONTEXT, cpu, nvme, gathered, step), *extras[name], fraction)
+    expandable = gpu.expandable_segments(os.environ) if expandable is None else expandable
+    estimates = [_gpu_row(Estimate(name, p, g, o, 0.0, CUDA_CONTEXT, cpu, nvme, gathered, step), *extras[name],
+                          gpu.allocator(recipe, expandable, fsdp=name.startswith("FSDP")))
                  for name, p, g, o, cpu, nvme, gathered, step in rows]  # fmt: skip
     if stages > 1:
         # balanced stages, but a stage holds at least one whole layer (or the embeddings); its micro-batches'
@@ -271,7 +290,8 @@ def estimate(
         stage = _layout(recipe, facts, mixed, False, trainable, stages)
         base = Estimate(f"pipeline ({stages} stages, per stage)", params * share, grads * share, optimizer * share,
                         0.0, CUDA_CONTEXT, 0.0, 0.0)  # fmt: skip
-        estimates.append(_gpu_row(base, stage, grads * share, 0.0, scratch * share, 0.0, fraction, share))
+        estimates.append(_gpu_row(base, stage, grads * share, 0.0, scratch * share, 0.0,
+                                  gpu.allocator(recipe, expandable), share))  # fmt: skip
     return estimates
 
 

@@ -16,17 +16,49 @@ from llmtune.plan.model_facts import ModelFacts
 
 GB = 1e9
 # The CUDA context (driver state, kernel images of torch/cuBLAS/NCCL) lives outside the caching allocator, so
-# max_memory_reserved never shows it (PyTorch's notes on memory_allocated/memory_reserved). pytorch/pytorch#34323
-# measured 781 MB for torch's context alone; issue 17 puts it at 0.5-1 GB on an H100.
-CUDA_CONTEXT = 0.75 * GB
-# Fragmentation: reserved exceeds allocated by a fraction of the transient bytes (allocated and freed within a
-# step), beyond the idle blocks counted one by one (estimate.with_reserve). Fixed shapes (packed rows, or rows
-# padded to sequence_len) replay the same allocations every step and fragment little; variable-length padded
-# batches change shapes every step. Issue 17's packed runs bound the fixed fraction to 0.035-0.13 (QLoRA 8B
-# needs at least 0.035 to stay within 5% of its reserved peak, the full 1B fine-tune at most 0.13 to stay
-# within 10%, context included); the padded 1B run, the same as the packed one but for the batches, measured
-# 0.31 (7.8 GB reserved beyond its idle blocks, over 25 GB of transient).
-RESERVE_FRACTION = {"fixed": 0.10, "variable": 0.30}
+# max_memory_reserved never shows it (PyTorch's notes on memory_allocated/memory_reserved). Measured alone on an
+# H100 (torch 2.11+cu130), after one matmul: 718 MB.
+CUDA_CONTEXT = 0.72 * GB
+# The caching allocator's reserve beyond the allocated peak. llmtune's workers run with expandable segments
+# (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user sets their own): freed pages serve any later
+# size, so the reserve is a small base plus a fraction of the transient bytes (allocated and freed within a step),
+# whatever the batch shapes. Fitted on 14 H100 runs (benchmarks/gpu_memory.py; 1B and 8B Llama shapes, full, LoRA,
+# QLoRA, single, ZeRO-2/3, ZeRO-3 + offload, FSDP2, checkpointing on and off, packed and padded): the measured
+# reserve was 1.0-1.7 GB on 5-25 GB of transient, 3.1 GB for ZeRO-2 (its flat buffers), and 5.7 GB for FSDP2,
+# whose all-gathers run on a stream of their own (the allocator keeps a pool per stream).
+EXPANDABLE_BASE = 0.5 * GB
+EXPANDABLE_FRACTION = {"default": 0.10, "fsdp": 0.20}
+# Without expandable segments (a user's own PYTORCH_CUDA_ALLOC_CONF): blocks are cached by size, so idle blocks
+# count one by one (estimate.with_reserve), plus a fraction of the transient bytes. Fixed shapes (packed rows, or
+# rows padded to sequence_len) replay the same allocations every step and fragment less than variable-length
+# padded batches. On 8 H100 runs the fraction that met each run's reserved peak ranged from 0 to 0.5 (QLoRA: 0.8);
+# no constant fits them all, which is why llmtune turns expandable segments on.
+RESERVE_FRACTION = {"fixed": 0.25, "variable": 0.45}
+
+
+def expandable_segments(env) -> bool:
+    """Whether the workers' allocator uses expandable segments: llmtune's default unless the user set a config."""
+    setting = env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF")
+    if not setting:
+        return True
+    return "expandable_segments:true" in setting.replace(" ", "").lower()
+
+
+@dataclass(frozen=True)
+class Allocator:
+    """How the caching allocator reserves beyond the allocated peak, for one estimate row."""
+
+    expandable: bool
+    fraction: float  # of the transient bytes
+    base: float = 0.0  # bytes, expandable segments only
+
+
+def allocator(recipe, expandable: bool, fsdp: bool = False) -> Allocator:
+    if expandable:
+        return Allocator(True, EXPANDABLE_FRACTION["fsdp" if fsdp else "default"], EXPANDABLE_BASE)
+    return Allocator(False, RESERVE_FRACTION["fixed" if fixed_shapes(recipe) else "variable"])
+
+
 NF4_BLOCK = 64  # bitsandbytes' default blocksize for 4-bit weights: one absmax per 64 weights
 NESTED_BLOCK = 256  # double quantization: the absmaxes in 8 bits, one fp32 absmax per 256 of them
 LOSS_FP32_COPIES = 3  # log-softmax output, NLL gradient, log-softmax gradient: all fp32, all alive at once
@@ -259,10 +291,6 @@ def optimizer_temporaries(optimizer: str, trainable: float, largest: float) -> f
 def fixed_shapes(recipe) -> bool:
     """Packed rows, or rows padded to sequence_len: every batch has the same shape."""
     return bool(recipe.sample_packing or recipe.pad_to_sequence_len)
-
-
-def reserve_fraction(recipe) -> float:
-    return RESERVE_FRACTION["fixed" if fixed_shapes(recipe) else "variable"]
 
 
 def in_flight_microbatches(recipe, stages: int) -> int:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from llmtune.plan.deepspeed import MAX_LIVE_PARAMETERS
 from llmtune.plan.estimate import GB, estimate, state_bytes
 from llmtune.plan.model_facts import ModelFacts
 from llmtune.recipe.loader import recipe_from_mapping
@@ -99,13 +101,19 @@ def test_agrees_with_deepspeeds_own_estimates(nodes, gpus):
     assert states["ZeRO-2"] == pytest.approx(ds, abs=1)
     _, ds = estimate_zero2_model_states_mem_needs(psi, gpus, nodes, cpu_offload=True)
     assert states["ZeRO-2 + CPU offload"] == pytest.approx(ds, abs=1)  # only the 16-bit params stay
-    # ZeRO-3 + full offload: only the largest layer, gathered with its gradient, stays on the GPU
+    # ZeRO-3 + full offload: DeepSpeed's function keeps only the largest layer (with its gradient) on the GPU;
+    # we keep what stage3_max_live_parameters lets stay gathered, when that is more (measured on an H100)
+    live = 2 * min(MAX_LIVE_PARAMETERS, psi)
     _, ds, _ = estimate_zero3_model_states_mem_needs(psi, largest, gpus, nodes, cpu_offload=True)
-    assert rows["ZeRO-3 + CPU offload"].gathered + states["ZeRO-3 + CPU offload"] == pytest.approx(ds, abs=1)
+    assert states["ZeRO-3 + CPU offload"] == 0
+    assert rows["ZeRO-3 + CPU offload"].gathered == pytest.approx(max(ds, live), abs=1)
     # ZeRO-3: DeepSpeed counts 18/N; we also count the 16-bit gradient partition its stage-3 optimizer
-    # accumulates into before the fp32 copy (2/N more), which the CPU rehearsal measures (test_distributed)
+    # accumulates into before the fp32 copy (2/N more), which the CPU rehearsal measures (test_distributed),
+    # and the live parameters gathered from the other ranks
     _, ds, _ = estimate_zero3_model_states_mem_needs(psi, largest, gpus, nodes, cpu_offload=False)
-    assert rows["ZeRO-3"].gathered + states["ZeRO-3"] == pytest.approx(ds + 2 * psi / n, abs=1)
+    layer = ds - 18 * psi / n
+    gathered = max(layer, live * (1 - 1 / n))
+    assert rows["ZeRO-3"].gathered + states["ZeRO-3"] == pytest.approx(ds - layer + gathered + 2 * psi / n, abs=1)
 
 
 def test_train_refuses_a_plan_that_cannot_fit(run_cli, tmp_path):
@@ -114,7 +122,7 @@ def test_train_refuses_a_plan_that_cannot_fit(run_cli, tmp_path):
     path.write_text(f"base_model: meta-llama/Llama-3.1-8B\ndatasets:\n  - path: org/d\n    type: alpaca\n"
                     f"bf16: true\ngradient_checkpointing: true\noutput_dir: {out}\n")  # fmt: skip
     result = run_cli("train", path, "--num-processes", "8", "--gpu-memory", "40GB")
-    assert result.code == 2 and "needs about 212.7 GB per GPU under single / DDP" in result.err
+    assert result.code == 2 and "needs about 200.4 GB per GPU under single / DDP" in result.err
     assert "the GPUs have 40 GB and llmtune refuses above 95% of that, 38.0 GB" in result.err
     assert "hint: pipeline (8 stages, per stage) would fit" in result.err and "--no-memory-check" in result.err
     assert not out.exists()  # refused before anything is written
@@ -145,39 +153,64 @@ def test_recommendation_follows_the_interconnect():
     assert slow.choice[0].strategy.startswith("pipeline")  # DP + PP keeps the traffic inside machines
 
 
-# Issue 17: four runs on one H100 (bf16, torch 2.11+cu130, transformers 5.17), torch.cuda.max_memory_* peaks in GB.
-# Shapes: Llama-3.2-1B and Llama-3.1-8B, both with SmolLM2's 49,152-token vocabulary. The QLoRA run's adapter
-# (r = 8 on every linear layer) is what its landed estimate of 8.9 GB implies; its optimizer, adamw_torch.
+# Issue 17: CUDA peaks measured on one H100 by benchmarks/gpu_memory.py (tests/fixtures/h100_memory.json): Llama
+# shapes of 1B and 8B with SmolLM2's 49,152-token vocabulary, bf16, seq 1024, under both allocator modes.
 ONE_B = ModelFacts("llama", 2048, 16, 32, 8, 8192, 49152, True)
 EIGHT_B = ModelFacts("llama", 4096, 32, 32, 8, 14336, 49152, False)
 RUN = {"sequence_len": 1024, "micro_batch_size": 8}
-CALIBRATION = {
-    # name: (shape, recipe, estimate row, measured allocated, measured reserved)
-    "1B full, packed": (ONE_B, {**RUN, "sample_packing": True}, "single / DDP", 38.1, 39.0),
-    "1B full, padded": (ONE_B, RUN, "single / DDP", 37.7, 46.6),
-    "1B ZeRO-2 (world 1), packed": (ONE_B, {**RUN, "sample_packing": True, "deepspeed": "zero2"}, "ZeRO-2", 35.4, 42.8),
-    "8B QLoRA, packed, checkpointing": (EIGHT_B, {**RUN, "micro_batch_size": 4, "sample_packing": True, "adapter": "qlora",
-                                                  "load_in_4bit": True, "lora_r": 8, "lora_target_linear": True,
-                                                  "gradient_checkpointing": True}, "single / DDP", 10.5, 12.7),
-}  # fmt: skip
+H100 = json.loads((Path(__file__).parent.parent / "fixtures" / "h100_memory.json").read_text())["rows"]
+SHAPES = {"1b": ONE_B, "8b": EIGHT_B}
+METHODS = {
+    "full": {},
+    "lora": {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
+    "qlora": {"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
+}
+STRATEGY_ROWS = {"single": ({}, "single / DDP"), "zero2": ({"deepspeed": "zero2"}, "ZeRO-2"),
+                 "zero3": ({"deepspeed": "zero3"}, "ZeRO-3"),
+                 "zero3_offload": ({"deepspeed": "zero3_offload"}, "ZeRO-3 + CPU offload"),
+                 "fsdp2": ({"fsdp_version": 2}, "FSDP full shard")}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(CALIBRATION))
-def test_estimate_lands_on_the_measured_h100_peaks(name):
-    facts, changes, strategy, allocated, reserved = CALIBRATION[name]
-    row = {e.strategy: e for e in estimate(recipe(**changes), facts, data_parallel=1, gpus_per_machine=1)}[strategy]
-    # max_memory_reserved counts the allocator's segments only; the CUDA context comes on top of it
-    held = (row.total - row.overhead) / GB
-    print(f"{name}: allocated {row.allocated / GB:.1f} vs {allocated} measured ({row.allocated / GB / allocated:.3f}); "
-          f"reserved {held:.1f} vs {reserved} ({held / reserved:.3f}); total with context {row.total / GB:.1f} "
-          f"({row.total / GB / reserved:.3f})")  # fmt: skip
+def measured_row(run: dict):
+    c = run["configuration"]
+    keys, strategy = STRATEGY_ROWS[c["strategy"]]
+    changes = {"bf16": True, "sequence_len": c["sequence_len"], "micro_batch_size": c["micro_batch_size"],
+               "optimizer": c["optimizer"], "sample_packing": c["layout"] == "packed",
+               "gradient_checkpointing": c["checkpointing"] == "on", **METHODS[c["method"]], **keys}  # fmt: skip
+    expandable = run["allocator"].startswith("expandable")
+    rows = estimate(recipe(**changes), SHAPES[c["shape"]], data_parallel=1, gpus_per_machine=1, expandable=expandable)
+    label = " ".join(str(c[k]) for k in ("shape", "method", "strategy", "checkpointing", "layout"))
+    return label, {e.strategy: e for e in rows}[strategy], expandable
+
+
+@pytest.mark.parametrize("run", H100, ids=lambda r: f"{r['allocator'][:10]}-" + "-".join(
+    str(r["configuration"][k]) for k in ("shape", "method", "strategy", "checkpointing", "layout")))  # fmt: skip
+def test_estimate_lands_on_the_measured_h100_peaks(run):
+    label, row, expandable = measured_row(run)
+    allocated, reserved = run["measured_allocated_bytes"] / GB, run["measured_reserved_bytes"] / GB
+    print(f"{label}: allocated {row.allocated / GB:.1f} vs {allocated:.1f} measured; total with context "
+          f"{row.total / GB:.1f} vs reserved {reserved:.1f} ({row.total / GB / reserved:.3f})")  # fmt: skip
     assert 0.98 <= row.allocated / GB / allocated <= 1.02  # the counted bytes, before any allocator constant
-    assert 0.95 <= held / reserved <= 1.10  # never more than 5% optimistic, at most 10% pessimistic
-    assert 0.95 <= row.total / GB / reserved <= 1.10
+    if expandable:  # what llmtune's workers run with: the issue's goal, never more than 5% optimistic, 10% pessimistic
+        assert 0.95 <= row.total / GB / reserved <= 1.10
+    else:  # a user's own allocator config: no constant fits every run (RESERVE_FRACTION); within 25% either way
+        assert 0.75 <= row.total / GB / reserved <= 1.25
+
+
+def test_the_calibration_covers_what_the_issue_asks():
+    runs = [r["configuration"] for r in H100 if r["allocator"].startswith("expandable")]
+    covered = {key: {c[key] for c in runs} for key in ("shape", "method", "strategy", "checkpointing", "layout")}
+    assert covered["shape"] == {"1b", "8b"} and covered["method"] == {"full", "lora", "qlora"}
+    assert covered["strategy"] == {"single", "zero2", "zero3", "zero3_offload", "fsdp2"}
+    assert covered["checkpointing"] == {"on", "off"} and covered["layout"] == {"packed", "padded"}
+
+
+QLORA_8B = {**RUN, "micro_batch_size": 4, "sample_packing": True, "adapter": "qlora", "load_in_4bit": True,
+            "lora_r": 8, "lora_target_linear": True, "gradient_checkpointing": True}  # fmt: skip
 
 
 def test_qlora_counts_what_bitsandbytes_and_peft_keep():
-    row = estimate(recipe(**CALIBRATION["8B QLoRA, packed, checkpointing"][1]), EIGHT_B, 1, 1)[0]
+    row = estimate(recipe(**QLORA_8B), EIGHT_B, 1, 1)[0]
     # issue 17: 5.27 GB of parameters held (4-bit layers, their absmax, fp32 embeddings and lm_head, adapters)
     assert row.params / GB == pytest.approx(5.27, abs=0.05)
 
@@ -190,7 +223,17 @@ def test_json_shows_the_gpu_terms(run_cli, tmp_path):
     result = run_cli("estimate", path, "--json")
     report = json.loads(result.out)
     row = report["rows"][0]
-    for key in ("logits", "weight_copies", "reserve", "overhead", "allocated", "peak_at", "at_loss", "at_step", "total"):
+    for key in (
+        "logits",
+        "weight_copies",
+        "reserve",
+        "overhead",
+        "allocated",
+        "peak_at",
+        "at_loss",
+        "at_step",
+        "total",
+    ):
         assert key in row, key
     assert row["total"] == pytest.approx(row["allocated"] + row["reserve"] + row["overhead"])
     assert report["fit_fraction"] == 0.95
@@ -208,8 +251,26 @@ def test_eight_bit_optimizers_and_fused_adam_cost_less_at_the_step():
     assert torch_adam.optimizer - eight.optimizer == pytest.approx(6 * psi)  # 8 bytes of moments -> 2
 
 
-def test_padded_batches_reserve_more_than_packed_ones():
-    packed, padded = (estimate(recipe(**RUN, sample_packing=packing), ONE_B, 1, 1)[0] for packing in (True, False))
+def test_padded_batches_reserve_more_than_packed_ones_without_expandable_segments():
+    def rows(expandable: bool, **changes):
+        return estimate(recipe(**RUN, **changes), ONE_B, 1, 1, expandable=expandable)[0]
+
+    packed, padded = rows(False, sample_packing=True), rows(False)
     assert packed.allocated == padded.allocated and padded.reserve > packed.reserve
-    fixed = estimate(recipe(**RUN, pad_to_sequence_len=True), ONE_B, 1, 1)[0]
-    assert fixed.reserve == packed.reserve  # rows padded to sequence_len: fixed shapes, like packing
+    assert rows(False, pad_to_sequence_len=True).reserve == packed.reserve  # padded to sequence_len: fixed shapes
+    # expandable segments reuse freed pages at any size: the H100 measured 39.1 GB reserved for both
+    assert rows(True, sample_packing=True).reserve == rows(True).reserve
+
+
+def test_the_allocator_mode_follows_the_environment_the_workers_get(monkeypatch):
+    from llmtune.plan.gpu_memory import expandable_segments
+
+    assert expandable_segments({})  # llmtune's workers default to it
+    assert expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512"})
+    assert not expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})
+    assert not expandable_segments({"PYTORCH_ALLOC_CONF": "expandable_segments:False"})
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    legacy = estimate(recipe(**RUN), ONE_B, 1, 1)[0]
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert legacy.reserve == estimate(recipe(**RUN), ONE_B, 1, 1, expandable=False)[0].reserve
+    assert legacy.reserve > estimate(recipe(**RUN), ONE_B, 1, 1)[0].reserve
