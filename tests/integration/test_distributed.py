@@ -59,6 +59,8 @@ ENGINES = {
 
 def engine_of(name: str) -> dict:
     return ENGINES.get(name) or ENGINES[name.removesuffix("-lora")]
+
+
 # Measured at the optimizer step. Not ZeRO-1: its full gradients live only during backward, where the
 # step-time measurement can't see them. ZeRO-3 + offload holds the same bytes, on the CPU.
 ESTIMATE_ROWS = {"ddp": "single / DDP", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp2": "FSDP full shard"}
@@ -81,10 +83,32 @@ def check_estimate(metrics: dict, output_dir: Path, name: str) -> None:
     rows = {e.strategy: e for e in estimate(recipe, facts, data_parallel=2, gpus_per_machine=2, mixed=False)}
     row = rows[ESTIMATE_ROWS[name.split("-")[0]]]
     expected = row.model_states + row.step_copy
+    counted = counted_components(name, metrics, facts)
     for rank in metrics["ranks"]:
         held = rank["model_state_bytes"]
         assert held is not None, f"rank {rank['rank']} measured nothing"
         assert sum(held.values()) == pytest.approx(expected, rel=0.10), (held, row)
+        for part in ("params", "grads", "optimizer"):  # each at 1%, against the test's own count
+            assert held[part] == pytest.approx(counted[part], rel=0.01), (part, held, counted)
+
+
+def counted_components(name: str, metrics: dict, facts, n: int = 2) -> dict[str, float]:
+    """Bytes per rank of params, grads and optimizer states, counted from the model's shapes and each strategy's
+    rules (fp32 in rehearsal), from the parameter counts: torch's Adam keeps two moments (and a 4-byte step per
+    tensor, under 0.1% here, left out), DeepSpeed's a fp32 master copy besides."""
+    total, trainable = metrics["total_parameters"], metrics["trainable_parameters"]
+    tensors = 0  # torch's 4-byte step per tensor: under 0.1% of the optimizer bytes here
+    strategy, lora = name.split("-")[0], name.endswith("lora")
+    if strategy == "ddp":  # every rank holds everything
+        return {"params": 4 * total, "grads": 4 * trainable, "optimizer": 8 * trainable + 4 * tensors}
+    if strategy == "fsdp2":  # every tensor sharded along dim 0; the step counters are per tensor, not sharded
+        return {"params": 4 * total / n, "grads": 4 * trainable / n, "optimizer": 8 * trainable / n + 4 * tensors}
+    # DeepSpeed: the fp32 master partition and two moments (12 bytes per trainable parameter, over N); the gradient
+    # partition it reduces into, and the flat fp32 copy of it the optimizer steps on (the estimate's step_copy).
+    # ZeRO-1/2 with an adapter step on the reduced partition itself (one copy; measured, 2 ranks, fp32)
+    params = 4 * total / n if strategy == "zero3" else 4 * total
+    grads = 4 * trainable / n * (1 if lora and strategy != "zero3" else 2)
+    return {"params": params, "grads": grads, "optimizer": 12 * trainable / n}
 
 
 @pytest.mark.parametrize(("name", "changes", "kind"), CASES, ids=[c[0] for c in CASES])
@@ -136,8 +160,13 @@ def run_two_machines(workspace, name: str, processes: int, **changes) -> dict:
     flags = ["--num-machines", "2", "--num-processes", str(processes), "--main-process-ip", "127.0.0.1",
              "--main-process-port", str(port)]  # fmt: skip
     launchers = [
-        subprocess.Popen([sys.executable, "-m", "llmtune", "train", str(path), *flags, "--machine-rank", str(rank)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-m", "llmtune", "train", str(path), *flags, "--machine-rank", str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ},
+        )  # fmt: skip
         for rank in (0, 1)
     ]
     try:
