@@ -39,6 +39,7 @@ bench: install
 	cd benchmarks && $(PYTHON) throughput.py
 	cd benchmarks && $(PYTHON) packing.py
 	cd benchmarks && $(PYTHON) memory.py
+	cd benchmarks && $(PYTHON) rehearse.py
 
 docs:
 	$(PYTHON) -m llmtune.recipe.reference > docs/recipe-reference.md

@@ -7,8 +7,6 @@ import sys
 if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
-from llmtune.train.worker import main, quick_exit  # noqa: E402
+from llmtune.train.worker import main  # noqa: E402
 
-code = main(sys.argv[1:])
-quick_exit(code)
-sys.exit(code)
+sys.exit(main(sys.argv[1:]))

@@ -272,22 +272,6 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     return metrics
 
 
-def quick_exit(code: int) -> None:
-    """After a clean finish (files saved, group torn down), leave without the interpreter's teardown.
-
-    Unloading torch, DeepSpeed and gloo's threads took seconds per rank, and several ranks on few cores wait on
-    each other (about 12 s of each 8-rank rehearsal launch), and it sometimes ended in "terminate called without
-    an active exception". Trackers finish their runs at exit (wandb, mlflow): with one loaded, exit normally."""
-    if code != 0 or any(name in sys.modules for name in ("wandb", "mlflow", "comet_ml")):
-        return
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m llmtune.train <output_dir>/llmtune/plan.json", file=sys.stderr)
