@@ -16,6 +16,7 @@ DATASET_TYPES = {
     "chat_template": "a list of messages rendered with the chat template",
     "completion": "plain text in one field (`field`, default 'text'); every token is trained",
     "input_output": "segments [{text, label: true|false}] concatenated; only label: true segments are trained",
+    "jeopardy": "question / category / answer fields (Axolotl's Jeopardy prompt); 'what is <answer>' is trained",
     "pretokenized": "input_ids (and optional labels) already tokenized",
 }
 TYPE_ALIASES = {
@@ -24,7 +25,7 @@ TYPE_ALIASES = {
 }  # fmt: skip
 # Axolotl's other prompt formats: kept apart from typos, so the error names what isn't supported.
 AXOLOTL_TYPES = (
-    "jeopardy", "oasst", "gpteacher", "reflection", "explainchoice", "concisechoice", "summarizetldr",
+    "oasst", "gpteacher", "reflection", "explainchoice", "concisechoice", "summarizetldr",
     "alpaca_w_system", "alpaca_instruct", "context_qa", "creative_acr", "llama2_chat", "metharme", "orcamini",
     "pygmalion", "user_defined", "messages", "stepwise_supervised", "bradley_terry", "dpo", "kto", "orpo", "ebft",
     "chatml", "llama3", "zephyr", "passthrough", "rwd", "_synthetic",

@@ -243,7 +243,7 @@ def test_dataset_entry_keys():
     assert (r.datasets[0].train_on_eot, r.datasets[0].skip) == ("last", 3)
     line = refusal(datasets=[{"path": "org/data", "type": "chat_template", "field_chosen": "chosen"}])
     assert "preference data is not supported (datasets[0].field_chosen: 'chosen')" in line
-    assert "Axolotl's dataset type 'jeopardy' is not supported" in refusal(datasets=[{"path": "x", "type": "jeopardy"}])
+    assert "Axolotl's dataset type 'oasst' is not supported" in refusal(datasets=[{"path": "x", "type": "oasst"}])
     assert load(datasets=[{"path": "x", "type": "chat_template.default"}]).recipe.datasets[0].type == "chat_template"
 
 

@@ -7,7 +7,7 @@ from tiny import load_tokenizer, write_jsonl
 
 from llmtune.errors import UserError
 from llmtune.recipe.data import DatasetSpec
-from llmtune.train.data.formats import ALPACA_NO_INPUT, IGNORE, FormatContext, format_for
+from llmtune.train.data.formats import ALPACA_NO_INPUT, IGNORE, FormatContext, RowError, format_for
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +158,17 @@ def test_cache_hit_does_no_tokenization(tmp_path, tok, monkeypatch):
     monkeypatch.undo()
     third, stats = prepare.tokenize_with_cache(recipe, tok)
     assert stats["cache_hit"] is False and len(third["train"]) == 1
+
+
+def test_jeopardy_prompts_as_axolotl_does_and_trains_what_is_the_answer(tok):
+    from llmtune.train.data.formats import JEOPARDY
+
+    row = {"question": "This river flows through Cairo", "category": "GEOGRAPHY", "answer": "the Nile"}
+    [(ids, labels)] = run(tok, row, type="jeopardy")
+    prompt = JEOPARDY.format(instruction=row["question"], input=row["category"])
+    assert tok.decode(ids).startswith(prompt.split("\n")[0]) and "### Input:\nGEOGRAPHY" in tok.decode(ids)
+    assert trained_text(tok, ids, labels).startswith("what is the Nile")
+    [(ids, _)] = run(tok, {**row, "category": ""}, type="jeopardy")  # no category: Alpaca's prompt without input
+    assert "### Input:" not in tok.decode(ids) and "describes a task" in tok.decode(ids)
+    with pytest.raises(RowError, match="missing field 'answer'"):
+        run(tok, {"question": "q", "category": "c"}, type="jeopardy")

@@ -19,6 +19,11 @@ ALPACA_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Response:\n"
 )
+# Axolotl's Jeopardy prompt, word for word ("tbe" included): a model trained on it is prompted with this text
+JEOPARDY = (
+    "Below is a Jeopardy clue paired with input providing the category of the clue. Write a concise response that "
+    "best answers tbe clue given the category.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant"}
 
 
@@ -70,6 +75,13 @@ def alpaca(row: dict, ctx: FormatContext) -> list[Example]:
     extra = _field(row, "input", required=False)
     prompt = (ALPACA_WITH_INPUT if extra.strip() else ALPACA_NO_INPUT).format(instruction=instruction, input=extra)
     return _prompt_answer(ctx, prompt, _field(row, "output"))
+
+
+def jeopardy(row: dict, ctx: FormatContext) -> list[Example]:
+    """Axolotl's `type: jeopardy`: the clue is the instruction, its category the input, "what is <answer>" trained."""
+    question, category = _field(row, "question"), _field(row, "category", required=False)
+    prompt = (JEOPARDY if category.strip() else ALPACA_NO_INPUT).format(instruction=question, input=category)
+    return _prompt_answer(ctx, prompt, "what is " + _field(row, "answer"))
 
 
 def custom(row: dict, ctx: FormatContext) -> list[Example]:
@@ -219,6 +231,7 @@ FORMATS: dict[str, Callable[[dict, FormatContext], list[Example]]] = {
     "chat_template": chat_template,
     "completion": completion,
     "input_output": input_output,
+    "jeopardy": jeopardy,
     "pretokenized": pretokenized,
 }
 
