@@ -216,7 +216,8 @@ def main() -> None:
         recipe_path = out.parent / f"{label}.yaml"
         recipe_path.write_text(yaml.safe_dump(recipe_for(args, config, model, data, out)))
         row = estimated(recipe_path, model, config["strategy"], args.num_processes, gpu_memory)
-        result = {"configuration": config, "estimate_bytes": row.total, "estimate_allocated_bytes": row.allocated,
+        result = {"configuration": config, "recipe_keys": {**METHODS[config["method"]], **STRATEGIES[config["strategy"]][0]},
+                  "estimate_row": STRATEGIES[config["strategy"]][1], "estimate_bytes": row.total, "estimate_allocated_bytes": row.allocated,
                   "estimate_reserved_bytes": row.total - row.overhead, "estimate_peak_at": row.peak_at,
                   "device": device, "commit": version, "cuda_context_bytes": context}  # fmt: skip
         if not args.estimate_only:

@@ -42,19 +42,6 @@ def finished_run(recipe) -> str | None:
             "or set auto_resume_from_checkpoints: false")  # fmt: skip
 
 
-def check_nvme_offload(plan, compatible=None) -> None:
-    """ZeRO-Infinity swaps to NVMe through DeepSpeed's async_io op, which builds only where libaio and its headers
-    are: without them every rank dies after loading the model (measured on an H100 image). Say so first."""
-    if plan.offload != "nvme" or plan.cluster.device != "cuda":
-        return  # CPU rehearsal runs the NVMe config through DeepSpeed's CPU accelerator, which checks for itself
-    if compatible is None:
-        compatible = async_io_builds
-    if not compatible():
-        raise UserError("NVMe offload needs DeepSpeed's async_io op, which can't build on this machine (libaio and "
-                        "its headers not found)", "install libaio-dev (apt) or libaio-devel (dnf), or offload to "
-                        "cpu (deepspeed: zero3_offload)")  # fmt: skip
-
-
 def async_io_builds() -> bool:
     import contextlib
     import io
@@ -65,6 +52,17 @@ def async_io_builds() -> bool:
         return True
     with contextlib.redirect_stdout(io.StringIO()):  # its warnings go to stdout; our message replaces them
         return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
+def check_nvme_offload(plan, compatible=async_io_builds) -> None:
+    """ZeRO-Infinity swaps to NVMe through DeepSpeed's async_io op, which builds only where libaio and its headers
+    are: without them every rank dies after loading the model (measured on an H100 image). Say so first."""
+    if plan.offload != "nvme" or plan.cluster.device != "cuda":
+        return  # CPU rehearsal runs the NVMe config through DeepSpeed's CPU accelerator, which checks for itself
+    if not compatible():
+        raise UserError("NVMe offload needs DeepSpeed's async_io op, which can't build on this machine (libaio and "
+                        "its headers not found)", "install libaio-dev (apt) or libaio-devel (dnf), or offload to "
+                        "cpu (deepspeed: zero3_offload)")  # fmt: skip
 
 
 def memory_check(recipe, plan, gpu_memory: str | None) -> str | None:

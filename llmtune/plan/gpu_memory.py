@@ -36,9 +36,18 @@ EXPANDABLE_FRACTION = {"default": 0.10, "fsdp": 0.20}
 RESERVE_FRACTION = {"fixed": 0.25, "variable": 0.45}
 
 
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch's names for the allocator's settings
+EXPANDABLE_DEFAULT = "expandable_segments:True"  # what llmtune's workers set when the user set neither
+
+
+def allocator_setting(env) -> str | None:
+    """The user's own allocator settings, under either of torch's names, or None."""
+    return next((env[name] for name in ALLOC_CONF if env.get(name)), None)
+
+
 def expandable_segments(env) -> bool:
     """Whether the workers' allocator uses expandable segments: llmtune's default unless the user set a config."""
-    setting = env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF")
+    setting = allocator_setting(env)
     if not setting:
         return True
     return "expandable_segments:true" in setting.replace(" ", "").lower()

@@ -116,6 +116,8 @@ def cuda_peaks() -> dict[str, int]:
         return {}
     import os
 
+    from llmtune.plan.gpu_memory import allocator_setting
+
     return {"cuda_max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
             "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved()),
-            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")}  # fmt: skip
+            "cuda_alloc_conf": allocator_setting(os.environ)}  # fmt: skip

@@ -46,6 +46,12 @@ def reloaded_logits(output_dir: Path, input_ids, four_bit: bool):
         model = PeftModel.from_pretrained(base, str(output_dir))
     else:
         model = AutoModelForCausalLM.from_pretrained(str(output_dir), device_map={"": 0})
+    return logits_of(model, input_ids)
+
+
+def logits_of(model, input_ids):
+    import torch
+
     with torch.no_grad():
         return model.eval()(input_ids=input_ids.cuda()).logits.float().cpu()
 
@@ -65,9 +71,9 @@ def base_logits(base: Path, input_ids):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, device_map={"": 0})
-    with torch.no_grad():
-        return model.eval()(input_ids=input_ids.cuda()).logits.float().cpu()
+    return logits_of(
+        AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, device_map={"": 0}), input_ids
+    )
 
 
 def assert_learned_and_reloads(metrics: dict, output_dir: Path, probe: Path, base: Path, four_bit: bool = False):

@@ -160,27 +160,18 @@ EIGHT_B = ModelFacts("llama", 4096, 32, 32, 8, 14336, 49152, False)
 RUN = {"sequence_len": 1024, "micro_batch_size": 8}
 H100 = json.loads((Path(__file__).parent.parent / "fixtures" / "h100_memory.json").read_text())["rows"]
 SHAPES = {"1b": ONE_B, "8b": EIGHT_B}
-METHODS = {
-    "full": {},
-    "lora": {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
-    "qlora": {"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
-}
-STRATEGY_ROWS = {"single": ({}, "single / DDP"), "zero2": ({"deepspeed": "zero2"}, "ZeRO-2"),
-                 "zero3": ({"deepspeed": "zero3"}, "ZeRO-3"),
-                 "zero3_offload": ({"deepspeed": "zero3_offload"}, "ZeRO-3 + CPU offload"),
-                 "fsdp2": ({"fsdp_version": 2}, "FSDP full shard")}  # fmt: skip
 
 
 def measured_row(run: dict):
+    """The estimate of a measured run: its recipe keys and estimate row as benchmarks/gpu_memory.py recorded them."""
     c = run["configuration"]
-    keys, strategy = STRATEGY_ROWS[c["strategy"]]
     changes = {"bf16": True, "sequence_len": c["sequence_len"], "micro_batch_size": c["micro_batch_size"],
                "optimizer": c["optimizer"], "sample_packing": c["layout"] == "packed",
-               "gradient_checkpointing": c["checkpointing"] == "on", **METHODS[c["method"]], **keys}  # fmt: skip
+               "gradient_checkpointing": c["checkpointing"] == "on", **run["recipe_keys"]}  # fmt: skip
     expandable = run["allocator"].startswith("expandable")
     rows = estimate(recipe(**changes), SHAPES[c["shape"]], data_parallel=1, gpus_per_machine=1, expandable=expandable)
     label = " ".join(str(c[k]) for k in ("shape", "method", "strategy", "checkpointing", "layout"))
-    return label, {e.strategy: e for e in rows}[strategy], expandable
+    return label, {e.strategy: e for e in rows}[run["estimate_row"]], expandable
 
 
 @pytest.mark.parametrize("run", H100, ids=lambda r: f"{r['allocator'][:10]}-" + "-".join(
