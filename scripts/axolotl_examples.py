@@ -40,6 +40,8 @@ def check(path: Path, processes: int, device: str) -> str | None:
     """None when accepted, else the one-line refusal."""
     try:
         loaded = load_recipe(path)
+        if loaded.recipe.lisa_n_layers:
+            processes = 1  # LISA runs in one process (at more, llmtune says so)
         make_plan(loaded.recipe, make_cluster(processes, device=device), config_dir=str(path.parent / ".llmtune"))
     except UserError as err:
         return err.one_line().replace(f"{path}: ", "").replace(str(path), "<recipe>")

@@ -18,7 +18,7 @@ from llmtune.plan.deepspeed import build_deepspeed_config
 from llmtune.plan.model_facts import ModelFacts, read_model_facts
 from llmtune.plan.pipeline import bubble_fraction, split_layers
 from llmtune.recipe import Recipe
-from llmtune.recipe.kernels import INSTALL_HINT, Kernels, resolve_kernels
+from llmtune.recipe.kernels import INSTALL_HINT, Kernels, liger_requested, resolve_kernels
 
 STRATEGY_TITLES = {
     "single": "single process", "ddp": "DDP (data parallel)", "zero1": "DeepSpeed ZeRO-1",
@@ -192,9 +192,14 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         offload = "cpu" if settings.offload_params else "none"
         if world == 1:
             notes.append("FSDP with one process shards nothing; it runs, but DDP/single would be faster")
+        if settings.activation_checkpointing and recipe.gradient_checkpointing:
+            notes.append("gradient_checkpointing and fsdp_config.activation_checkpointing are both on: FSDP's "
+                         "recomputes each wrapped layer (transformers refuses the two together)")  # fmt: skip
 
     kernels = _kernels(recipe, cluster, precision, strategy)
     notes += kernels.notes
+    if recipe.qat:
+        notes += _qat_notes(recipe)
     accelerate = None
     if strategy != "single":
         accelerate = build_accelerate_config(
@@ -204,6 +209,16 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         raise UserError("rdzv_backend: c10d is for jobs on several machines (it gathers machines, not processes)",
                         "on one machine, max_restarts alone restarts the ranks after a crash")  # fmt: skip
     _check_elastic_sizes(recipe, cluster, strategy, global_batch)
+    if recipe.lisa_n_layers:
+        if world > 1:
+            raise UserError(f"lisa_n_layers changes which parameters train as it goes, which {world} ranks' gradient "
+                            "sync (DDP, FSDP, DeepSpeed) can't follow; LISA runs in one process",
+                            "use --num-processes 1 (LISA is for fitting a full fine-tune on one GPU)")  # fmt: skip
+        notes.append(f"LISA: {recipe.lisa_n_layers} of the layers at {recipe.lisa_layers_attribute}, drawn again every "
+                     f"{recipe.lisa_step_interval} steps (seeded), train at a time; embeddings, norms and head always")  # fmt: skip
+    if recipe.use_eaft:
+        notes.append(f"EAFT loss: each trained token's cross-entropy weighted by the entropy of its top-{recipe.eaft_k} "
+                     f"next-token probabilities (power {recipe.eaft_alpha})")  # fmt: skip
     env = _environment(cluster, strategy)
     if cluster.launcher == "deepspeed":
         if recipe.rdzv_backend == "c10d" or recipe.max_restarts:
@@ -232,6 +247,22 @@ def _kernels(recipe: Recipe, cluster: Cluster, precision: str, strategy: str) ->
     if kernels.liger_on and importlib.util.find_spec("liger_kernel") is None:
         kernels.notes.append(f"liger-kernel is not installed here; the GPU run needs it: {INSTALL_HINT}")
     return kernels
+
+
+def _qat_notes(recipe: Recipe) -> list[str]:
+    from llmtune.recipe.qat import INSTALL_HINT as QAT_HINT
+
+    notes = [recipe.qat.describe() + "; the saved model keeps full-precision weights: quantize it afterwards to the "
+             "same scheme (torchao) for deployment"]  # fmt: skip
+    if recipe.qat.weight_dtype == "nvfp4":
+        notes.append("qat nvfp4: rounded with torchao's NVFP4 quantizer and multiplied in high precision (emulated: "
+                     "runs on any GPU and in rehearsal; torchao's own NVFP4 matmuls need Blackwell)")  # fmt: skip
+    if liger_requested(recipe)["fused_linear_cross_entropy"]:
+        notes.append("qat: the fused linear cross-entropy reads lm_head's weight directly, so lm_head trains without "
+                     "fake quantization on GPUs")  # fmt: skip
+    if importlib.util.find_spec("torchao") is None:
+        notes.append(f"torchao is not installed here; the run needs it: {QAT_HINT}")
+    return notes
 
 
 def _check_elastic_sizes(recipe: Recipe, cluster: Cluster, strategy: str, global_batch: int) -> None:

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from llmtune.recipe.base import Section, empty_to_none
+from llmtune.recipe.qat import Qat
 
 UNFROZEN_RANGE = re.compile(r"^(.+)\[([0-9]*)(?::([0-9]*))?\]$")
 
@@ -64,10 +65,14 @@ class AdapterKeys(Section):
     load_in_8bit: bool = Field(False, description="Load the base weights in 8-bit (bitsandbytes); with lora.")
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
     bnb_4bit_use_double_quant: bool = Field(True, description="Quantize the quantization constants too.")
+    qat: Qat | None = Field(
+        None, description="Quantization-aware training (torchao): {activation_dtype, weight_dtype, group_size, "
+        "quantize_embedding, fake_quant_after_n_steps}; a full fine-tune.",
+    )  # fmt: skip
 
     @field_validator(
         "adapter", "lora_target_modules", "lora_modules_to_save", "lora_model_dir", "lora_target_parameters", "peft",
-        "unfrozen_parameters", mode="before",
+        "unfrozen_parameters", "qat", mode="before",
     )  # fmt: skip
     @classmethod
     def _empty(cls, value):
@@ -96,6 +101,9 @@ class AdapterKeys(Section):
             )
         if self.adapter is None and self.lora_model_dir:
             raise ValueError("lora_model_dir is set but adapter is empty; set adapter: lora")
+        if self.qat and (self.adapter or self.load_in_4bit or self.load_in_8bit):
+            raise ValueError("qat fake-quantizes the weights a full fine-tune trains; it can't be combined with "
+                             "adapter or load_in_4bit/load_in_8bit (remove them, or remove qat)")  # fmt: skip
         loftq = self.peft and self.peft.loftq_config
         if loftq and self.adapter != "lora":
             raise ValueError("peft.loftq_config needs adapter: lora (LoftQ initialises LoRA for a 16-bit base)")

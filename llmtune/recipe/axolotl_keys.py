@@ -154,9 +154,9 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     """,
     ),
     **_refused(
-        "quantization-aware training",
-        "train without it and quantize the result afterwards",
-        "qat nvfp4_merge_aware nvfp4_merge_aware_start_step",
+        "NVFP4 merge-aware LoRA (Axolotl's own)",
+        "train the LoRA adapter without it, or a full fine-tune with qat: {weight_dtype: nvfp4}",
+        "nvfp4_merge_aware nvfp4_merge_aware_start_step",
     ),
     **_refused(
         "GPTQ-quantized base models",
@@ -192,11 +192,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         jagged_restart_steps jagged_restart_warmup_steps jagged_restart_anneal_steps
     """,
     ),
-    **_refused(
-        "LISA layer sampling",
-        "use unfrozen_parameters, or an adapter",
-        "lisa_n_layers lisa_step_interval lisa_layers_attribute",
-    ),
     **_refused("LoRA+ learning rates", "remove it (plain LoRA)", "loraplus_lr_ratio loraplus_lr_embedding"),
     **_refused("per-group learning rates", "use one learning_rate", "lr_groups embedding_lr embedding_lr_scale"),
     **_refused("quadratic warm-up", "use warmup_steps or warmup_ratio (linear)", "lr_quadratic_warmup"),
@@ -214,7 +209,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         use_pose pose_max_context_len pose_num_chunks pose_split_on_token_ids
     """,
     ),
-    **_refused("the EAFT loss", "remove it (plain cross-entropy)", "use_eaft eaft_alpha eaft_k"),
     **_refused("scaled-softmax attention", "remove it", "scaling_softmax scaling_softmax_factor scaling_softmax_bias"),
     **_refused(
         "knowledge distillation",

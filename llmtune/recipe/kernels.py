@@ -134,6 +134,10 @@ def resolve_kernels(recipe, device: str, precision: str, strategy: str | None, f
 
 
 def _loss_kernels(recipe, strategy: str | None, kernels: Kernels) -> None:
+    fused = [k for k in ("liger_cross_entropy", "liger_fused_linear_cross_entropy") if getattr(recipe, k)]
+    if recipe.use_eaft and (fused or cut_cross_entropy_on(recipe)):
+        raise UserError(f"use_eaft computes its own loss from the logits; {', '.join(fused) or 'cut_cross_entropy'} "
+                        "replaces that loss", "remove one of them")  # fmt: skip
     if cut_cross_entropy_on(recipe):
         if recipe.liger_cross_entropy:
             raise UserError("cut_cross_entropy and liger_cross_entropy both replace the loss; choose one")

@@ -21,11 +21,13 @@ from llmtune.recipe.axolotl_keys import (
 from llmtune.recipe.data import CustomFormat, DataKeys, DatasetSpec
 from llmtune.recipe.distributed import DistributedKeys, FsdpConfig
 from llmtune.recipe.model import ModelKeys
+from llmtune.recipe.qat import Qat
 from llmtune.recipe.training import TrainingKeys
 
 SECTIONS = [
     ("Model and tokenizer", ModelKeys),
     ("Adapters and quantization", AdapterKeys),
+    ("`qat` (quantization-aware training, torchao)", Qat),
     ("Data", DataKeys),
     ("Each entry of `datasets` / `test_datasets`", DatasetSpec),
     ("Custom format (`type:` as a mapping)", CustomFormat),
@@ -38,7 +40,7 @@ SECTIONS = [
 def _type_name(annotation) -> str:
     text = str(annotation) if not isinstance(annotation, type) else annotation.__name__
     text = text.replace("typing.", "").replace("NoneType", "None").replace("llmtune.recipe.", "")
-    for module in ("data.", "distributed."):
+    for module in ("data.", "distributed.", "adapter.", "qat."):
         text = text.replace(module, "")
     return text.replace("|", "\\|")
 

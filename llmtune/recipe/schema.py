@@ -26,6 +26,13 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
             )
         if self.pipeline_parallel_size > 1 and self.adapter == "qlora":
             raise ValueError("pipeline_parallel_size > 1 with adapter: qlora is not supported; use lora")
+        if self.lisa_n_layers and self.adapter:
+            raise ValueError("lisa_n_layers samples layers of a full fine-tune; remove adapter (or lisa_n_layers)")
+        if self.pipeline_parallel_size > 1 and (self.lisa_n_layers or self.use_eaft):
+            raise ValueError("lisa_n_layers and use_eaft work through the HF Trainer, which pipeline_parallel_size > 1 "
+                             "replaces; use fsdp or deepspeed")  # fmt: skip
+        if self.pipeline_parallel_size > 1 and self.qat:
+            raise ValueError("qat with pipeline_parallel_size > 1 is not supported; use fsdp or deepspeed")
         if self.streaming and not self.max_steps:
             raise ValueError("streamed data has no length known up front (streaming, or a hub pretraining_dataset): "
                              "set max_steps")  # fmt: skip

@@ -84,6 +84,14 @@ class TrainingKeys(Section):
         "in a row.",
     )  # fmt: skip
     loss_watchdog_patience: int = Field(3, gt=0, description="Consecutive logged losses above the threshold.")
+    use_eaft: bool = Field(False, description="EAFT loss: each trained token's cross-entropy weighted by the entropy "
+                           "of the model's top-k next-token probabilities (to the power eaft_alpha).")  # fmt: skip
+    eaft_alpha: float = Field(1.0, ge=0, description="EAFT: exponent of the entropy weight.")
+    eaft_k: int = Field(20, gt=0, description="EAFT: top-k logits the entropy is estimated from.")
+    lisa_n_layers: int | None = Field(None, gt=0, description="LISA: train only this many randomly chosen layers at a "
+                                      "time (embeddings, head and norms always train); a full fine-tune, one process.")  # fmt: skip
+    lisa_step_interval: int = Field(20, gt=0, description="LISA: choose new layers every this many optimizer steps.")
+    lisa_layers_attribute: str = Field("model.layers", description="LISA: where the model keeps its layer list.")
     dataloader_num_workers: int = Field(0, ge=0, description="Data-loading worker processes per rank.")
     dataloader_pin_memory: bool = Field(True, description="Pin host memory for faster copies to GPU.")
     report_to: list[Literal[REPORT_TARGETS]] | None = Field(None, description="Trackers: tensorboard, wandb, mlflow.")  # type: ignore[valid-type]

@@ -33,6 +33,13 @@ class _Counter:
         tensor = local_tensor(tensor)
         if tensor is None or not hasattr(tensor, "untyped_storage") or tensor.numel() == 0:
             return
+        if hasattr(type(tensor), "__tensor_flatten__"):
+            # a tensor subclass (torchao's 8/4-bit optimizer states, quantized weights): it has no storage of its
+            # own; its bytes are those of the plain tensors it is made of (codes, scales, ...)
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                self.add(kind, getattr(tensor, name))
+            return
         storage = tensor.untyped_storage()
         if storage.data_ptr() in self.seen:
             return

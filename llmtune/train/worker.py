@@ -160,6 +160,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from llmtune.train.data.collate import Collator
     from llmtune.train.data.prepare import prepare_data
     from llmtune.train.model import load_model, load_tokenizer, model_source
+    from llmtune.train.objectives import LayerSampling, eaft_for
     from llmtune.train.save import write_run_files
     from llmtune.train.trainer import (
         LlmtuneTrainer,
@@ -198,15 +199,30 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     loaded_rss = peak_rss_bytes()  # the peak so far: loading the model (and, under ZeRO-3, partitioning it)
     trainable, total = parameter_counts(model)
     log(f"model: {type(model).__name__}, trainable {trainable:,} of {total:,} parameters ({trainable / total:.2%})")
+    qat_report, qat_delay = None, None
+    if recipe.qat:
+        from llmtune.train import qat
+
+        qat_report = qat.prepare(model, recipe.qat)
+        log(f"{qat_report['scheme']}: {sum(qat_report['modules'].values())} modules fake-quantized")
+        if recipe.qat.fake_quant_after_n_steps:
+            qat_delay = qat.DelayedFakeQuant(recipe.qat.fake_quant_after_n_steps)
     if args is None:
         return _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_origin, trainable, total)
     trainer = LlmtuneTrainer(
         model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(data.eval) if data.eval else None,
         data_collator=Collator(tokenizer.pad_token_id, recipe.sequence_len if recipe.pad_to_sequence_len else None),
-        processing_class=tokenizer,
+        processing_class=tokenizer, compute_loss_func=eaft_for(recipe),
         callbacks=[StopOnNonFiniteLoss()] + ([TestKillAfterSave()] if any(k in os.environ for k in TEST_HOOKS) else []),
     )  # fmt: skip
     trainer.plan = plan
+    if qat_delay:
+        trainer.add_callback(qat_delay)
+    lisa = None
+    if recipe.lisa_n_layers:
+        lisa = LayerSampling(model, recipe.lisa_n_layers, recipe.lisa_step_interval, recipe.lisa_layers_attribute,
+                             recipe.seed)  # fmt: skip
+        trainer.add_callback(lisa)
     step_stats = StepStats(trainer)
     trainer.add_callback(step_stats)
     stop = StopOnRequest(plan["config_dir"])
@@ -263,6 +279,10 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         first_step_end_unix=step_stats.first_step_end_unix,
         resumed_from=resume, **_planned_memory(recipe, plan),
     )  # fmt: skip
+    if lisa:
+        metrics["lisa"] = {"layers": len(lisa.layers), "draws": lisa.history}
+    if qat_report:
+        metrics["qat"] = {**qat_report, "fake_quant_from_step": qat_delay.enabled_at if qat_delay else 0}
     _write_probe(trainer, data.train[0])
     if rank.is_main:
         tokenizer.save_pretrained(str(output_dir))

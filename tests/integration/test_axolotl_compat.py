@@ -45,6 +45,8 @@ SAMPLE = {
     "qwen3-moe-lora-kernels": ("qwen3_moe", 1),
     "gemma3-qlora-eot": ("gemma3_text", 1),
     "phi2-fft-dedup": ("phi", 1),
+    "llama3-qat-fsdp2": ("llama", 2),
+    "gemma3-eaft-chat": ("gemma3_text", 1),
 }
 WORDS = ["apple", "river", "stone", "cloud", "green", "happy", "seven", "light", "table", "music", "paper", "bread"]
 
@@ -129,3 +131,7 @@ def test_accepted_recipe_trains_in_rehearsal(tmp_path_factory, name, family, pro
     assert all(loss == loss for loss in losses(metrics))  # finite, logged
     plan = json.loads((root / "out" / "llmtune" / "plan.json").read_text())
     assert plan["plan"]["cluster"]["device"] == "cpu"
+    qat = yaml.safe_load(path.read_text()).get("qat")
+    if qat:  # every linear layer of the tiny model trained fake-quantized, from the step the recipe names
+        assert sum(metrics["qat"]["modules"].values()) == metrics["qat"]["linear_layers"] > 0
+        assert metrics["qat"]["fake_quant_from_step"] == (qat.get("fake_quant_after_n_steps") or 0)

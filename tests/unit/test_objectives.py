@@ -1,0 +1,77 @@
+"""EAFT's loss and LISA's layer draws (train/objectives.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from llmtune.errors import UserError
+from llmtune.train.objectives import LayerSampling, eaft_loss
+
+
+def _batch():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 50, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 6))
+    labels[0, :3] = -100
+    return SimpleNamespace(logits=logits), labels
+
+
+def test_eaft_with_alpha_zero_is_plain_cross_entropy():
+    outputs, labels = _batch()
+    plain = F.cross_entropy(outputs.logits[:, :-1].reshape(-1, 50), labels[:, 1:].reshape(-1), ignore_index=-100)
+    assert eaft_loss(outputs, labels, alpha=0.0).item() == pytest.approx(plain.item(), abs=1e-6)
+    trained = int((labels[:, 1:] != -100).sum())
+    assert eaft_loss(outputs, labels, num_items_in_batch=trained, alpha=0.0).item() == pytest.approx(plain.item(), abs=1e-6)
+
+
+def test_eaft_weights_each_token_by_its_top_k_entropy_without_gradient_through_the_weight():
+    outputs, labels = _batch()
+    loss = eaft_loss(outputs, labels, alpha=1.0, k=5)
+    logits, targets = outputs.logits[:, :-1].reshape(-1, 50), labels[:, 1:].reshape(-1)
+    keep = targets != -100
+    top = torch.softmax(torch.topk(logits[keep], 5).values, dim=-1)
+    entropy = -(top * torch.log(top + 1e-10)).sum(-1)
+    expected = (F.cross_entropy(logits[keep], targets[keep], reduction="none") * entropy).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    loss.backward()
+    grad = outputs.logits.grad.clone()
+    outputs.logits.grad = None
+    (F.cross_entropy(logits[keep], targets[keep], reduction="none") * entropy.detach()).mean().backward()
+    assert torch.allclose(grad, outputs.logits.grad)
+
+
+class _Tiny(nn.Module):
+    def __init__(self, layers: int = 6):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(layers))
+        self.lm_head = nn.Linear(4, 4)
+
+
+def test_lisa_draws_are_seeded_per_period_and_set_requires_grad():
+    model = _Tiny()
+    lisa = LayerSampling(model, 2, 3, "model.layers", seed=7)
+    state = SimpleNamespace(global_step=0)
+    lisa.on_step_begin(None, state, None)
+    first = lisa.active
+    assert len(first) == 2 and [i for i, m in enumerate(model.model.layers) if m.weight.requires_grad] == first
+    assert model.lm_head.weight.requires_grad
+    for step in (1, 2):
+        state.global_step = step
+        lisa.on_step_begin(None, state, None)
+    assert lisa.active == first and len(lisa.history) == 1  # same period, same layers
+    assert LayerSampling(_Tiny(), 2, 3, "model.layers", seed=7).draw(0) == first  # a resumed run draws the same
+    draws = {tuple(lisa.draw(step)) for step in range(0, 60, 3)}
+    assert len(draws) > 3  # and the draw does change between periods
+
+
+def test_lisa_errors_name_the_key():
+    with pytest.raises(UserError, match="lisa_n_layers: 9 is more than the model's 6 layers"):
+        LayerSampling(_Tiny(), 9, 3, "model.layers", seed=0)
+    with pytest.raises(UserError, match="lisa_layers_attribute: _Tiny has no layer list at 'model.blocks'"):
+        LayerSampling(_Tiny(), 1, 3, "model.blocks", seed=0)
