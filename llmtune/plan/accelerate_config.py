@@ -6,7 +6,14 @@ from typing import Any
 
 from llmtune.plan.cluster import Cluster
 
-DISTRIBUTED_TYPE = {"single": "NO", "ddp": "MULTI_GPU", "pipeline": "MULTI_GPU", "fsdp1": "FSDP", "fsdp2": "FSDP"}
+DISTRIBUTED_TYPE = {
+    "single": "NO",
+    "ddp": "MULTI_GPU",
+    "pipeline": "MULTI_GPU",
+    "fsdp1": "FSDP",
+    "fsdp2": "FSDP",
+    "tp": "MULTI_GPU",
+}  # tp: the model arrives sharded (transformers), the Trainer adds the mesh
 
 
 def fsdp_section(version: int, fsdp) -> dict[str, Any]:

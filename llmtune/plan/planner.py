@@ -23,7 +23,7 @@ from llmtune.recipe.kernels import INSTALL_HINT, Kernels, liger_requested, resol
 STRATEGY_TITLES = {
     "single": "single process", "ddp": "DDP (data parallel)", "zero1": "DeepSpeed ZeRO-1",
     "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3", "fsdp1": "FSDP1", "fsdp2": "FSDP2",
-    "pipeline": "pipeline parallel",
+    "pipeline": "pipeline parallel", "tp": "tensor parallel",
 }  # fmt: skip
 
 
@@ -59,6 +59,7 @@ class Plan:
     rdzv_backend: str = "static"  # c10d: torchrun's elastic rendezvous (machines join in any order, may rejoin)
     min_machines: int | None = None  # c10d: the job runs with any machine count from this up to num_machines
     kernels: dict[str, Any] = field(default_factory=dict)  # on GPUs: liger kernels, attention, torch.compile
+    mesh: dict[str, int] | None = None  # tp: {tensor_parallel, dp_shard, dp_replicate}; ranks = their product
 
     @property
     def title(self) -> str:
@@ -83,6 +84,8 @@ def choose_strategy(recipe: Recipe, world_size: int) -> str:
         return "pipeline"
     if recipe.deepspeed is not None:
         return "zero"  # the stage comes from the resolved config
+    if recipe.tensor_parallel_size > 1:
+        return "tp"
     fsdp = recipe.resolved_fsdp()
     if fsdp:
         return f"fsdp{fsdp[0]}"
@@ -158,12 +161,18 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         # measured on an H100 (torch 2.11): gloo's send/recv of CUDA tensors fails with "Bad address"
         raise UserError("pipeline stages pass activations with send/recv, which gloo cannot do on CUDA tensors",
                         "run pipeline stages on separate GPUs (NCCL), or rehearse them with --device cpu")  # fmt: skip
+    mesh = _tensor_parallel_mesh(recipe, world, facts, notes) if strategy == "tp" else None
     data_parallel = world // pipeline.stages if pipeline else world
+    if mesh:  # ranks of one tensor-parallel group see the same rows: only the data-parallel ranks split the data
+        data_parallel = mesh["dp_shard"] * mesh["dp_replicate"]
     accumulation = pipeline.microbatches if pipeline else recipe.gradient_accumulation_steps
     global_batch = recipe.micro_batch_size * accumulation * data_parallel
 
     deepspeed_config = fsdp = None
     offload = "none"
+    if strategy not in ("tp", "fsdp1", "fsdp2") and (recipe.dp_shard_size or recipe.dp_replicate_size):
+        raise UserError("dp_shard_size / dp_replicate_size lay out FSDP2 (or tensor-parallel) ranks; this recipe "
+                        f"runs {STRATEGY_TITLES[strategy]}", "add fsdp_version: 2, or remove them")  # fmt: skip
     ds_path = None
     if strategy == "zero":
         deepspeed_config, ds_notes = build_deepspeed_config(recipe, data_parallel, precision, facts)
@@ -190,6 +199,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
                             "rehearse with fsdp_version: 2 (FSDP1 is deprecated in transformers), or run on GPUs")  # fmt: skip
         fsdp = fsdp_section(version, settings)
         offload = "cpu" if settings.offload_params else "none"
+        mesh = _hybrid_mesh(recipe, world, version, notes)
         if world == 1:
             notes.append("FSDP with one process shards nothing; it runs, but DDP/single would be faster")
         if settings.activation_checkpointing and recipe.gradient_checkpointing:
@@ -235,8 +245,54 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         strategy, offload, world, data_parallel, recipe.micro_batch_size, accumulation, global_batch, precision,
         cluster, config_dir, accelerate, deepspeed_config, env, commands, pipeline, notes, recipe.rdzv_backend,
         recipe.min_machines if recipe.min_machines and recipe.min_machines < cluster.num_machines else None,
-        kernels.to_dict(),
+        kernels.to_dict(), mesh,
     )  # fmt: skip
+
+
+def _hybrid_mesh(recipe: Recipe, world: int, version: int, notes: list[str]) -> dict[str, int] | None:
+    """FSDP with dp_shard_size / dp_replicate_size: HSDP (shard within groups, replicate across), or None."""
+    if not (recipe.dp_shard_size or recipe.dp_replicate_size):
+        return None
+    shard = recipe.dp_shard_size or world // (recipe.dp_replicate_size or 1)
+    replicate = recipe.dp_replicate_size or max(1, world // shard)
+    if shard * replicate != world:
+        raise UserError(f"world size {world} != dp_replicate_size {replicate} x dp_shard_size {shard} = "
+                        f"{replicate * shard}", "set the sizes so their product is --num-processes (or leave one out)")  # fmt: skip
+    if replicate == 1:
+        return None  # plain FSDP across every rank
+    if version != 2:
+        raise UserError("dp_replicate_size > 1 (HSDP) runs on FSDP2 here", "set fsdp_version: 2 (FSDP1: "
+                        "sharding_strategy: HYBRID_SHARD)")  # fmt: skip
+    notes.append(f"HSDP: weights sharded across {shard} ranks, {replicate} replicas (accelerate's ParallelismConfig)")
+    return {"tensor_parallel": 1, "dp_shard": shard, "dp_replicate": replicate}
+
+
+def _tensor_parallel_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, notes: list[str]) -> dict[str, int]:
+    """world = dp_replicate x dp_shard x tensor_parallel, each checked against the model and the cluster."""
+    tp = recipe.tensor_parallel_size
+    fsdp = recipe.resolved_fsdp()
+    if world % tp:
+        raise UserError(f"world size {world} is not divisible by tensor_parallel_size {tp}",
+                        f"use --num-processes {tp * max(1, world // tp)}, or a tensor_parallel_size that divides "
+                        f"{world}")  # fmt: skip
+    if facts:
+        for what, count in (("attention heads", facts.num_heads), ("KV heads", facts.num_kv_heads)):
+            if count % tp:
+                raise UserError(f"tensor_parallel_size {tp} does not divide the model's {count} {what} (each rank "
+                                f"keeps whole heads)", "choose a tensor_parallel_size that divides both head counts")  # fmt: skip
+    rest = world // tp
+    shard = recipe.dp_shard_size or (rest // (recipe.dp_replicate_size or 1) if fsdp else 1)
+    replicate = recipe.dp_replicate_size or max(1, rest // shard)
+    if replicate * shard * tp != world:
+        raise UserError(f"world size {world} != dp_replicate_size {replicate} x dp_shard_size {shard} x "
+                        f"tensor_parallel_size {tp} = {replicate * shard * tp}",
+                        "set the sizes so their product is --num-processes (or leave dp_* out to fill the rest)")  # fmt: skip
+    if shard > 1 and fsdp is None:
+        notes.append(f"dp_shard_size {shard}: FSDP2 shards the weights across {shard} ranks (no fsdp keys needed)")
+    notes.append(f"tensor parallel: each layer split across {tp} ranks (transformers' tp_plan); data parallel over "
+                 f"{replicate * shard} groups ({shard} FSDP2 shard x {replicate} replica): the global batch, steps and "
+                 "learning-rate schedule follow those groups, not the world size")  # fmt: skip
+    return {"tensor_parallel": tp, "dp_shard": shard, "dp_replicate": replicate}
 
 
 def _kernels(recipe: Recipe, cluster: Cluster, precision: str, strategy: str) -> Kernels:

@@ -96,7 +96,7 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         max_memory deepcompile torch_compile_options fp8 fp8_enable_fsdp_float8_all_gather fp32_norms
         fp32_norm_classes expert_parallel_size expert_parallel_backend
         expert_parallel_fallback_on_unsupported expert_parallel_num_nvl_bytes expert_parallel_num_rdma_bytes
-        expert_parallel_token_capacity dp_shard_size dp_replicate_size accelerator_config
+        expert_parallel_token_capacity accelerator_config
         ddp_broadcast_buffers dataloader_prefetch_factor torchdistx_path
     """,
     ),
@@ -164,14 +164,8 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "gptq gptq_disable_exllama gptq_groupsize gptq_model_v1",
     ),
     **_refused(
-        "tensor parallelism",
-        "use fsdp or deepspeed zero3 to shard a model that doesn't fit one GPU",
-        "tensor_parallel_size",
-        accepted=(1,),
-    ),
-    **_refused(
         "context (sequence) parallelism",
-        "shorten sequence_len, or shard with fsdp / deepspeed",
+        "shorten sequence_len, use tensor_parallel_size (it splits activations too), or shard with fsdp",
         """
         context_parallel_size sequence_parallel_degree heads_k_stride ring_attn_func
     """,

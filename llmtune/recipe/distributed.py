@@ -80,6 +80,18 @@ class DistributedKeys(Section):
     pipeline_microbatches: int | None = Field(None, gt=0, description="Micro-batches per pipeline step.")
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field("1f1b", description="Pipeline schedule.")
     pipeline_virtual_stages: int = Field(2, gt=0, description="Stages per rank for interleaved_1f1b.")
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="Tensor parallelism: each layer's projections split across this many ranks "
+        "(transformers' tp_plan); heads and KV heads must divide by it.",
+    )  # fmt: skip
+    dp_shard_size: int | None = Field(
+        None, gt=0, description="With tensor_parallel_size: ranks FSDP2 shards each weight across (default: the rest "
+        "of the world with fsdp, else 1).",
+    )  # fmt: skip
+    dp_replicate_size: int | None = Field(
+        None, gt=0, description="With tensor_parallel_size: data-parallel replicas (HSDP across dp_shard groups; "
+        "default: whatever world / (tensor_parallel_size x dp_shard_size) leaves).",
+    )  # fmt: skip
     ddp_timeout: int = Field(1800, gt=0, description="Seconds a collective may wait before the job fails.")
     max_restarts: int = Field(
         0,
@@ -135,6 +147,14 @@ class DistributedKeys(Section):
             raise ValueError("deepspeed and fsdp/fsdp_config are both set; a run uses one sharding engine")
         if self.pipeline_parallel_size > 1 and (self.deepspeed is not None or self.fsdp_enabled):
             raise ValueError("pipeline_parallel_size > 1 combines only with data parallel, not deepspeed or fsdp")
+        if self.tensor_parallel_size > 1:
+            if self.deepspeed is not None:
+                raise ValueError("tensor_parallel_size > 1 runs through transformers' tp_plan with FSDP2, not DeepSpeed "
+                                 "(remove deepspeed, or tensor_parallel_size)")  # fmt: skip
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("tensor_parallel_size and pipeline_parallel_size can't be combined yet; use one")
+            if self.fsdp_enabled and (self.resolved_fsdp()[0] == 1):
+                raise ValueError("tensor_parallel_size > 1 combines with FSDP2 only; set fsdp_version: 2")
         config = self.fsdp_config
         if config and config.version and self.fsdp_version and config.version != self.fsdp_version:
             raise ValueError(f"fsdp_version is {self.fsdp_version} but fsdp_config.version is {config.version}")

@@ -26,6 +26,10 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
             )
         if self.pipeline_parallel_size > 1 and self.adapter == "qlora":
             raise ValueError("pipeline_parallel_size > 1 with adapter: qlora is not supported; use lora")
+        if self.tensor_parallel_size > 1 and (self.adapter or self.qat):
+            raise ValueError("tensor_parallel_size > 1 trains the full weights: peft's LoRA layers can't wrap every "
+                             "tensor-parallel projection, and qat's fake-quantized layers aren't sharded (remove "
+                             f"{'adapter' if self.adapter else 'qat'}, or tensor_parallel_size)")  # fmt: skip
         if self.lisa_n_layers and self.adapter:
             raise ValueError("lisa_n_layers samples layers of a full fine-tune; remove adapter (or lisa_n_layers)")
         if self.pipeline_parallel_size > 1 and (self.lisa_n_layers or self.use_eaft):

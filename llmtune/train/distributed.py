@@ -62,6 +62,12 @@ def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
 
             config = rehearsal.fsdp_config(config)
         kwargs.update(fsdp=True, fsdp_config=config)
+        if plan.get("mesh"):  # HSDP: accelerate's own device mesh, shard groups x replicas
+            from accelerate import ParallelismConfig
+
+            mesh = plan["mesh"]
+            kwargs["parallelism_config"] = ParallelismConfig(dp_replicate_size=mesh["dp_replicate"],
+                                                             dp_shard_size=mesh["dp_shard"])  # fmt: skip
     return RankInfo(rank, local_rank, world, kwargs)
 
 

@@ -137,8 +137,23 @@ def reinitialise(model, log) -> None:
     log("reinit_weights: every weight re-initialised (training from scratch)")
 
 
-def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, device: str | None = None):
-    """The model, with the recipe's GPU kernels applied (device: 'cuda' or 'cpu'; default: whether CUDA is visible)."""
+def _distributed_config(recipe, mesh: dict, device: str | None):
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        raise UserError("tensor_parallel_size needs transformers' DistributedConfig (transformers >= 5.23)",
+                        "pip install -U transformers") from None  # fmt: skip
+    fsdp = recipe.resolved_fsdp()
+    offload = bool(fsdp and fsdp[1].offload_params and device != "cpu")
+    return DistributedConfig(tp_size=mesh["tensor_parallel"], fsdp_size=mesh["dp_shard"],
+                             dp_replicate_size=mesh["dp_replicate"], fsdp_cpu_offload=offload)  # fmt: skip
+
+
+def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, device: str | None = None,
+               mesh: dict | None = None):  # fmt: skip
+    """The model, with the recipe's GPU kernels applied (device: 'cuda' or 'cpu'; default: whether CUDA is visible).
+    With a tensor-parallel mesh (the plan's), transformers loads it already split: its tp_plan across
+    tensor_parallel ranks, FSDP2 across dp_shard ranks and replicas across dp_replicate."""
     from transformers import AutoModelForCausalLM
 
     from llmtune.train.kernels import apply_kernels, kernels_for
@@ -155,6 +170,8 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
         kwargs["device_map"] = device_map or {"": "cpu"}
     if source == recipe.base_model:
         kwargs["revision"] = recipe.revision_of_model
+    if mesh:
+        kwargs["distributed_config"] = _distributed_config(recipe, mesh, device)
     try:
         if (recipe.base_model_config or recipe.cls_model_config or recipe.overrides_of_model_config
                 or recipe.model_quantization_config):  # fmt: skip
@@ -174,6 +191,10 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
     embeddings = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 partitioned: the full shape is ds_shape
     rows = math.ceil(len(tokenizer) / 32) * 32 if recipe.resize_token_embeddings_to_32x else len(tokenizer)
     if rows > embeddings:
+        if mesh:
+            raise UserError(f"the tokenizer has {rows} tokens but the model's embeddings {embeddings} rows; a "
+                            "tensor-parallel model can't grow its embeddings",
+                            "add the tokens in a one-process run first (or without tensor_parallel_size)")  # fmt: skip
         model.resize_token_embeddings(rows)
     # Packed rows leak attention across examples when a KV cache exists (see DESIGN.md).
     model.config.use_cache = False

@@ -38,14 +38,29 @@ def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset_rows
                 f"rank {seen['rank']} sees world size {seen['world_size']} (accelerate: {seen['accelerate_world_size']}) "
                 f"but the plan has {planned}; the ranks would not train as one job"
             )
-    # Every rank of a Trainer run is a data-parallel rank (pipeline runs use their own loop), so all first
-    # batches must differ; sets too small to give each rank its own rows may legitimately repeat some.
+    # Every data-parallel rank (pipeline runs use their own loop) must see its own rows: first batches differ
+    # between data-parallel groups, and are the same within a tensor-parallel group (tensor_parallel consecutive
+    # ranks, which split each layer of one forward pass). Sets too small to give each group its own rows may
+    # legitimately repeat some.
+    tp = (plan.get("mesh") or {}).get("tensor_parallel", 1)
+    groups: dict[int, set] = {}
+    for seen in reports:
+        groups.setdefault(seen["rank"] // tp, set()).add(seen["first_batch"])
+    if any(len(batches) > 1 for batches in groups.values()):
+        raise SilentlyWrongRun("the ranks of one tensor-parallel group received different batches: each would "
+                               "compute its slice of a different forward pass")  # fmt: skip
     if dataset_rows >= 2 * plan["micro_batch_size"] * plan["data_parallel_size"]:
-        batches = [seen["first_batch"] for seen in reports]
-        if len(set(batches)) != len(batches):
+        # Data split over only part of the mesh leaves at most half the first batches distinct; a dataset with
+        # repeated rows can make two ranks' batches equal by chance, so one collision among many is not an error.
+        seen: dict[str, list[int]] = {}
+        for group, batches in groups.items():
+            seen.setdefault(next(iter(batches)), []).append(group * tp)
+        if len(seen) <= len(groups) // 2:
+            same = next(ranks for ranks in seen.values() if len(ranks) > 1)
             raise SilentlyWrongRun(
-                "two data-parallel ranks received the same first batch: the data is not being split across "
-                "ranks, so they would train on the same examples"
+                f"data-parallel ranks {' and '.join(map(str, same))} received the same first batch ({len(seen)} "
+                f"distinct among {len(groups)}): the data is not being split across ranks, so they would train on "
+                "the same examples"
             )
     return reports
 
@@ -64,6 +79,10 @@ def engine_report(trainer) -> dict:
     """
     wrapped = trainer.model_wrapped
     kind = type(wrapped).__name__
+    split = _mesh_report(trainer.model)
+    if split:
+        fsdp2 = _fsdp2_units(trainer.model)
+        return {"engine": "tensor_parallel" + ("+fsdp2" if fsdp2 else ""), "wrapped_units": fsdp2, **split}
     if kind == "DeepSpeedEngine":
         return _deepspeed_report(wrapped)
     if kind == "FullyShardedDataParallel":
@@ -78,11 +97,31 @@ def engine_report(trainer) -> dict:
         # "Shard(0)": torch prints placements as S(0) or Shard(dim=0) depending on the version
         placements = {f"{type(pl).__name__}({getattr(pl, 'dim', '')})" for p in trainer.model.parameters()
                       for pl in getattr(p, "placements", ())[:1]}  # fmt: skip
-        return {"engine": "fsdp2", "wrapped_units": fsdp2, "placements": sorted(placements),
+        mesh = next((p.device_mesh for p in trainer.model.parameters() if hasattr(p, "device_mesh")), None)
+        shape = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape, strict=False)) if mesh is not None else {}
+        return {"engine": "fsdp2", "wrapped_units": fsdp2, "placements": sorted(placements), "mesh": shape,
                 "state_dict_type": str(plugin.state_dict_type).rsplit(".", 1)[-1]}  # fmt: skip
     if kind == "DistributedDataParallel":
         return {"engine": "ddp", "optimizer": type(trainer.optimizer.optimizer).__name__}
     return {"engine": "none", "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__}
+
+
+def _mesh_report(model) -> dict | None:
+    """A tensor-parallel model's device mesh as this rank holds it: dimension sizes, this rank's coordinates, and
+    the local shapes of the first layer's weights (what each rank really keeps of them)."""
+    mesh, shapes = None, {}
+    for name, param in model.named_parameters():
+        if not hasattr(param, "device_mesh"):
+            continue
+        if param.device_mesh.mesh_dim_names and "tp" in param.device_mesh.mesh_dim_names:
+            mesh = mesh or param.device_mesh
+        if ".layers.0." in name or ".h.0." in name:
+            shapes[name] = list(param.to_local().shape)
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names
+    return {"mesh": dict(zip(names, mesh.mesh.shape, strict=True)),
+            "coordinates": dict(zip(names, mesh.get_coordinate() or [], strict=False)), "local_shapes": shapes}  # fmt: skip
 
 
 def _deepspeed_report(engine) -> dict:

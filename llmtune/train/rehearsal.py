@@ -26,7 +26,7 @@ def configure(strategy: str) -> dict:
         assert state.distributed_type == DistributedType.DEEPSPEED, state.distributed_type
     else:
         state = PartialState(cpu=True, backend="gloo")
-        if strategy.startswith("fsdp"):
+        if strategy.startswith("fsdp") or strategy == "tp":
             # AcceleratorState keeps the Trainer's FSDP plugin (and switches to FSDP) only when the process
             # state is a multi-accelerator one; for MULTI_CPU it drops the plugin and the Trainer runs DDP.
             # So label the state as the GPU run's MULTI_GPU: the Trainer's Accelerator then takes the same
@@ -37,6 +37,8 @@ def configure(strategy: str) -> dict:
             state.device = torch.device("cpu")
             # No parameter offload on CPU (see fsdp_config); accelerate would otherwise read it from the launcher.
             os.environ["FSDP_OFFLOAD_PARAMS"] = "false"
+            # Tensor parallelism: accelerate takes the Trainer's ParallelismConfig only for multi-device states
+            # (FSDP2, MULTI_GPU, DeepSpeed); the same label lets the CPU ranks build the GPU run's device mesh.
     return {"accelerator_config": {"use_configured_state": True}}
 
 

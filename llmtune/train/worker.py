@@ -194,8 +194,9 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         args = training_arguments(recipe, plan, len(data.train), data.eval is not None, **rank.training_kwargs,
                                   **compile_arguments(recipe, plan["cluster"]["device"]))  # fmt: skip
     model = attach_adapter(
-        load_model(recipe, source, tokenizer, plan["precision"], device=plan["cluster"]["device"]), recipe
-    )
+        load_model(recipe, source, tokenizer, plan["precision"], device=plan["cluster"]["device"],
+                   mesh=plan.get("mesh") if plan["strategy"] == "tp" else None), recipe,
+    )  # fmt: skip
     loaded_rss = peak_rss_bytes()  # the peak so far: loading the model (and, under ZeRO-3, partitioning it)
     trainable, total = parameter_counts(model)
     log(f"model: {type(model).__name__}, trainable {trainable:,} of {total:,} parameters ({trainable / total:.2%})")

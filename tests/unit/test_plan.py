@@ -210,3 +210,68 @@ def test_errors_raised_inside_deepspeed_are_not_blamed_on_the_model_source():
         int("0a")
     except ValueError as err:
         assert not raised_inside(err, "deepspeed")
+
+
+def _llama_config(tmp_path, heads: int = 4, kv_heads: int = 2):
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": 128,
+              "vocab_size": 512}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("changes", "world", "mesh", "data_parallel"),
+    [
+        ({"tensor_parallel_size": 2}, 2, (2, 1, 1), 1),
+        ({"tensor_parallel_size": 2}, 8, (2, 1, 4), 4),  # no fsdp: the rest are replicas
+        ({"tensor_parallel_size": 2, "fsdp_version": 2}, 8, (2, 4, 1), 4),  # with fsdp: the rest shard
+        ({"tensor_parallel_size": 2, "fsdp_version": 2, "dp_shard_size": 4, "dp_replicate_size": 2}, 16, (2, 4, 2), 8),
+        ({"tensor_parallel_size": 2, "dp_shard_size": 2}, 4, (2, 2, 1), 2),  # dp_shard alone implies FSDP2
+    ],
+)
+def test_tensor_parallel_mesh_and_batch_follow_the_data_parallel_degree(tmp_path, changes, world, mesh, data_parallel):
+    plan = make_plan(recipe(base_model=_llama_config(tmp_path), micro_batch_size=2, gradient_accumulation_steps=3,
+                            **changes), make_cluster(world, device="cuda"))  # fmt: skip
+    assert plan.strategy == "tp" and plan.accelerate_config["distributed_type"] == "MULTI_GPU"
+    assert (plan.mesh["tensor_parallel"], plan.mesh["dp_shard"], plan.mesh["dp_replicate"]) == mesh
+    assert plan.data_parallel_size == data_parallel
+    assert plan.global_batch_size == 2 * 3 * data_parallel  # not x world size
+
+
+@pytest.mark.parametrize(
+    ("changes", "world", "words"),
+    [
+        ({"tensor_parallel_size": 3}, 4, ["world size 4", "tensor_parallel_size 3"]),
+        ({"tensor_parallel_size": 4}, 4, ["tensor_parallel_size 4", "2 KV heads"]),
+        ({"tensor_parallel_size": 2, "dp_shard_size": 3}, 4, ["world size 4", "dp_shard_size 3", "= 6"]),
+        ({"fsdp_version": 2, "dp_replicate_size": 3}, 4, ["world size 4", "dp_replicate_size 3"]),
+        ({"dp_shard_size": 2}, 2, ["dp_shard_size", "fsdp_version: 2"]),
+    ],
+)
+def test_impossible_parallel_sizes_name_the_arithmetic(tmp_path, changes, world, words):
+    with pytest.raises(UserError) as err:
+        make_plan(recipe(base_model=_llama_config(tmp_path), **changes), make_cluster(world, device="cuda"))
+    assert all(word in err.value.one_line() for word in words), err.value.one_line()
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"deepspeed": "zero3"}, ["tensor_parallel_size", "DeepSpeed"]),
+        ({"fsdp": ["full_shard"]}, ["FSDP2"]),
+        ({"adapter": "lora"}, ["tensor_parallel_size", "adapter"]),
+        ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size"]),
+    ],
+)
+def test_tensor_parallel_refuses_what_it_cannot_combine_with(changes, words):
+    with pytest.raises(UserError) as err:
+        recipe(tensor_parallel_size=2, **changes)
+    assert all(word in err.value.one_line() for word in words), err.value.one_line()
+
+
+def test_hsdp_plans_a_replicated_fsdp2_mesh(tmp_path):
+    plan = make_plan(recipe(fsdp_version=2, dp_replicate_size=2), make_cluster(8, device="cuda"))
+    assert plan.strategy == "fsdp2" and plan.mesh == {"tensor_parallel": 1, "dp_shard": 4, "dp_replicate": 2}
+    assert plan.data_parallel_size == 8 and any("HSDP" in n for n in plan.notes)
+    assert make_plan(recipe(fsdp_version=2, dp_shard_size=8), make_cluster(8, device="cuda")).mesh is None

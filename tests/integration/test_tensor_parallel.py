@@ -1,0 +1,112 @@
+"""Tensor parallelism (transformers' tp_plan), TP x FSDP2, TP x replicas and HSDP in the CPU rehearsal.
+
+Each run is compared with one process training on the same global batch: the per-step losses match, each rank
+reports its mesh coordinates and the shapes it holds, ranks of one tensor-parallel group see the same rows while
+data-parallel groups see their own, and the saved model is whole and reloads to the run's own logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from harness import llmtune, losses, read_metrics
+from tiny import write_jsonl
+
+pytestmark = pytest.mark.integration
+
+WORDS = ["apple", "river", "stone", "cloud", "green", "happy", "seven", "light"]
+STEPS = 4
+GLOBAL_BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("tensor-parallel")
+    rows = [{"instruction": f"Repeat {w} number {i}", "output": f"{w} {i}"} for i, w in enumerate(WORDS * 4)]
+    return root, write_jsonl(root / "data.jsonl", rows), tiny_model  # distinct rows: first batches tell ranks apart
+
+
+def run(workspace, name: str, processes: int, micro: int, probe=None, **changes) -> tuple[dict, object]:
+    import yaml
+
+    root, data, model = workspace
+    recipe = {"base_model": str(model), "datasets": [{"path": str(data), "type": "alpaca"}], "sequence_len": 128,
+              "micro_batch_size": micro, "max_steps": STEPS, "learning_rate": 1e-3, "lr_scheduler": "linear",
+              "save_strategy": "no", "dataset_prepared_path": str(root / "prepared"), "output_dir": str(root / name),
+              **changes}  # fmt: skip
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = {"LLMTUNE_PROBE_FILE": str(probe)} if probe else None
+    result = llmtune("train", path, "--rehearse", "--num-processes", processes, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return read_metrics(path), root / name
+
+
+@pytest.fixture(scope="module")
+def reference(workspace):
+    metrics, _ = run(workspace, "single", 1, GLOBAL_BATCH)
+    assert metrics["global_batch_size"] == GLOBAL_BATCH
+    return losses(metrics), metrics["ranks"][0]["local_parameters"]
+
+
+def test_tensor_parallel_two_ranks(workspace, reference, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    probe = tmp_path / "probe.safetensors"
+    metrics, output_dir = run(workspace, "tp2", 2, GLOBAL_BATCH, probe=probe, tensor_parallel_size=2)
+    plan = json.loads((output_dir / "llmtune" / "plan.json").read_text())["plan"]
+    # the data-parallel degree is 1: same global batch and steps as one process, not twice them
+    assert plan["strategy"] == "tp" and plan["data_parallel_size"] == 1 and plan["global_batch_size"] == GLOBAL_BATCH
+    assert plan["mesh"] == {"tensor_parallel": 2, "dp_shard": 1, "dp_replicate": 1}
+    assert metrics["steps"] == STEPS and losses(metrics) == pytest.approx(reference[0], abs=1e-5)
+    ranks = metrics["ranks"]
+    assert [r["coordinates"] for r in ranks] == [{"tp": 0}, {"tp": 1}]
+    assert all(r["engine"] == "tensor_parallel" and r["mesh"] == {"tp": 2} for r in ranks)
+    # each rank holds half of every split projection: q/k/v/gate/up by rows, o/down by columns
+    for r in ranks:
+        shapes = r["local_shapes"]
+        assert shapes["model.layers.0.self_attn.q_proj.weight"] == [32, 64]
+        assert shapes["model.layers.0.self_attn.k_proj.weight"] == [16, 64]
+        assert shapes["model.layers.0.self_attn.o_proj.weight"] == [64, 32]
+        assert shapes["model.layers.0.mlp.down_proj.weight"] == [64, 64]  # intermediate 128 split by columns
+    assert ranks[0]["first_batch"] == ranks[1]["first_batch"]  # one forward pass, split: the same rows
+    # saved whole, and it reloads to the logits the run ended with
+    saved = load_file(str(output_dir / "model.safetensors"))
+    assert saved["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+    model = AutoModelForCausalLM.from_pretrained(str(output_dir), dtype=torch.float32).eval()
+    expected = load_file(str(probe))
+    with torch.no_grad():
+        logits = model(input_ids=expected["input_ids"]).logits
+    assert (logits - expected["logits"]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("name", "micro", "changes", "mesh", "q_rows"),
+    [
+        ("tp2-fsdp2", 2, {"tensor_parallel_size": 2, "fsdp_version": 2}, {"fsdp": 2, "tp": 2}, 16),
+        ("tp2-replicas", 2, {"tensor_parallel_size": 2, "dp_replicate_size": 2},
+         {"dp_replicate": 2, "fsdp": 1, "tp": 2}, 32),
+    ],
+)  # fmt: skip
+def test_tensor_parallel_with_data_parallel_groups_four_ranks(workspace, reference, name, micro, changes, mesh, q_rows):
+    metrics, _ = run(workspace, name, 4, micro, **changes)
+    assert metrics["world_size"] == 4 and metrics["global_batch_size"] == GLOBAL_BATCH
+    assert losses(metrics) == pytest.approx(reference[0], abs=1e-5)
+    ranks = metrics["ranks"]
+    assert all(r["mesh"] == mesh and r["engine"] == "tensor_parallel+fsdp2" for r in ranks)
+    assert all(r["local_shapes"]["model.layers.0.self_attn.q_proj.weight"] == [q_rows, 64] for r in ranks)
+    assert [r["coordinates"]["tp"] for r in ranks] == [0, 1, 0, 1]
+    batches = [r["first_batch"] for r in ranks]
+    assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2]
+
+
+def test_hsdp_four_ranks(workspace, reference):
+    metrics, _ = run(workspace, "hsdp", 4, 1, fsdp_version=2, dp_replicate_size=2)
+    assert losses(metrics) == pytest.approx(reference[0], abs=1e-5)
+    ranks = metrics["ranks"]
+    assert all(r["engine"] == "fsdp2" and r["mesh"] == {"dp_replicate": 2, "dp_shard_cp": 2} for r in ranks)
+    assert len({r["first_batch"] for r in ranks}) == 4  # four data-parallel ranks, four different rows
+    total = reference[1]  # the whole model, as one process holds it: each rank keeps half (2 shards, 2 replicas)
+    assert all(abs(r["local_parameters"] - total / 2) < total * 0.01 for r in ranks)
