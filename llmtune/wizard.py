@@ -244,6 +244,8 @@ def _choose_strategy(answers: Answers, ask: Asker, asking: bool) -> str | None:
         if report.choice is not None:
             row, reason = report.choice
             recommended = ROW_TO_STRATEGY[row.name]
+            if row.name == "tensor parallel":  # "tensor parallel (8-way)": the degree the estimate used
+                answers.tensor_parallel_size = int(row.strategy.split("(")[1].split("-")[0])
             estimate_line = (f"Estimated {row.total / GB:.1f} GB per GPU of {report.gpu_memory / GB:.0f} GB; "
                              f"recommended because {reason}.")  # fmt: skip
     if asking:
@@ -279,6 +281,10 @@ def _strategy_details(answers: Answers, ask: Asker, want: Callable[[str], bool])
                 "FULL_STATE_DICT")  # fmt: skip
         if want("fsdp_offload_params"):
             answers.fsdp_offload_params = ask.confirm("Offload parameters and optimizer states to CPU?", False)
+    if key == "tensor_parallel" and want("tensor_parallel_size"):
+        default = str(answers.tensor_parallel_size if answers.tensor_parallel_size > 1 else answers.gpus_per_machine)
+        answers.tensor_parallel_size = int(ask.text("Tensor-parallel degree (GPUs that split each layer; it must "
+                                                    "divide the attention and KV heads):", default, _positive_int))  # fmt: skip
     if key == "pipeline":
         if want("pipeline_stages"):
             default = str(max(2, answers.gpus_per_machine))

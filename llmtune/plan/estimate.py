@@ -282,6 +282,10 @@ def estimate(
     estimates = [_gpu_row(Estimate(name, p, g, o, 0.0, CUDA_CONTEXT, cpu, nvme, gathered, step), *extras[name],
                           gpu.allocator(recipe, expandable, fsdp=name.startswith("FSDP")))
                  for name, p, g, o, cpu, nvme, gathered, step in rows]  # fmt: skip
+    tp = tensor_parallel_degree(recipe, facts, per_machine)
+    if tp > 1:
+        estimates.append(_tensor_parallel_row(recipe, facts, loaded, tp, (params, grads, optimizer), held(grads),
+                                              scratch, gpu.allocator(recipe, expandable)))  # fmt: skip
     if stages > 1:
         # balanced stages, but a stage holds at least one whole layer (or the embeddings); its micro-batches'
         # gradients accumulate through the step. The first stage's in-flight activations and the last stage's
@@ -293,6 +297,35 @@ def estimate(
         estimates.append(_gpu_row(base, stage, grads * share, 0.0, scratch * share, 0.0,
                                   gpu.allocator(recipe, expandable), share))  # fmt: skip
     return estimates
+
+
+# Megatron-LM's activation count per layer (Korthikanti et al. 2022): of 34 s*b*h bytes, tensor parallelism
+# splits 24 (attention and MLP insides) and leaves 10 whole on every rank (the residual stream, layer norms, dropout
+# masks); the attention scores (5 a s^2 b) split with the heads.
+TP_REPLICATED_ACTIVATIONS = 10 / 34
+
+
+def tensor_parallel_degree(recipe, facts: ModelFacts, gpus_per_machine: int) -> int:
+    """The recipe's tensor_parallel_size, else the largest degree within one machine that divides the heads."""
+    if recipe.tensor_parallel_size > 1:
+        return recipe.tensor_parallel_size
+    return max(t for t in range(1, min(gpus_per_machine, 8) + 1)
+               if facts.num_heads % t == 0 and facts.num_kv_heads % t == 0)  # fmt: skip
+
+
+def _tensor_parallel_row(recipe, facts: ModelFacts, layout: _Layout, tp: int, states: tuple[float, float, float],
+                         held: float, scratch: float, allocator: gpu.Allocator) -> Estimate:  # fmt: skip
+    """Per GPU with tp-way tensor parallelism: every weight split (transformers' tp_plan splits the projections,
+    embeddings and head; norms stay whole), with FSDP2 over dp_shard_size on top; activations as Megatron counts."""
+    shard = recipe.dp_shard_size or 1
+    params, grads, optimizer = (value / (tp * shard) for value in states)
+    share = TP_REPLICATED_ACTIVATIONS + (1 - TP_REPLICATED_ACTIVATIONS) / tp
+    # under gradient checkpointing only each layer's input is saved: the residual stream, whole on every rank
+    saved = layout.acts.saved if recipe.gradient_checkpointing else layout.acts.saved * share
+    acts = replace(layout.acts, saved=saved, recompute=layout.acts.recompute * share)
+    base = Estimate(f"tensor parallel ({tp}-way)", params, grads, optimizer, 0.0, CUDA_CONTEXT, 0.0, 0.0)
+    return _gpu_row(base, _Layout(acts, layout.copies), held / (tp * shard), 0.0, scratch / (tp * shard), 0.0,
+                    allocator, 1 / (tp * shard))  # fmt: skip
 
 
 @dataclass
@@ -363,6 +396,8 @@ def row_for_plan(plan) -> str:
         return {"HYBRID_SHARD": "FSDP hybrid shard", "SHARD_GRAD_OP": "FSDP shard grad op"}.get(
             sharding, "FSDP full shard"
         )
+    if plan.strategy == "tp":
+        return "tensor parallel"
     return "pipeline" if plan.strategy == "pipeline" else "single / DDP"
 
 

@@ -20,6 +20,10 @@ STRATEGIES = {
     "fsdp": ("FSDP full shard (everything sharded, torch native)", "FSDP full shard"),
     "fsdp_hybrid": ("FSDP hybrid shard (sharded within each machine, replicated across)", "FSDP hybrid shard"),
     "pipeline": ("Pipeline parallel (layers split over GPUs)", "pipeline"),
+    "tensor_parallel": (
+        "Tensor parallel (each layer, and its activations, split over a machine's GPUs)",
+        "tensor parallel",
+    ),
 }
 ROW_TO_STRATEGY = {row: key for key, (_, row) in STRATEGIES.items()}
 
@@ -54,6 +58,7 @@ class Answers:
     fsdp_offload_params: bool = False
     pipeline_stages: int = 2
     pipeline_schedule: str = "1f1b"
+    tensor_parallel_size: int = 2
     output_dir: str = "./outputs/run"
 
     @property
@@ -91,6 +96,8 @@ def strategy_keys(answers: Answers) -> dict:
         return {"fsdp_version": 1 if hybrid else answers.fsdp_version, "fsdp_config": config}
     if key == "pipeline":
         return {"pipeline_parallel_size": answers.pipeline_stages, "pipeline_schedule": answers.pipeline_schedule}
+    if key == "tensor_parallel":  # the other ranks shard with FSDP2 (across machines: sharded, then replicated)
+        return {"tensor_parallel_size": answers.tensor_parallel_size, "fsdp_version": 2}
     raise ValueError(f"unknown strategy {key}")
 
 

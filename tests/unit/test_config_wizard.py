@@ -173,3 +173,18 @@ def test_not_a_terminal_without_yes_is_a_clear_error(tmp_path):
     result = subprocess.run([sys.executable, "-m", "llmtune", "config", "-o", str(tmp_path / "r.yaml")],
                             capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "--yes" in result.stderr
+
+
+def test_tensor_parallel_strategy_writes_a_mesh_that_plans(run_cli, tmp_path, chat_file, model_dir):
+    output = tmp_path / "r.yaml"
+    result = run_cli("config", "--yes", "-o", output, "--base-model", model_dir, "--dataset", chat_file,
+                     "--gpus-per-machine", "8", "--method", "full", "--strategy", "tensor_parallel",
+                     "--tensor-parallel-size", "4")  # fmt: skip
+    assert result.code == 0, result.err
+    raw = yaml.safe_load(output.read_text())
+    assert raw["tensor_parallel_size"] == 4 and raw["fsdp_version"] == 2
+    plan = run_cli("plan", output, "--num-processes", "8", "--json")
+    assert plan.code == 0, plan.err
+    planned = json.loads(plan.out)
+    assert planned["strategy"] == "tp" and planned["mesh"] == {"tensor_parallel": 4, "dp_shard": 2, "dp_replicate": 1}
+    assert planned["data_parallel_size"] == 2

@@ -265,3 +265,35 @@ def test_the_allocator_mode_follows_the_environment_the_workers_get(monkeypatch)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert legacy.reserve == estimate(recipe(**RUN), ONE_B, 1, 1, expandable=False)[0].reserve
     assert legacy.reserve > estimate(recipe(**RUN), ONE_B, 1, 1)[0].reserve
+
+
+def test_tensor_parallel_row_splits_states_and_the_split_part_of_the_activations():
+    from llmtune.plan.estimate import TP_REPLICATED_ACTIVATIONS
+
+    r = recipe(sequence_len=8192, micro_batch_size=1)
+    rows = {e.name: e for e in estimate(r, FACTS, data_parallel=8, gpus_per_machine=8)}
+    tp, single = rows["tensor parallel"], rows["single / DDP"]
+    assert tp.strategy == "tensor parallel (8-way)"  # the largest degree inside a machine that divides the heads
+    assert tp.params == pytest.approx(single.params / 8) and tp.optimizer == pytest.approx(single.optimizer / 8)
+    share = TP_REPLICATED_ACTIVATIONS + (1 - TP_REPLICATED_ACTIVATIONS) / 8
+    assert tp.activations == pytest.approx(single.activations * share)
+    assert tp.logits == single.logits  # the head's output is gathered whole on every rank for the loss
+    # the recipe's own degree, with FSDP2 over dp_shard_size ranks on top
+    r2 = recipe(sequence_len=8192, tensor_parallel_size=2, dp_shard_size=4)
+    row = {e.name: e for e in estimate(r2, FACTS, data_parallel=4, gpus_per_machine=8)}["tensor parallel"]
+    assert row.strategy == "tensor parallel (2-way)" and row.params == pytest.approx(single.params / 8)
+
+
+def test_tensor_parallel_is_recommended_when_only_split_activations_fit():
+    from llmtune.plan.estimate import FIT_FRACTION
+    from llmtune.plan.recommend import recommend
+
+    r = recipe(sequence_len=65536, micro_batch_size=1, gradient_checkpointing=False)
+    rows = estimate(r, FACTS, data_parallel=8, gpus_per_machine=8)
+    by_name = {e.name: e for e in rows}
+    tp = by_name["tensor parallel"]
+    # a memory where the tensor-parallel row fits but no sharding of states alone does
+    budget = tp.total / FIT_FRACTION * 1.01
+    assert all(not by_name[n].fits(budget) for n in ("ZeRO-3", "FSDP full shard", "pipeline") if n in by_name)
+    choice = recommend(rows, budget)
+    assert choice is not None and choice[0].name == "tensor parallel" and "activations" in choice[1]
