@@ -17,6 +17,7 @@ from llmtune.recipe.axolotl_keys import (
     AXOLOTL_ONLY_KEYS,
     BNB_CONFIG_KWARGS,
     CLOUD_KEYS,
+    MISSPELLED,
     RENAMED,
     RENAMED_DATASET_KEYS,
     AxolotlKey,
@@ -95,6 +96,9 @@ def _top_level(raw: dict, path: Path, notes: Notes) -> dict:
             data[key] = value
         elif key in AXOLOTL_ONLY_KEYS:
             _screen_key("", key, value, AXOLOTL_ONLY_KEYS[key], notes, path)
+        elif key in MISSPELLED:
+            raise UserError(f"{path}: unknown key '{key}' (Axolotl ignores it too, so it does nothing there); use "
+                            f"{MISSPELLED[key]}", REFERENCE_HINT)  # fmt: skip
         else:
             raise UserError(f"{path}: {unknown_key_message(key, known)}", REFERENCE_HINT)
     return data

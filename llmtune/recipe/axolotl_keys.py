@@ -325,6 +325,14 @@ RENAMED = {
     "type_of_model": "model_type",
 }
 
+# Keys that neither llmtune nor Axolotl defines but that recipes carry (Axolotl's own examples among them), which
+# Axolotl drops without a word: the run does not do what the key says. Refused like any unknown key, with the key
+# that does it.
+MISSPELLED = {
+    "eta_min": "cosine_min_lr_ratio (the floor as a fraction of learning_rate: eta_min / learning_rate)",
+    "min_lr": "cosine_min_lr_ratio (the floor as a fraction of learning_rate: min_lr / learning_rate)",
+}
+
 # Keys of one `datasets[]` / `pretraining_dataset[]` entry.
 AXOLOTL_DATASET_KEYS: dict[str, AxolotlKey] = {
     **_no_effect(DECIDED, "preprocess_shards input_format"),

@@ -137,3 +137,10 @@ def test_a_key_neither_defines_stays_unknown_with_a_did_you_mean(tmp_path):
     path.write_text(text)
     with pytest.raises(UserError, match="unknown key 'context_parapllel_size'; did you mean 'context_parallel_size'"):
         load_recipe(path)
+
+
+def test_a_key_axolotl_drops_silently_is_refused_with_the_key_that_does_it(tmp_path):
+    path = tmp_path / "floor.yml"
+    path.write_text((CORPUS / "llama3-lora-8bit.yml").read_text() + "eta_min: 7.0e-7\n")
+    with pytest.raises(UserError, match="unknown key 'eta_min' .Axolotl ignores it too.*use cosine_min_lr_ratio"):
+        load_recipe(path)
