@@ -201,7 +201,7 @@ def ask_all(given: dict[str, Any], ask: Asker) -> tuple[Answers, str | None]:
         answers.micro_batch_size = int(
             ask.text("Micro-batch size per GPU:", str(answers.micro_batch_size), _positive_int)
         )
-    estimate_line = _choose_strategy(answers, ask, want("strategy"))
+    estimate_line = _choose_strategy(answers, ask, want("strategy"), want)
     _strategy_details(answers, ask, want)
     if want("output_dir"):
         default = f"./outputs/{answers.base_model.rstrip('/').split('/')[-1].lower()}-{answers.method}"
@@ -224,7 +224,7 @@ def _draft_recipe(answers: Answers):
     return recipe_from_mapping(mapping, Path("llmtune-config.yaml"), check_files=False).recipe
 
 
-def _choose_strategy(answers: Answers, ask: Asker, asking: bool) -> str | None:
+def _choose_strategy(answers: Answers, ask: Asker, asking: bool, keep_default: Callable[[str], bool]) -> str | None:
     from llmtune.plan.estimate import GB, estimate_recipe, parse_size
     from llmtune.plan.model_facts import read_model_facts
 
@@ -244,8 +244,9 @@ def _choose_strategy(answers: Answers, ask: Asker, asking: bool) -> str | None:
         if report.choice is not None:
             row, reason = report.choice
             recommended = ROW_TO_STRATEGY[row.name]
-            if row.name == "tensor parallel":  # "tensor parallel (8-way)": the degree the estimate used
-                answers.tensor_parallel_size = int(row.strategy.split("(")[1].split("-")[0])
+            if row.name in ("tensor parallel", "context parallel"):  # "... (8-way)": the degree the estimate used
+                if keep_default(f"{recommended}_size"):
+                    setattr(answers, f"{recommended}_size", int(row.strategy.split("(")[1].split("-")[0]))
             estimate_line = (f"Estimated {row.total / GB:.1f} GB per GPU of {report.gpu_memory / GB:.0f} GB; "
                              f"recommended because {reason}.")  # fmt: skip
     if asking:
@@ -281,6 +282,10 @@ def _strategy_details(answers: Answers, ask: Asker, want: Callable[[str], bool])
                 "FULL_STATE_DICT")  # fmt: skip
         if want("fsdp_offload_params"):
             answers.fsdp_offload_params = ask.confirm("Offload parameters and optimizer states to CPU?", False)
+    if key == "context_parallel" and want("context_parallel_size"):
+        answers.context_parallel_size = int(ask.text("Context-parallel degree (GPUs that split each row; rows are "
+                                                     "padded to a multiple of twice it):",
+                                                     str(answers.context_parallel_size), _positive_int))  # fmt: skip
     if key == "tensor_parallel" and want("tensor_parallel_size"):
         default = str(answers.tensor_parallel_size if answers.tensor_parallel_size > 1 else answers.gpus_per_machine)
         answers.tensor_parallel_size = int(ask.text("Tensor-parallel degree (GPUs that split each layer; it must "

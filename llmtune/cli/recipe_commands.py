@@ -161,7 +161,7 @@ def config_command(
     strategy: _ask_option(
         "--strategy",
         "ddp, zero1, zero2, zero3, zero2_offload, zero3_offload, zero3_nvme, fsdp, "
-        "fsdp_hybrid, pipeline, tensor_parallel (default: the recommended one).",
+        "fsdp_hybrid, pipeline, context_parallel, tensor_parallel (default: the recommended one).",
     ) = None,  # fmt: skip
     nvme_path: _ask_option("--nvme-path", "NVMe folder for zero3_nvme.") = None,
     fsdp_version: _ask_option("--fsdp-version", "1 or 2.", int) = None,
@@ -172,9 +172,8 @@ def config_command(
     fsdp_offload_params: _ask_option("--fsdp-offload-params", "Offload FSDP parameters to CPU.", bool) = None,
     pipeline_stages: _ask_option("--pipeline-stages", "Pipeline stages.", int) = None,
     pipeline_schedule: _ask_option("--pipeline-schedule", "gpipe, 1f1b or interleaved_1f1b.") = None,
-    tensor_parallel_size: _ask_option(
-        "--tensor-parallel-size", "Ranks that split each layer (tensor_parallel).", int
-    ) = None,  # fmt: skip
+    context_parallel_size: _ask_option("--context-parallel-size", "Ranks that split each row.", int) = None,
+    tensor_parallel_size: _ask_option("--tensor-parallel-size", "Ranks that split each layer.", int) = None,
     output_dir: _ask_option("--output-dir", "Where the run writes its model and checkpoints.") = None,
 ) -> None:
     """Answer a few questions (those `accelerate config` asks, plus model and data) and get a recipe."""

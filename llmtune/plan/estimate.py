@@ -282,10 +282,30 @@ def estimate(
     estimates = [_gpu_row(Estimate(name, p, g, o, 0.0, CUDA_CONTEXT, cpu, nvme, gathered, step), *extras[name],
                           gpu.allocator(recipe, expandable, fsdp=name.startswith("FSDP")))
                  for name, p, g, o, cpu, nvme, gathered, step in rows]  # fmt: skip
+    from llmtune.plan.estimate_parallel import (
+        context_parallel_degree,
+        context_parallel_split,
+        tensor_parallel_degree,
+        tensor_parallel_split,
+    )
+
+    splits = []
+    cp = context_parallel_degree(recipe, facts, per_machine)
+    if cp > 1:
+        splits.append(context_parallel_split(cp, n))
     tp = tensor_parallel_degree(recipe, facts, per_machine)
     if tp > 1:
-        estimates.append(_tensor_parallel_row(recipe, facts, loaded, tp, (params, grads, optimizer), held(grads),
-                                              scratch, gpu.allocator(recipe, expandable)))  # fmt: skip
+        splits.append(tensor_parallel_split(recipe, tp))
+    for split in splits:
+        layout = sixteen if split.fsdp else loaded
+        acts = replace(layout.acts, saved=layout.acts.saved * split.saved, logits=layout.acts.logits * split.logits,
+                       idle_logits=layout.acts.idle_logits * split.logits,
+                       recompute=layout.acts.recompute * split.recompute)  # fmt: skip
+        base = Estimate(split.name, params / split.states, grads / split.states, optimizer / split.states, 0.0,
+                        CUDA_CONTEXT, 0.0, 0.0, largest if split.fsdp else 0.0)  # fmt: skip
+        estimates.append(_gpu_row(base, _Layout(acts, layout.copies), held(grads) / split.states, 0.0,
+                                  scratch / split.states, 0.0, gpu.allocator(recipe, expandable, fsdp=split.fsdp),
+                                  1 / split.states))  # fmt: skip
     if stages > 1:
         # balanced stages, but a stage holds at least one whole layer (or the embeddings); its micro-batches'
         # gradients accumulate through the step. The first stage's in-flight activations and the last stage's
@@ -297,35 +317,6 @@ def estimate(
         estimates.append(_gpu_row(base, stage, grads * share, 0.0, scratch * share, 0.0,
                                   gpu.allocator(recipe, expandable), share))  # fmt: skip
     return estimates
-
-
-# Megatron-LM's activation count per layer (Korthikanti et al. 2022): of 34 s*b*h bytes, tensor parallelism
-# splits 24 (attention and MLP insides) and leaves 10 whole on every rank (the residual stream, layer norms, dropout
-# masks); the attention scores (5 a s^2 b) split with the heads.
-TP_REPLICATED_ACTIVATIONS = 10 / 34
-
-
-def tensor_parallel_degree(recipe, facts: ModelFacts, gpus_per_machine: int) -> int:
-    """The recipe's tensor_parallel_size, else the largest degree within one machine that divides the heads."""
-    if recipe.tensor_parallel_size > 1:
-        return recipe.tensor_parallel_size
-    return max(t for t in range(1, min(gpus_per_machine, 8) + 1)
-               if facts.num_heads % t == 0 and facts.num_kv_heads % t == 0)  # fmt: skip
-
-
-def _tensor_parallel_row(recipe, facts: ModelFacts, layout: _Layout, tp: int, states: tuple[float, float, float],
-                         held: float, scratch: float, allocator: gpu.Allocator) -> Estimate:  # fmt: skip
-    """Per GPU with tp-way tensor parallelism: every weight split (transformers' tp_plan splits the projections,
-    embeddings and head; norms stay whole), with FSDP2 over dp_shard_size on top; activations as Megatron counts."""
-    shard = recipe.dp_shard_size or 1
-    params, grads, optimizer = (value / (tp * shard) for value in states)
-    share = TP_REPLICATED_ACTIVATIONS + (1 - TP_REPLICATED_ACTIVATIONS) / tp
-    # under gradient checkpointing only each layer's input is saved: the residual stream, whole on every rank
-    saved = layout.acts.saved if recipe.gradient_checkpointing else layout.acts.saved * share
-    acts = replace(layout.acts, saved=saved, recompute=layout.acts.recompute * share)
-    base = Estimate(f"tensor parallel ({tp}-way)", params, grads, optimizer, 0.0, CUDA_CONTEXT, 0.0, 0.0)
-    return _gpu_row(base, _Layout(acts, layout.copies), held / (tp * shard), 0.0, scratch / (tp * shard), 0.0,
-                    allocator, 1 / (tp * shard))  # fmt: skip
 
 
 @dataclass
@@ -398,6 +389,8 @@ def row_for_plan(plan) -> str:
         )
     if plan.strategy == "tp":
         return "tensor parallel"
+    if (plan.mesh or {}).get("context_parallel", 1) > 1:
+        return "context parallel"
     return "pipeline" if plan.strategy == "pipeline" else "single / DDP"
 
 

@@ -11,6 +11,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+# Model families whose layers mix tokens with something besides attention (state-space or linear-attention layers):
+# ring attention splits only the attention, so their other layers would see sequence chunks as whole sequences.
+NOT_ATTENTION_ONLY = ("mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "bamba", "nemotron_h",
+                      "falcon_h1", "granitemoehybrid", "plamo2", "lfm2", "lfm2_moe", "qwen3_next", "minimax",
+                      "kimi_linear", "recurrent_gemma", "rwkv")  # fmt: skip
+
 
 @dataclass(frozen=True)
 class ModelFacts:

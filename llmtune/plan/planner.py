@@ -15,7 +15,7 @@ from llmtune.errors import UserError
 from llmtune.plan.accelerate_config import build_accelerate_config, fsdp_section
 from llmtune.plan.cluster import Cluster
 from llmtune.plan.deepspeed import build_deepspeed_config
-from llmtune.plan.model_facts import ModelFacts, read_model_facts
+from llmtune.plan.model_facts import NOT_ATTENTION_ONLY, ModelFacts, read_model_facts
 from llmtune.plan.pipeline import bubble_fraction, split_layers
 from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import INSTALL_HINT, Kernels, liger_requested, resolve_kernels
@@ -161,9 +161,13 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         # measured on an H100 (torch 2.11): gloo's send/recv of CUDA tensors fails with "Bad address"
         raise UserError("pipeline stages pass activations with send/recv, which gloo cannot do on CUDA tensors",
                         "run pipeline stages on separate GPUs (NCCL), or rehearse them with --device cpu")  # fmt: skip
-    mesh = _tensor_parallel_mesh(recipe, world, facts, notes) if strategy == "tp" else None
+    mesh = None
+    if strategy == "tp":
+        mesh = _tensor_parallel_mesh(recipe, world, facts, notes)
+    elif strategy.startswith("fsdp"):
+        mesh = _hybrid_mesh(recipe, world, recipe.resolved_fsdp()[0], notes, facts)
     data_parallel = world // pipeline.stages if pipeline else world
-    if mesh:  # ranks of one tensor-parallel group see the same rows: only the data-parallel ranks split the data
+    if mesh:  # ranks of one tensor/context-parallel group see the same rows: only data-parallel ranks split the data
         data_parallel = mesh["dp_shard"] * mesh["dp_replicate"]
     accumulation = pipeline.microbatches if pipeline else recipe.gradient_accumulation_steps
     global_batch = recipe.micro_batch_size * accumulation * data_parallel
@@ -199,7 +203,6 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
                             "rehearse with fsdp_version: 2 (FSDP1 is deprecated in transformers), or run on GPUs")  # fmt: skip
         fsdp = fsdp_section(version, settings)
         offload = "cpu" if settings.offload_params else "none"
-        mesh = _hybrid_mesh(recipe, world, version, notes)
         if world == 1:
             notes.append("FSDP with one process shards nothing; it runs, but DDP/single would be faster")
         if settings.activation_checkpointing and recipe.gradient_checkpointing:
@@ -249,22 +252,42 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
     )  # fmt: skip
 
 
-def _hybrid_mesh(recipe: Recipe, world: int, version: int, notes: list[str]) -> dict[str, int] | None:
-    """FSDP with dp_shard_size / dp_replicate_size: HSDP (shard within groups, replicate across), or None."""
-    if not (recipe.dp_shard_size or recipe.dp_replicate_size):
+def _hybrid_mesh(recipe: Recipe, world: int, version: int, notes: list[str],
+                 facts: ModelFacts | None = None) -> dict[str, int] | None:  # fmt: skip
+    """FSDP with dp_shard_size / dp_replicate_size (HSDP: shard within groups, replicate across) and/or
+    context_parallel_size (each sequence split across that many ranks); None for plain FSDP over every rank."""
+    cp = recipe.context_parallel_size
+    if not (recipe.dp_shard_size or recipe.dp_replicate_size or cp > 1):
         return None
-    shard = recipe.dp_shard_size or world // (recipe.dp_replicate_size or 1)
-    replicate = recipe.dp_replicate_size or max(1, world // shard)
-    if shard * replicate != world:
-        raise UserError(f"world size {world} != dp_replicate_size {replicate} x dp_shard_size {shard} = "
-                        f"{replicate * shard}", "set the sizes so their product is --num-processes (or leave one out)")  # fmt: skip
-    if replicate == 1:
+    if world % cp:
+        raise UserError(f"world size {world} is not divisible by context_parallel_size {cp}",
+                        f"use --num-processes {cp * max(1, world // cp)}")  # fmt: skip
+    shard = recipe.dp_shard_size or world // (cp * (recipe.dp_replicate_size or 1))
+    replicate = recipe.dp_replicate_size or max(1, world // (cp * shard))
+    if shard * replicate * cp != world:
+        raise UserError(f"world size {world} != dp_replicate_size {replicate} x dp_shard_size {shard}"
+                        + (f" x context_parallel_size {cp}" if cp > 1 else "") + f" = {replicate * shard * cp}",
+                        "set the sizes so their product is --num-processes (or leave one out)")  # fmt: skip
+    if replicate == 1 and cp == 1:
         return None  # plain FSDP across every rank
     if version != 2:
         raise UserError("dp_replicate_size > 1 (HSDP) runs on FSDP2 here", "set fsdp_version: 2 (FSDP1: "
                         "sharding_strategy: HYBRID_SHARD)")  # fmt: skip
-    notes.append(f"HSDP: weights sharded across {shard} ranks, {replicate} replicas (accelerate's ParallelismConfig)")
-    return {"tensor_parallel": 1, "dp_shard": shard, "dp_replicate": replicate}
+    if cp > 1:
+        if facts and facts.model_type in NOT_ATTENTION_ONLY:
+            raise UserError(f"context parallelism for {facts.model_type} models is not supported: their state-space / "
+                            "linear-attention layers would see each rank's chunk as a whole sequence (ring attention "
+                            "splits only attention)", "use tensor_parallel_size or FSDP2 alone")  # fmt: skip
+        if recipe.sequence_len < 2 * cp:
+            raise UserError(f"sequence_len {recipe.sequence_len} is too short to split into 2 x "
+                            f"context_parallel_size = {2 * cp} chunks")  # fmt: skip
+        notes.append(f"context parallel: each row split into {2 * cp} chunks over {cp} ranks (load-balanced ring "
+                     f"attention; rows padded to a multiple of {2 * cp}); the data-parallel degree is "
+                     f"{replicate * shard}, which sets the global batch")  # fmt: skip
+    if replicate > 1:
+        notes.append(f"HSDP: weights sharded across {shard * cp} ranks, {replicate} replicas (accelerate's "
+                     "ParallelismConfig)")  # fmt: skip
+    return {"tensor_parallel": 1, "context_parallel": cp, "dp_shard": shard, "dp_replicate": replicate}
 
 
 def _tensor_parallel_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, notes: list[str]) -> dict[str, int]:

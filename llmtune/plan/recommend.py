@@ -27,20 +27,22 @@ REASONS = {
     "ZeRO-2 + CPU offload": "nothing fits on the GPUs alone; offloading optimizer states and gradients to CPU does",
     "ZeRO-3 + CPU offload": "nothing fits on the GPUs alone; offloading parameters and optimizer to CPU does",
     "ZeRO-3 + NVMe offload": "even CPU memory is too small; ZeRO-Infinity offloads to NVMe",
+    "context parallel": "sharding states is not enough: the activations of these long sequences must be split too; "
+                        "context parallelism splits every row (and its activations) across GPUs",
     "tensor parallel": "sharding states is not enough: the activations (or one layer) must be split too, which only "
                        "tensor parallelism does; it needs the fast links inside one machine",
 }  # fmt: skip
 _OFFLOAD = ["ZeRO-2 + CPU offload", "ZeRO-3 + CPU offload", "ZeRO-3 + NVMe offload"]
 PREFERENCE = {
     # one machine: pipeline before ZeRO-3 (the seeds' order: pipeline, ZeRO, tensor parallel)
-    "one machine": ["single / DDP", "ZeRO-1", "ZeRO-2", "pipeline", "ZeRO-3", "FSDP full shard", "tensor parallel",
-                    *_OFFLOAD],
+    "one machine": ["single / DDP", "ZeRO-1", "ZeRO-2", "pipeline", "ZeRO-3", "FSDP full shard", "context parallel",
+                    "tensor parallel", *_OFFLOAD],
     # several machines, fast interconnect (InfiniBand, NVLink across nodes): ZeRO/FSDP scale well
     "fast": ["single / DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full shard", "FSDP hybrid shard", "pipeline",
-             "tensor parallel", *_OFFLOAD],
+             "context parallel", "tensor parallel", *_OFFLOAD],
     # several machines, slow interconnect (Ethernet): keep the heavy traffic inside machines, DP + PP
     "slow": ["single / DDP", "ZeRO-1", "pipeline", "FSDP hybrid shard", "ZeRO-2", "ZeRO-3", "FSDP full shard",
-             "tensor parallel", *_OFFLOAD],
+             "context parallel", "tensor parallel", *_OFFLOAD],
 }  # fmt: skip
 
 

@@ -32,10 +32,11 @@ def smallest_cluster(recipe: Recipe, described: Cluster) -> tuple[Cluster, list[
         notes.append(f"deepspeed train_batch_size fixes {replicas} data-parallel processes (micro_batch_size "
                      f"{recipe.micro_batch_size} x gradient_accumulation_steps {recipe.gradient_accumulation_steps} "
                      f"x processes); {CHECKED_LATER}")  # fmt: skip
-    mesh = recipe.tensor_parallel_size * (recipe.dp_shard_size or 1) * (recipe.dp_replicate_size or 1)
+    parallel = recipe.tensor_parallel_size * recipe.context_parallel_size
+    mesh = parallel * (recipe.dp_shard_size or 1) * (recipe.dp_replicate_size or 1)
     if mesh > 1:
-        notes.append(f"tensor_parallel_size x dp_shard_size x dp_replicate_size = {mesh} processes at least (other "
-                     f"multiples of {recipe.tensor_parallel_size} fill the unset sizes); {CHECKED_LATER}")  # fmt: skip
+        notes.append(f"tensor/context parallel and dp_shard/dp_replicate sizes need {mesh} processes at least (other "
+                     f"multiples of {parallel} fill the unset sizes); {CHECKED_LATER}")  # fmt: skip
     world = math.lcm(machines, stages * replicas, mesh)
     processes = f"{world} {'GPU' if described.device == 'cuda' else 'CPU'} process{'es' if world > 1 else ''}"
     notes.insert(0, f"no cluster flags: planned for the smallest world the recipe needs ({processes} on {machines} "

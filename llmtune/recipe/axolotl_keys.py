@@ -96,7 +96,7 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         max_memory deepcompile torch_compile_options fp8 fp8_enable_fsdp_float8_all_gather fp32_norms
         fp32_norm_classes expert_parallel_size expert_parallel_backend
         expert_parallel_fallback_on_unsupported expert_parallel_num_nvl_bytes expert_parallel_num_rdma_bytes
-        expert_parallel_token_capacity accelerator_config
+        expert_parallel_token_capacity accelerator_config heads_k_stride ring_attn_func
         ddp_broadcast_buffers dataloader_prefetch_factor torchdistx_path
     """,
     ),
@@ -162,14 +162,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "GPTQ-quantized base models",
         "use adapter: qlora on the 16-bit model",
         "gptq gptq_disable_exllama gptq_groupsize gptq_model_v1",
-    ),
-    **_refused(
-        "context (sequence) parallelism",
-        "shorten sequence_len, use tensor_parallel_size (it splits activations too), or shard with fsdp",
-        """
-        context_parallel_size sequence_parallel_degree heads_k_stride ring_attn_func
-    """,
-        accepted=(1,),
     ),
     **_refused(
         "ReLoRA",
@@ -317,6 +309,7 @@ BNB_CONFIG_KWARGS = {
 
 # Axolotl's older or alternative spellings of keys llmtune honours: old name -> llmtune's name.
 RENAMED = {
+    "sequence_parallel_degree": "context_parallel_size",
     "evaluation_strategy": "eval_strategy",
     "noisy_embedding_alpha": "neftune_noise_alpha",
     "dataset_num_proc": "dataset_processes",

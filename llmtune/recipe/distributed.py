@@ -92,6 +92,10 @@ class DistributedKeys(Section):
         None, gt=0, description="With tensor_parallel_size: data-parallel replicas (HSDP across dp_shard groups; "
         "default: whatever world / (tensor_parallel_size x dp_shard_size) leaves).",
     )  # fmt: skip
+    context_parallel_size: int = Field(
+        1, gt=0, description="Context parallelism: each sequence split across this many ranks (torch's ring "
+        "attention through accelerate; FSDP2 and sdpa attention; unpacked rows).",
+    )  # fmt: skip
     ddp_timeout: int = Field(1800, gt=0, description="Seconds a collective may wait before the job fails.")
     max_restarts: int = Field(
         0,
@@ -155,6 +159,16 @@ class DistributedKeys(Section):
                 raise ValueError("tensor_parallel_size and pipeline_parallel_size can't be combined yet; use one")
             if self.fsdp_enabled and (self.resolved_fsdp()[0] == 1):
                 raise ValueError("tensor_parallel_size > 1 combines with FSDP2 only; set fsdp_version: 2")
+        if self.context_parallel_size > 1:
+            others = [name for name, on in (("deepspeed", self.deepspeed is not None),
+                                            ("pipeline_parallel_size", self.pipeline_parallel_size > 1),
+                                            ("tensor_parallel_size", self.tensor_parallel_size > 1)) if on]  # fmt: skip
+            if others:
+                raise ValueError(f"context parallelism with {', '.join(others)} is not supported: llmtune's context "
+                                 "parallel runs with FSDP2 alone (accelerate's, torch's ring attention)")  # fmt: skip
+            if not self.fsdp_enabled or self.resolved_fsdp()[0] != 2:
+                raise ValueError("context parallelism without FSDP2 is not supported (accelerate's context parallel "
+                                 "shards with FSDP2): set fsdp_version: 2")  # fmt: skip
         config = self.fsdp_config
         if config and config.version and self.fsdp_version and config.version != self.fsdp_version:
             raise ValueError(f"fsdp_version is {self.fsdp_version} but fsdp_config.version is {config.version}")

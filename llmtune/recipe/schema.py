@@ -30,6 +30,13 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
             raise ValueError("tensor_parallel_size > 1 trains the full weights: peft's LoRA layers can't wrap every "
                              "tensor-parallel projection, and qat's fake-quantized layers aren't sharded (remove "
                              f"{'adapter' if self.adapter else 'qat'}, or tensor_parallel_size)")  # fmt: skip
+        if self.context_parallel_size > 1 and self.sample_packing:
+            raise ValueError("context parallelism with sample_packing is not supported: torch's ring attention "
+                             "takes causal attention over whole rows, not the per-example masks of packed rows (set "
+                             "sample_packing: false)")  # fmt: skip
+        if self.context_parallel_size > 1 and (self.attn_implementation not in (None, "sdpa") or self.flash_attention):
+            raise ValueError(f"context parallelism with {self.attn_implementation or 'flash_attention_2'} is not "
+                             "supported: torch's ring attention runs on sdpa (attn_implementation: sdpa)")  # fmt: skip
         if self.lisa_n_layers and self.adapter:
             raise ValueError("lisa_n_layers samples layers of a full fine-tune; remove adapter (or lisa_n_layers)")
         if self.pipeline_parallel_size > 1 and (self.lisa_n_layers or self.use_eaft):

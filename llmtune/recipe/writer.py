@@ -20,6 +20,10 @@ STRATEGIES = {
     "fsdp": ("FSDP full shard (everything sharded, torch native)", "FSDP full shard"),
     "fsdp_hybrid": ("FSDP hybrid shard (sharded within each machine, replicated across)", "FSDP hybrid shard"),
     "pipeline": ("Pipeline parallel (layers split over GPUs)", "pipeline"),
+    "context_parallel": (
+        "Context parallel (each row, and its activations, split over the GPUs; FSDP2)",
+        "context parallel",
+    ),
     "tensor_parallel": (
         "Tensor parallel (each layer, and its activations, split over a machine's GPUs)",
         "tensor parallel",
@@ -59,6 +63,7 @@ class Answers:
     pipeline_stages: int = 2
     pipeline_schedule: str = "1f1b"
     tensor_parallel_size: int = 2
+    context_parallel_size: int = 2
     output_dir: str = "./outputs/run"
 
     @property
@@ -96,6 +101,8 @@ def strategy_keys(answers: Answers) -> dict:
         return {"fsdp_version": 1 if hybrid else answers.fsdp_version, "fsdp_config": config}
     if key == "pipeline":
         return {"pipeline_parallel_size": answers.pipeline_stages, "pipeline_schedule": answers.pipeline_schedule}
+    if key == "context_parallel":  # ring attention over whole rows: no packing (see recipe_text)
+        return {"context_parallel_size": answers.context_parallel_size, "fsdp_version": 2}
     if key == "tensor_parallel":  # the other ranks shard with FSDP2 (across machines: sharded, then replicated)
         return {"tensor_parallel_size": answers.tensor_parallel_size, "fsdp_version": 2}
     raise ValueError(f"unknown strategy {key}")
@@ -138,7 +145,8 @@ def recipe_text(answers: Answers, recipe_path: str, estimate_line: str | None, w
     dataset = {"path": answers.dataset, "type": answers.dataset_type, **answers.dataset_extra}
     blocks.append(_block("Data: a local file or a hub dataset, and its format.", {"datasets": [dataset]}))
     training = {
-        "sequence_len": answers.sequence_len, "sample_packing": True, "micro_batch_size": answers.micro_batch_size,
+        "sequence_len": answers.sequence_len, "sample_packing": answers.strategy != "context_parallel",
+        "micro_batch_size": answers.micro_batch_size,
         "gradient_accumulation_steps": answers.gradient_accumulation_steps, "num_epochs": answers.num_epochs,
         "learning_rate": answers.learning_rate_or_default, "lr_scheduler": "cosine", "warmup_ratio": 0.03,
         "gradient_checkpointing": answers.gradient_checkpointing,

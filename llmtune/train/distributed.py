@@ -62,12 +62,17 @@ def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
 
             config = rehearsal.fsdp_config(config)
         kwargs.update(fsdp=True, fsdp_config=config)
-        if plan.get("mesh"):  # HSDP: accelerate's own device mesh, shard groups x replicas
+        if plan.get("mesh"):  # HSDP and context parallel: accelerate's own device mesh
             from accelerate import ParallelismConfig
 
             mesh = plan["mesh"]
+            cp = mesh.get("context_parallel", 1)
             kwargs["parallelism_config"] = ParallelismConfig(dp_replicate_size=mesh["dp_replicate"],
-                                                             dp_shard_size=mesh["dp_shard"])  # fmt: skip
+                                                             dp_shard_size=mesh["dp_shard"], cp_size=cp)  # fmt: skip
+            if cp > 1 and plan["cluster"]["device"] == "cpu":
+                from llmtune.train import rehearsal
+
+                rehearsal.context_parallel_on_cpu()
     return RankInfo(rank, local_rank, world, kwargs)
 
 

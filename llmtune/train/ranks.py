@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import socket
 
+from llmtune.errors import UserError
 from llmtune.train import collectives
 
 
@@ -29,7 +30,7 @@ def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset_rows
     """Gather every rank's view of the run and stop it if the ranks don't form the planned job."""
     world, rank = collectives.world_size(), collectives.rank()
     report = {"rank": rank, "host": socket.gethostname(), "world_size": world, "accelerate_world_size": accelerate_world,
-              "first_batch": fingerprint(input_ids)}  # fmt: skip
+              "first_batch": fingerprint(input_ids), "first_batch_width": int(input_ids.shape[-1])}  # fmt: skip
     reports = gather(report)
     planned = plan["world_size"]
     for seen in reports:
@@ -42,7 +43,8 @@ def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset_rows
     # between data-parallel groups, and are the same within a tensor-parallel group (tensor_parallel consecutive
     # ranks, which split each layer of one forward pass). Sets too small to give each group its own rows may
     # legitimately repeat some.
-    tp = (plan.get("mesh") or {}).get("tensor_parallel", 1)
+    mesh = plan.get("mesh") or {}
+    tp = mesh.get("tensor_parallel", 1) * mesh.get("context_parallel", 1)  # consecutive ranks that share rows
     groups: dict[int, set] = {}
     for seen in reports:
         groups.setdefault(seen["rank"] // tp, set()).add(seen["first_batch"])
@@ -63,6 +65,35 @@ def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset_rows
                 "the same examples"
             )
     return reports
+
+
+SEQUENCE_MIXERS = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent", "Rwkv", "SSM")
+
+
+def check_attention_only(model) -> None:
+    """Context parallelism splits attention only: refuse a model with other sequence-mixing layers (from the loaded
+    module classes, for families the planner's list doesn't name)."""
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if any(word in kind for word in SEQUENCE_MIXERS):
+            raise UserError(f"context parallelism for {type(model).__name__} is not supported: {name} ({kind}) mixes "
+                            "tokens outside attention and would see each rank's chunk as a whole sequence",
+                            "use tensor_parallel_size or FSDP2 alone")  # fmt: skip
+
+
+class SequenceSeen:
+    """Context parallelism: the sequence lengths this rank's model receives in its first forward passes."""
+
+    def __init__(self, model, steps: int = 2):
+        self.lengths: list[int] = []
+        self.steps = steps
+        self.handle = model.get_input_embeddings().register_forward_pre_hook(self._record)
+
+    def _record(self, module, args):
+        if len(self.lengths) < self.steps:
+            self.lengths.append(int(args[0].shape[-1]))
+        else:
+            self.handle.remove()
 
 
 def local_parameter_numel(model) -> int:

@@ -61,3 +61,67 @@ def fsdp_config(config: dict) -> dict:
     # accelerate's FSDP1 plugin broadcasts rank 0's weights through an accelerator device and raises
     # without one; every rank loads the same checkpoint from disk, so there is nothing to broadcast.
     return {**config, "sync_module_states": False}
+
+
+def context_parallel_on_cpu() -> None:
+    """torch's context parallel on CPU processes: ring attention over the CPU SDPA kernel.
+
+    torch shards q/k/v along the sequence and routes the SDPA kernels it knows (flash, memory-efficient, cuDNN:
+    all CUDA) to its ring attention; the CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`, with its
+    backward) has neither a sharding rule nor a route, so a CPU rank fails with "no sharding strategy". This
+    registers both, with torch's own ring attention templates around the CPU kernel: the same algorithm (K/V
+    passed round the ring, partial outputs merged by their log-sum-exp, round-robin load balance) as on GPUs,
+    only the per-chunk kernel differs. GPUs never run this.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+    from torch.distributed.tensor.placement_types import Shard
+
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    dispatcher = DTensor._op_dispatcher
+    if forward in dispatcher._custom_op_handlers:
+        return
+    seq = 2  # (batch, heads, sequence, head_dim)
+
+    def sharded(inputs: int, outputs: int, first_input: int):
+        def strategy(op_schema):
+            mesh = op_schema.get_mesh_from_args(validate=False)
+            return expand_to_full_mesh_op_strategy(mesh, op_schema, [[Shard(seq)] * (outputs + inputs)],
+                                                   input_index=first_input)  # fmt: skip
+
+        return strategy
+
+    def kernel(query, key, value, is_causal, dropout_p=0.0, scale=None):
+        return forward(query, key, value, dropout_p, is_causal, scale=scale)
+
+    def kernel_backward(grad_out, query, key, value, out, logsumexp, is_causal, dropout_p=0.0, scale=None):
+        return backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale)
+
+    def handler(op_call, args, kwargs):
+        info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+        dispatcher.sharding_propagator.propagate(info)
+        group = info.compute_mesh.get_group()
+        local, options = info.local_args, dict(info.local_kwargs)
+        if options.get("attn_mask") is not None:
+            raise NotImplementedError("context parallel takes causal attention without a mask")
+        if op_call is forward:
+            given = {"dropout_p": 0.0, "is_causal": False, **dict(zip(("dropout_p", "is_causal"), local[3:5], strict=False)),
+                     **{k: options[k] for k in ("dropout_p", "is_causal") if k in options}}  # fmt: skip
+            result = ring._templated_ring_attention(group, seq, kernel, *local[:3], is_causal=given["is_causal"],
+                                                    dropout_p=given["dropout_p"], scale=options.get("scale"))[:2]  # fmt: skip
+        else:
+            grad_out, q, k, v, out, logsumexp, dropout_p, is_causal = local[:8]
+            result = ring._templated_ring_attention_backward(
+                group, seq, kernel_backward, grad_out=grad_out, grad_out_name="grad_out", query=q, key=k, value=v,
+                out=out, logsumexp=logsumexp, is_causal=is_causal, dropout_p=dropout_p, scale=options.get("scale"),
+            )[:3]  # fmt: skip
+        return dispatcher.wrap(tuple(result), info.output_sharding.output_spec)
+
+    register_op_strategy(forward, schema_info=RuntimeSchemaInfo(3))(sharded(3, 2, 2))
+    register_op_strategy(backward)(sharded(6, 3, 3))
+    dispatcher._custom_op_handlers[forward] = handler
+    dispatcher._custom_op_handlers[backward] = handler

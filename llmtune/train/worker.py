@@ -208,11 +208,13 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         log(f"{qat_report['scheme']}: {sum(qat_report['modules'].values())} modules fake-quantized")
         if recipe.qat.fake_quant_after_n_steps:
             qat_delay = qat.DelayedFakeQuant(recipe.qat.fake_quant_after_n_steps)
+    cp = (plan.get("mesh") or {}).get("context_parallel", 1)
     if args is None:
         return _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_origin, trainable, total)
     trainer = LlmtuneTrainer(
         model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(data.eval) if data.eval else None,
-        data_collator=Collator(tokenizer.pad_token_id, recipe.sequence_len if recipe.pad_to_sequence_len else None),
+        data_collator=Collator(tokenizer.pad_token_id, recipe.sequence_len if recipe.pad_to_sequence_len else None,
+                               multiple_of=2 * cp, mask=cp == 1),
         processing_class=tokenizer, compute_loss_func=eaft_for(recipe),
         callbacks=[StopOnNonFiniteLoss()] + ([TestKillAfterSave()] if any(k in os.environ for k in TEST_HOOKS) else []),
     )  # fmt: skip
@@ -220,6 +222,14 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     if qat_delay:
         trainer.add_callback(qat_delay)
     lisa = None
+    if cp > 1:
+        from llmtune.train.ranks import check_attention_only
+
+        check_attention_only(model)
+    if cp > 1:  # what each rank's model really sees of a row: half a sequence per rank at 2 (the report checks)
+        from llmtune.train.ranks import SequenceSeen
+
+        seen = SequenceSeen(model)
     if recipe.lisa_n_layers:
         lisa = LayerSampling(model, recipe.lisa_n_layers, recipe.lisa_step_interval, recipe.lisa_layers_attribute,
                              recipe.seed)  # fmt: skip
@@ -259,6 +269,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     shards = gather({"rank": rank.rank, "local_parameters": local_parameter_numel(trainer.model),
                      "model_state_bytes": meter.result, "peak_rss_bytes": peak_rss_bytes(),
                      "peak_rss_at_load_bytes": loaded_rss, **cuda_peaks(),
+                     **({"sequence_seen": seen.lengths} if cp > 1 else {}),
                      **engine_report(trainer)})  # fmt: skip
     trainer._check_finite()
     _full_state_dict_for_final_save(trainer)

@@ -110,3 +110,19 @@ def test_hsdp_four_ranks(workspace, reference):
     assert len({r["first_batch"] for r in ranks}) == 4  # four data-parallel ranks, four different rows
     total = reference[1]  # the whole model, as one process holds it: each rank keeps half (2 shards, 2 replicas)
     assert all(abs(r["local_parameters"] - total / 2) < total * 0.01 for r in ranks)
+
+
+@pytest.mark.parametrize(("processes", "micro", "changes"), [(2, GLOBAL_BATCH, {}), (4, 2, {"dp_shard_size": 2})],
+                         ids=["cp2", "cp2-fsdp2"])  # fmt: skip
+def test_context_parallel(workspace, reference, processes, micro, changes):
+    metrics, output_dir = run(workspace, f"cp-{processes}", processes, micro, fsdp_version=2, context_parallel_size=2,
+                              **changes)  # fmt: skip
+    plan = json.loads((output_dir / "llmtune" / "plan.json").read_text())["plan"]
+    assert plan["mesh"]["context_parallel"] == 2 and plan["data_parallel_size"] == processes // 2
+    assert metrics["global_batch_size"] == GLOBAL_BATCH and losses(metrics) == pytest.approx(reference[0], abs=1e-5)
+    ranks = metrics["ranks"]
+    for r in ranks:  # each rank's model sees half of every row (rows padded to a multiple of 2 x 2 chunks)
+        assert r["first_batch_width"] % 4 == 0 and r["sequence_seen"][0] * 2 == r["first_batch_width"]
+    batches = [r["first_batch"] for r in ranks]  # the two ranks of a context-parallel group read the same rows
+    assert all(batches[i] == batches[i + 1] for i in range(0, processes, 2))
+    assert len(set(batches)) == processes // 2

@@ -142,8 +142,11 @@ def test_capability_refusals_read_as_the_issue_asks():
     assert "training vision and audio models is not supported (processor_type" in refusal(
         processor_type="AutoProcessor"
     )
-    assert "context (sequence) parallelism" in refusal(context_parallel_size=2)
+    assert "ReLoRA is not supported (relora: True)" in refusal(relora=True)
     assert load(context_parallel_size=1, tensor_parallel_size=1).recipe
+    # context parallelism runs (with FSDP2); Axolotl's older name is read as it
+    assert "context parallelism without FSDP2 is not supported" in refusal(context_parallel_size=2)
+    assert load(sequence_parallel_degree=2, fsdp_version=2).recipe.context_parallel_size == 2
 
 
 def test_unknown_keys_keep_a_did_you_mean_over_both_vocabularies():

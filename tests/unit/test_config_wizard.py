@@ -188,3 +188,17 @@ def test_tensor_parallel_strategy_writes_a_mesh_that_plans(run_cli, tmp_path, ch
     planned = json.loads(plan.out)
     assert planned["strategy"] == "tp" and planned["mesh"] == {"tensor_parallel": 4, "dp_shard": 2, "dp_replicate": 1}
     assert planned["data_parallel_size"] == 2
+
+
+def test_context_parallel_strategy_writes_unpacked_rows_that_plan(run_cli, tmp_path, chat_file, model_dir):
+    output = tmp_path / "r.yaml"
+    result = run_cli("config", "--yes", "-o", output, "--base-model", model_dir, "--dataset", chat_file,
+                     "--gpus-per-machine", "8", "--method", "full", "--sequence-len", "65536",
+                     "--strategy", "context_parallel", "--context-parallel-size", "4")  # fmt: skip
+    assert result.code == 0, result.err
+    raw = yaml.safe_load(output.read_text())
+    assert raw["context_parallel_size"] == 4 and raw["fsdp_version"] == 2 and raw["sample_packing"] is False
+    plan = run_cli("plan", output, "--num-processes", "8", "--json")
+    assert plan.code == 0, plan.err
+    planned = json.loads(plan.out)
+    assert planned["mesh"]["context_parallel"] == 4 and planned["data_parallel_size"] == 2

@@ -268,7 +268,7 @@ def test_the_allocator_mode_follows_the_environment_the_workers_get(monkeypatch)
 
 
 def test_tensor_parallel_row_splits_states_and_the_split_part_of_the_activations():
-    from llmtune.plan.estimate import TP_REPLICATED_ACTIVATIONS
+    from llmtune.plan.estimate_parallel import TP_REPLICATED_ACTIVATIONS
 
     r = recipe(sequence_len=8192, micro_batch_size=1)
     rows = {e.name: e for e in estimate(r, FACTS, data_parallel=8, gpus_per_machine=8)}
@@ -288,12 +288,31 @@ def test_tensor_parallel_is_recommended_when_only_split_activations_fit():
     from llmtune.plan.estimate import FIT_FRACTION
     from llmtune.plan.recommend import recommend
 
-    r = recipe(sequence_len=65536, micro_batch_size=1, gradient_checkpointing=False)
+    # packed rows: context parallelism can't split them (no context-parallel row), tensor parallelism can
+    r = recipe(sequence_len=65536, micro_batch_size=1, gradient_checkpointing=False, sample_packing=True)
     rows = estimate(r, FACTS, data_parallel=8, gpus_per_machine=8)
     by_name = {e.name: e for e in rows}
+    assert "context parallel" not in by_name
     tp = by_name["tensor parallel"]
     # a memory where the tensor-parallel row fits but no sharding of states alone does
     budget = tp.total / FIT_FRACTION * 1.01
     assert all(not by_name[n].fits(budget) for n in ("ZeRO-3", "FSDP full shard", "pipeline") if n in by_name)
     choice = recommend(rows, budget)
     assert choice is not None and choice[0].name == "tensor parallel" and "activations" in choice[1]
+
+
+def test_context_parallel_row_splits_every_activation_and_is_preferred_for_long_rows():
+    from llmtune.plan.estimate import FIT_FRACTION
+    from llmtune.plan.recommend import recommend
+
+    r = recipe(sequence_len=65536, micro_batch_size=1)
+    rows = estimate(r, FACTS, data_parallel=8, gpus_per_machine=8)
+    by_name = {e.name: e for e in rows}
+    cp, fsdp = by_name["context parallel"], by_name["FSDP full shard"]
+    assert cp.strategy == "context parallel (8-way)"
+    assert cp.params == pytest.approx(fsdp.params) and cp.optimizer == pytest.approx(fsdp.optimizer)
+    assert cp.activations == pytest.approx(fsdp.activations / 8) and cp.logits == pytest.approx(fsdp.logits / 8)
+    budget = cp.total / FIT_FRACTION * 1.01
+    assert not fsdp.fits(budget)
+    choice = recommend(rows, budget)
+    assert choice is not None and choice[0].name == "context parallel" and "long sequences" in choice[1]

@@ -272,6 +272,68 @@ def test_tensor_parallel_refuses_what_it_cannot_combine_with(changes, words):
 
 def test_hsdp_plans_a_replicated_fsdp2_mesh(tmp_path):
     plan = make_plan(recipe(fsdp_version=2, dp_replicate_size=2), make_cluster(8, device="cuda"))
-    assert plan.strategy == "fsdp2" and plan.mesh == {"tensor_parallel": 1, "dp_shard": 4, "dp_replicate": 2}
+    assert plan.strategy == "fsdp2" and plan.mesh == {"tensor_parallel": 1, "context_parallel": 1, "dp_shard": 4,
+                                                      "dp_replicate": 2}
     assert plan.data_parallel_size == 8 and any("HSDP" in n for n in plan.notes)
     assert make_plan(recipe(fsdp_version=2, dp_shard_size=8), make_cluster(8, device="cuda")).mesh is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "world", "mesh", "data_parallel"),
+    [
+        ({}, 2, (2, 1, 1), 1),
+        ({}, 8, (2, 4, 1), 4),  # the rest shard
+        ({"dp_replicate_size": 2}, 8, (2, 2, 2), 4),
+    ],
+)
+def test_context_parallel_mesh_and_batch(changes, world, mesh, data_parallel):
+    plan = make_plan(recipe(fsdp_version=2, context_parallel_size=2, micro_batch_size=2, **changes),
+                     make_cluster(world, device="cuda"))  # fmt: skip
+    assert plan.strategy == "fsdp2"
+    assert (plan.mesh["context_parallel"], plan.mesh["dp_shard"], plan.mesh["dp_replicate"]) == mesh
+    assert plan.data_parallel_size == data_parallel and plan.global_batch_size == 2 * data_parallel
+    assert any("context parallel" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({}, ["context parallelism without FSDP2 is not supported", "fsdp_version: 2"]),
+        ({"fsdp_version": 2, "sample_packing": True}, ["context parallelism", "sample_packing: false"]),
+        ({"fsdp_version": 2, "attn_implementation": "flash_attention_2"}, ["sdpa"]),
+        ({"fsdp_version": 2, "tensor_parallel_size": 2}, ["FSDP2 alone", "tensor_parallel_size", "not supported"]),
+        ({"deepspeed": "zero3"}, ["context parallelism with deepspeed is not supported"]),
+    ],
+)
+def test_context_parallel_refusals_say_why(changes, words):
+    with pytest.raises(UserError) as err:
+        recipe(context_parallel_size=2, **changes)
+    assert all(word in err.value.one_line() for word in words), err.value.one_line()
+
+
+def test_context_parallel_world_must_divide():
+    with pytest.raises(UserError, match="world size 3 is not divisible by context_parallel_size 2"):
+        make_plan(recipe(fsdp_version=2, context_parallel_size=2), make_cluster(3, device="cuda"))
+
+
+def test_context_parallel_refuses_models_with_state_space_layers(tmp_path):
+    config = json.loads(Path(_llama_config(tmp_path), "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "nemotron_h"}))
+    with pytest.raises(UserError, match="context parallelism for nemotron_h models is not supported"):
+        make_plan(recipe(base_model=str(tmp_path), fsdp_version=2, context_parallel_size=2),
+                  make_cluster(2, device="cuda"))  # fmt: skip
+
+
+def test_context_parallel_refuses_loaded_models_with_other_sequence_mixers():
+    from torch import nn
+
+    from llmtune.train.ranks import check_attention_only
+
+    class MambaMixer(nn.Module):
+        pass
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    check_attention_only(model)  # attention-only (here: no mixer at all) passes
+    model.append(MambaMixer())
+    with pytest.raises(UserError, match=r"1 \(MambaMixer\) mixes tokens outside attention"):
+        check_attention_only(model)
