@@ -175,30 +175,27 @@ def test_not_a_terminal_without_yes_is_a_clear_error(tmp_path):
     assert result.returncode == 2 and "--yes" in result.stderr
 
 
-def test_tensor_parallel_strategy_writes_a_mesh_that_plans(run_cli, tmp_path, chat_file, model_dir):
-    output = tmp_path / "r.yaml"
-    result = run_cli("config", "--yes", "-o", output, "--base-model", model_dir, "--dataset", chat_file,
-                     "--gpus-per-machine", "8", "--method", "full", "--strategy", "tensor_parallel",
-                     "--tensor-parallel-size", "4")  # fmt: skip
-    assert result.code == 0, result.err
-    raw = yaml.safe_load(output.read_text())
-    assert raw["tensor_parallel_size"] == 4 and raw["fsdp_version"] == 2
-    plan = run_cli("plan", output, "--num-processes", "8", "--json")
-    assert plan.code == 0, plan.err
-    planned = json.loads(plan.out)
-    assert planned["strategy"] == "tp" and planned["mesh"] == {"tensor_parallel": 4, "dp_shard": 2, "dp_replicate": 1}
-    assert planned["data_parallel_size"] == 2
 
-
-def test_context_parallel_strategy_writes_unpacked_rows_that_plan(run_cli, tmp_path, chat_file, model_dir):
+@pytest.mark.parametrize(
+    ("strategy", "flag", "keys", "mesh"),
+    [
+        ("tensor_parallel", "--tensor-parallel-size", {"tensor_parallel_size": 4, "fsdp_version": 2},
+         {"tensor_parallel": 4, "dp_shard": 2, "dp_replicate": 1}),
+        ("context_parallel", "--context-parallel-size", {"context_parallel_size": 4, "fsdp_version": 2,
+                                                         "sample_packing": False},
+         {"tensor_parallel": 1, "context_parallel": 4, "dp_shard": 2, "dp_replicate": 1}),
+    ],
+)  # fmt: skip
+def test_model_splitting_strategies_write_a_mesh_that_plans(run_cli, tmp_path, chat_file, model_dir, strategy, flag,
+                                                           keys, mesh):  # fmt: skip
     output = tmp_path / "r.yaml"
     result = run_cli("config", "--yes", "-o", output, "--base-model", model_dir, "--dataset", chat_file,
                      "--gpus-per-machine", "8", "--method", "full", "--sequence-len", "65536",
-                     "--strategy", "context_parallel", "--context-parallel-size", "4")  # fmt: skip
+                     "--strategy", strategy, flag, "4")  # fmt: skip
     assert result.code == 0, result.err
     raw = yaml.safe_load(output.read_text())
-    assert raw["context_parallel_size"] == 4 and raw["fsdp_version"] == 2 and raw["sample_packing"] is False
+    assert {key: raw[key] for key in keys} == keys
     plan = run_cli("plan", output, "--num-processes", "8", "--json")
     assert plan.code == 0, plan.err
     planned = json.loads(plan.out)
-    assert planned["mesh"]["context_parallel"] == 4 and planned["data_parallel_size"] == 2
+    assert planned["mesh"] == mesh and planned["data_parallel_size"] == 2  # not the world size
