@@ -126,3 +126,7 @@ def test_context_parallel(workspace, reference, processes, micro, changes):
     batches = [r["first_batch"] for r in ranks]  # the two ranks of a context-parallel group read the same rows
     assert all(batches[i] == batches[i + 1] for i in range(0, processes, 2))
     assert len(set(batches)) == processes // 2
+    from safetensors.torch import load_file
+
+    saved = load_file(str(output_dir / "model.safetensors"))  # gathered whole from the FSDP2 shards
+    assert saved["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)

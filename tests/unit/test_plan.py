@@ -337,3 +337,14 @@ def test_context_parallel_refuses_loaded_models_with_other_sequence_mixers():
     model.append(MambaMixer())
     with pytest.raises(UserError, match=r"1 \(MambaMixer\) mixes tokens outside attention"):
         check_attention_only(model)
+
+
+def test_steps_per_epoch_follow_the_data_parallel_degree_under_tensor_and_context_parallel(tmp_path):
+    from llmtune.train.arguments import steps_per_epoch
+
+    base = _llama_config(tmp_path)
+    tp = make_plan(recipe(base_model=base, tensor_parallel_size=2, micro_batch_size=4), make_cluster(4, device="cuda"))
+    cp = make_plan(recipe(base_model=base, fsdp_version=2, context_parallel_size=2, micro_batch_size=4),
+                   make_cluster(4, device="cuda"))  # fmt: skip
+    for plan in (tp, cp):  # 64 rows, 4 per rank, 2 data-parallel groups (not 4 ranks): 8 steps, not 4
+        assert plan.data_parallel_size == 2 and steps_per_epoch(64, plan.to_dict()) == 8
