@@ -303,6 +303,16 @@ def _tensor_parallel_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, 
             if count % tp:
                 raise UserError(f"tensor_parallel_size {tp} does not divide the model's {count} {what} (each rank "
                                 f"keeps whole heads)", "choose a tensor_parallel_size that divides both head counts")  # fmt: skip
+    if recipe.save_strategy != "no" and not recipe.save_only_model:
+        raise UserError("checkpoints with the optimizer state of a tensor-parallel run are not supported: "
+                        "transformers can't checkpoint a model sharded at load, so such a run couldn't resume",
+                        'set save_only_model: true (weight snapshots; a stopped run starts over) or save_strategy: "no"')  # fmt: skip
+    if recipe.resume_from_checkpoint:
+        raise UserError("resume_from_checkpoint with tensor_parallel_size is not supported (no optimizer state is "
+                        "saved)", "start a new run, with base_model set to the checkpoint's weights")  # fmt: skip
+    if recipe.save_strategy != "no":
+        notes.append("tensor parallel: checkpoints hold the weights only (save_only_model), and a stopped run starts "
+                     "over instead of resuming")  # fmt: skip
     rest = world // tp
     shard = recipe.dp_shard_size or (rest // (recipe.dp_replicate_size or 1) if fsdp else 1)
     replicate = recipe.dp_replicate_size or max(1, rest // shard)

@@ -104,7 +104,8 @@ def strategy_keys(answers: Answers) -> dict:
     if key == "context_parallel":  # ring attention over whole rows: no packing (see recipe_text)
         return {"context_parallel_size": answers.context_parallel_size, "fsdp_version": 2}
     if key == "tensor_parallel":  # the other ranks shard with FSDP2 (across machines: sharded, then replicated)
-        return {"tensor_parallel_size": answers.tensor_parallel_size, "fsdp_version": 2}
+        # transformers can't checkpoint the optimizer of a model sharded at load: weight snapshots only
+        return {"tensor_parallel_size": answers.tensor_parallel_size, "fsdp_version": 2, "save_only_model": True}
     raise ValueError(f"unknown strategy {key}")
 
 

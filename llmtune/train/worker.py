@@ -243,7 +243,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     if state.is_local_main_process:
         clear_staging(output_dir)  # whatever a killed save left half-written
     state.wait_for_everyone()
-    resume = resume_point(recipe, log)
+    resume = resume_point(recipe, log) if plan["strategy"] != "tp" else None  # TP: weights-only checkpoints
     if resume:
         log(f"resuming from {resume}")
     from llmtune.train.memory import ModelStateMeter

@@ -55,7 +55,8 @@ def test_tensor_parallel_two_ranks(workspace, reference, tmp_path):
     from transformers import AutoModelForCausalLM
 
     probe = tmp_path / "probe.safetensors"
-    metrics, output_dir = run(workspace, "tp2", 2, GLOBAL_BATCH, probe=probe, tensor_parallel_size=2)
+    metrics, output_dir = run(workspace, "tp2", 2, GLOBAL_BATCH, probe=probe, tensor_parallel_size=2,
+                              save_strategy="steps", save_steps=2, save_only_model=True)  # fmt: skip
     plan = json.loads((output_dir / "llmtune" / "plan.json").read_text())["plan"]
     # the data-parallel degree is 1: same global batch and steps as one process, not twice them
     assert plan["strategy"] == "tp" and plan["data_parallel_size"] == 1 and plan["global_batch_size"] == GLOBAL_BATCH
@@ -75,6 +76,10 @@ def test_tensor_parallel_two_ranks(workspace, reference, tmp_path):
     # saved whole, and it reloads to the logits the run ended with
     saved = load_file(str(output_dir / "model.safetensors"))
     assert saved["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+    # weight snapshots (TP can't checkpoint its optimizer): gathered whole too, and marked complete
+    snapshot = output_dir / "checkpoint-2"
+    assert (snapshot / "llmtune-complete.json").exists() and not (snapshot / "optimizer.pt").exists()
+    assert load_file(str(snapshot / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
     model = AutoModelForCausalLM.from_pretrained(str(output_dir), dtype=torch.float32).eval()
     expected = load_file(str(probe))
     with torch.no_grad():

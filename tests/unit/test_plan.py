@@ -232,7 +232,7 @@ def _llama_config(tmp_path, heads: int = 4, kv_heads: int = 2):
 )
 def test_tensor_parallel_mesh_and_batch_follow_the_data_parallel_degree(tmp_path, changes, world, mesh, data_parallel):
     plan = make_plan(recipe(base_model=_llama_config(tmp_path), micro_batch_size=2, gradient_accumulation_steps=3,
-                            **changes), make_cluster(world, device="cuda"))  # fmt: skip
+                            save_only_model=True, **changes), make_cluster(world, device="cuda"))  # fmt: skip
     assert plan.strategy == "tp" and plan.accelerate_config["distributed_type"] == "MULTI_GPU"
     assert (plan.mesh["tensor_parallel"], plan.mesh["dp_shard"], plan.mesh["dp_replicate"]) == mesh
     assert plan.data_parallel_size == data_parallel
@@ -247,11 +247,14 @@ def test_tensor_parallel_mesh_and_batch_follow_the_data_parallel_degree(tmp_path
         ({"tensor_parallel_size": 2, "dp_shard_size": 3}, 4, ["world size 4", "dp_shard_size 3", "= 6"]),
         ({"fsdp_version": 2, "dp_replicate_size": 3}, 4, ["world size 4", "dp_replicate_size 3"]),
         ({"dp_shard_size": 2}, 2, ["dp_shard_size", "fsdp_version: 2"]),
+        ({"tensor_parallel_size": 2, "save_only_model": False}, 2, ["optimizer state", "not supported",
+                                                                    "save_only_model: true"]),
     ],
 )
 def test_impossible_parallel_sizes_name_the_arithmetic(tmp_path, changes, world, words):
     with pytest.raises(UserError) as err:
-        make_plan(recipe(base_model=_llama_config(tmp_path), **changes), make_cluster(world, device="cuda"))
+        make_plan(recipe(base_model=_llama_config(tmp_path), **{"save_only_model": True, **changes}),
+                  make_cluster(world, device="cuda"))  # fmt: skip
     assert all(word in err.value.one_line() for word in words), err.value.one_line()
 
 
@@ -343,7 +346,8 @@ def test_steps_per_epoch_follow_the_data_parallel_degree_under_tensor_and_contex
     from llmtune.train.arguments import steps_per_epoch
 
     base = _llama_config(tmp_path)
-    tp = make_plan(recipe(base_model=base, tensor_parallel_size=2, micro_batch_size=4), make_cluster(4, device="cuda"))
+    tp = make_plan(recipe(base_model=base, tensor_parallel_size=2, micro_batch_size=4, save_strategy="no"),
+                   make_cluster(4, device="cuda"))  # fmt: skip
     cp = make_plan(recipe(base_model=base, fsdp_version=2, context_parallel_size=2, micro_batch_size=4),
                    make_cluster(4, device="cuda"))  # fmt: skip
     for plan in (tp, cp):  # 64 rows, 4 per rank, 2 data-parallel groups (not 4 ranks): 8 steps, not 4
