@@ -26,7 +26,7 @@ def workspace(tmp_path_factory, tiny_model):
     return root, write_jsonl(root / "data.jsonl", rows), tiny_model  # distinct rows: first batches tell ranks apart
 
 
-def run(workspace, name: str, processes: int, micro: int, probe=None, **changes) -> tuple[dict, object]:
+def run(workspace, name: str, processes: int, micro: int, probe=None, env=None, **changes) -> tuple[dict, object]:
     import yaml
 
     root, data, model = workspace
@@ -36,7 +36,7 @@ def run(workspace, name: str, processes: int, micro: int, probe=None, **changes)
               **changes}  # fmt: skip
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    env = {"LLMTUNE_PROBE_FILE": str(probe)} if probe else None
+    env = {**(env or {}), **({"LLMTUNE_PROBE_FILE": str(probe)} if probe else {})}
     result = llmtune("train", path, "--rehearse", "--num-processes", processes, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     return read_metrics(path), root / name
@@ -135,3 +135,16 @@ def test_context_parallel(workspace, reference, processes, micro, changes):
 
     saved = load_file(str(output_dir / "model.safetensors"))  # gathered whole from the FSDP2 shards
     assert saved["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+
+
+def test_hsdp_killed_after_a_checkpoint_resumes_to_the_same_losses(workspace, reference):
+    """accelerate's device mesh (replicas x shards) through a SIGKILL: the rerun resumes from the checkpoint."""
+    root = workspace[0]
+    changes = {"fsdp_version": 2, "dp_replicate_size": 2, "save_strategy": "steps", "save_steps": 2}
+    with pytest.raises(AssertionError):  # the killed run fails (run() asserts success)
+        run(workspace, "hsdp-killed", 4, 1, env={"LLMTUNE_TEST_EXIT_AFTER_STEP": "2"}, **changes)
+    out = root / "hsdp-killed"
+    assert (out / "checkpoint-2" / "llmtune-complete.json").is_file() and not (out / "metrics.json").exists()
+    metrics, _ = run(workspace, "hsdp-killed", 4, 1, **changes)
+    assert metrics["resumed_from"] == str(out / "checkpoint-2")
+    assert losses(metrics) == pytest.approx(reference[0], abs=1e-5)
