@@ -214,7 +214,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     trainer = LlmtuneTrainer(
         model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(data.eval) if data.eval else None,
         data_collator=Collator(tokenizer.pad_token_id, recipe.sequence_len if recipe.pad_to_sequence_len else None,
-                               multiple_of=2 * cp, mask=cp == 1),
+                               multiple_of=2 * cp if cp > 1 else 1, mask=cp == 1),
         processing_class=tokenizer, compute_loss_func=eaft_for(recipe),
         callbacks=[StopOnNonFiniteLoss()] + ([TestKillAfterSave()] if any(k in os.environ for k in TEST_HOOKS) else []),
     )  # fmt: skip

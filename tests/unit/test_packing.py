@@ -109,3 +109,12 @@ def test_pack_indices_respects_capacity_and_keeps_every_example():
     assert all(sum(lengths[i] for i in b) <= 512 for b in bins)
     assert sum(lengths) / (len(bins) * 512) > 0.95
     assert pack_indices(lengths, 512, seed=3) == bins
+
+
+def test_context_parallel_batches_pad_to_a_multiple_of_the_chunks_without_a_mask():
+    rows = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9, 10, 11, 12], "labels": [-100, 9, 10, 11, 12]}]
+    plain = Collator(0)(rows)
+    assert plain["input_ids"].shape[1] == 5 and "attention_mask" in plain  # no extra padding by default
+    cp = Collator(0, multiple_of=4, mask=False)(rows)
+    assert cp["input_ids"].shape[1] == 8 and "attention_mask" not in cp
+    assert cp["labels"][0].tolist() == [5, 6, 7, -100, -100, -100, -100, -100]  # padding is never trained
