@@ -43,8 +43,7 @@ def check(path: Path, processes: int, device: str) -> str | None:
         recipe = loaded.recipe
         if recipe.lisa_n_layers:
             processes = 1  # LISA runs in one process (at more, llmtune says so)
-        mesh = recipe.tensor_parallel_size * recipe.context_parallel_size * (recipe.dp_shard_size or 1) * (recipe.dp_replicate_size or 1)
-        processes = max(processes, mesh)  # a recipe that lays out its mesh is planned at that size
+        processes = max(processes, recipe.least_mesh_ranks)  # a recipe that lays out its mesh is planned at that size
         make_plan(loaded.recipe, make_cluster(processes, device=device), config_dir=str(path.parent / ".llmtune"))
     except UserError as err:
         return err.one_line().replace(f"{path}: ", "").replace(str(path), "<recipe>")

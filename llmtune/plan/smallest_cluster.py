@@ -32,8 +32,7 @@ def smallest_cluster(recipe: Recipe, described: Cluster) -> tuple[Cluster, list[
         notes.append(f"deepspeed train_batch_size fixes {replicas} data-parallel processes (micro_batch_size "
                      f"{recipe.micro_batch_size} x gradient_accumulation_steps {recipe.gradient_accumulation_steps} "
                      f"x processes); {CHECKED_LATER}")  # fmt: skip
-    parallel = recipe.tensor_parallel_size * recipe.context_parallel_size
-    mesh = parallel * (recipe.dp_shard_size or 1) * (recipe.dp_replicate_size or 1)
+    mesh, parallel = recipe.least_mesh_ranks, recipe.model_parallel_size
     if mesh > 1:
         notes.append(f"tensor/context parallel and dp_shard/dp_replicate sizes need {mesh} processes at least (other "
                      f"multiples of {parallel} fill the unset sizes); {CHECKED_LATER}")  # fmt: skip

@@ -175,6 +175,16 @@ class DistributedKeys(Section):
         return self
 
     @property
+    def model_parallel_size(self) -> int:
+        """Consecutive ranks that split one model replica's work and read the same rows (tensor x context)."""
+        return self.tensor_parallel_size * self.context_parallel_size
+
+    @property
+    def least_mesh_ranks(self) -> int:
+        """The fewest ranks the recipe's own parallel sizes ask for (unset data-parallel sizes count 1)."""
+        return self.model_parallel_size * (self.dp_shard_size or 1) * (self.dp_replicate_size or 1)
+
+    @property
     def fsdp_enabled(self) -> bool:
         return bool(self.fsdp) or self.fsdp_config is not None or self.fsdp_version is not None
 

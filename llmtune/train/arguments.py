@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 
 
-def fsdp_checkpointing(recipe, plan: dict) -> bool:
-    """FSDP's own activation checkpointing is on: it recomputes per wrapped layer, so gradient_checkpointing (the
-    model's own, which transformers refuses beside it) is left to FSDP; both keys ask for the same recomputation."""
-    config = recipe.fsdp_config
-    return plan["strategy"].startswith("fsdp") and bool(config and config.activation_checkpointing)
+def fsdp_checkpointing(plan: dict) -> bool:
+    """FSDP's own activation checkpointing is on (the plan's resolved FSDP section): it recomputes per wrapped layer,
+    so gradient_checkpointing (the model's own, which transformers refuses beside it) is left to FSDP; both keys ask
+    for the same recomputation."""
+    section = (plan.get("accelerate_config") or {}).get("fsdp_config") or {}
+    return plan["strategy"].startswith("fsdp") and bool(section.get("fsdp_activation_checkpointing"))
 
 
 def steps_per_epoch(train_rows: int, plan: dict) -> int:
@@ -84,7 +85,7 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **ex
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         tf32=recipe.tf32 and not rehearsal or None,
-        gradient_checkpointing=recipe.gradient_checkpointing and not fsdp_checkpointing(recipe, plan),
+        gradient_checkpointing=recipe.gradient_checkpointing and not fsdp_checkpointing(plan),
         gradient_checkpointing_kwargs=recipe.gradient_checkpointing_kwargs or {"use_reentrant": False},
         seed=recipe.seed,
         data_seed=recipe.seed,

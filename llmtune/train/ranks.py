@@ -40,14 +40,14 @@ def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset_rows
                 f"but the plan has {planned}; the ranks would not train as one job"
             )
     # Every data-parallel rank (pipeline runs use their own loop) must see its own rows: first batches differ
-    # between data-parallel groups, and are the same within a tensor-parallel group (tensor_parallel consecutive
-    # ranks, which split each layer of one forward pass). Sets too small to give each group its own rows may
+    # between data-parallel groups, and are the same within a tensor- or context-parallel group (consecutive
+    # ranks, which split one forward pass by layer slices or by sequence chunks). Sets too small to give each group its own rows may
     # legitimately repeat some.
     mesh = plan.get("mesh") or {}
-    tp = mesh.get("tensor_parallel", 1) * mesh.get("context_parallel", 1)  # consecutive ranks that share rows
+    group = mesh.get("tensor_parallel", 1) * mesh.get("context_parallel", 1)  # consecutive ranks that share rows
     groups: dict[int, set] = {}
     for seen in reports:
-        groups.setdefault(seen["rank"] // tp, set()).add(seen["first_batch"])
+        groups.setdefault(seen["rank"] // group, set()).add(seen["first_batch"])
     if any(len(batches) > 1 for batches in groups.values()):
         raise SilentlyWrongRun("the ranks of one tensor-parallel group received different batches: each would "
                                "compute its slice of a different forward pass")  # fmt: skip
@@ -55,8 +55,8 @@ def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset_rows
         # Data split over only part of the mesh leaves at most half the first batches distinct; a dataset with
         # repeated rows can make two ranks' batches equal by chance, so one collision among many is not an error.
         seen: dict[str, list[int]] = {}
-        for group, batches in groups.items():
-            seen.setdefault(next(iter(batches)), []).append(group * tp)
+        for index, batches in groups.items():
+            seen.setdefault(next(iter(batches)), []).append(index * group)
         if len(seen) <= len(groups) // 2:
             same = next(ranks for ranks in seen.values() if len(ranks) > 1)
             raise SilentlyWrongRun(

@@ -221,15 +221,12 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     trainer.plan = plan
     if qat_delay:
         trainer.add_callback(qat_delay)
-    lisa = None
-    if cp > 1:
-        from llmtune.train.ranks import check_attention_only
+    if cp > 1:  # attention-only models; and what each rank's model really sees of a row (the report checks)
+        from llmtune.train.ranks import SequenceSeen, check_attention_only
 
         check_attention_only(model)
-    if cp > 1:  # what each rank's model really sees of a row: half a sequence per rank at 2 (the report checks)
-        from llmtune.train.ranks import SequenceSeen
-
         seen = SequenceSeen(model)
+    lisa = None
     if recipe.lisa_n_layers:
         lisa = LayerSampling(model, recipe.lisa_n_layers, recipe.lisa_step_interval, recipe.lisa_layers_attribute,
                              recipe.seed)  # fmt: skip

@@ -109,7 +109,7 @@ def planned_processes(recipe) -> int:
     mesh needs its sizes' product."""
     if recipe.lisa_n_layers:
         return 1
-    return max(2, recipe.tensor_parallel_size * recipe.context_parallel_size * (recipe.dp_shard_size or 1) * (recipe.dp_replicate_size or 1))
+    return max(2, recipe.least_mesh_ranks)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
