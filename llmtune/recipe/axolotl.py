@@ -17,7 +17,7 @@ from llmtune.recipe.axolotl_keys import (
     AXOLOTL_ONLY_KEYS,
     BNB_CONFIG_KWARGS,
     CLOUD_KEYS,
-    MISSPELLED,
+    INTENDED,
     RENAMED,
     RENAMED_DATASET_KEYS,
     AxolotlKey,
@@ -96,12 +96,37 @@ def _top_level(raw: dict, path: Path, notes: Notes) -> dict:
             data[key] = value
         elif key in AXOLOTL_ONLY_KEYS:
             _screen_key("", key, value, AXOLOTL_ONLY_KEYS[key], notes, path)
-        elif key in MISSPELLED:
-            raise UserError(f"{path}: unknown key '{key}' (Axolotl ignores it too, so it does nothing there); use "
-                            f"{MISSPELLED[key]}", REFERENCE_HINT)  # fmt: skip
+        elif key in INTENDED:
+            _intended(key, value, raw, data, path, notes)
         else:
             raise UserError(f"{path}: {unknown_key_message(key, known)}", REFERENCE_HINT)
     return data
+
+
+def _intended(key: str, value: Any, raw: dict, data: dict, path: Path, notes: Notes) -> None:
+    """A key Axolotl drops silently but whose intent is plain (INTENDED), honoured as llmtune's key with a note."""
+    new = INTENDED[key]
+    if value is None:
+        return
+    if new == "cosine_min_lr_ratio":  # an absolute floor -> a fraction of the peak
+        scheduler = raw.get("lr_scheduler") or Recipe.model_fields["lr_scheduler"].default
+        if scheduler not in ("cosine", "cosine_with_min_lr"):
+            raise UserError(f"{path}: {key} floors a cosine schedule, and lr_scheduler is {scheduler}",
+                            "remove it, or use lr_scheduler: cosine")  # fmt: skip
+        peak = raw.get("learning_rate") or Recipe.model_fields["learning_rate"].default
+        try:
+            floor, peak = float(value), float(peak)
+        except (TypeError, ValueError):
+            raise UserError(
+                f"{path}: {key}: {_shown(value)} is not a number", "an absolute learning rate, e.g. 1e-6"
+            ) from None
+        if not 0 <= floor <= peak:
+            raise UserError(f"{path}: {key}: {floor:g} must lie between 0 and learning_rate {peak:g}")
+        value = round(floor / peak, 6)
+    if raw.get(new) is not None and raw[new] != value:
+        raise UserError(f"{path}: {key} (read as {new}: {value}) and {new}: {raw[new]} disagree; keep {new}")
+    data.setdefault(new, value)
+    notes.add(f"{key}: read as {new}: {value} (Axolotl drops this key without a word; llmtune honours it)")
 
 
 def _bnb_kwargs(value: Any, raw: dict, data: dict, path: Path, notes: Notes) -> None:

@@ -318,12 +318,13 @@ RENAMED = {
     "type_of_model": "model_type",
 }
 
-# Keys that neither llmtune nor Axolotl defines but that recipes carry (Axolotl's own examples among them), which
-# Axolotl drops without a word: the run does not do what the key says. Refused like any unknown key, with the key
-# that does it.
-MISSPELLED = {
-    "eta_min": "cosine_min_lr_ratio (the floor as a fraction of learning_rate: eta_min / learning_rate)",
-    "min_lr": "cosine_min_lr_ratio (the floor as a fraction of learning_rate: min_lr / learning_rate)",
+# Keys that neither llmtune nor Axolotl defines but that recipes carry (Axolotl's own examples among them), whose
+# intent is plain: Axolotl drops them without a word, llmtune honours them as the key named here and says so.
+# eta_min and min_lr are absolute learning-rate floors (torch's and Megatron's names), read as a fraction of the peak.
+INTENDED = {
+    "eta_min": "cosine_min_lr_ratio",
+    "min_lr": "cosine_min_lr_ratio",
+    "adam_eps": "adam_epsilon",
 }
 
 # Keys of one `datasets[]` / `pretraining_dataset[]` entry.

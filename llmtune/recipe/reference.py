@@ -14,6 +14,7 @@ from llmtune.recipe.axolotl_keys import (
     AXOLOTL_FSDP_KEYS,
     AXOLOTL_ONLY_KEYS,
     BNB_CONFIG_KWARGS,
+    INTENDED,
     PLUGINS,
     RENAMED,
     RENAMED_DATASET_KEYS,
@@ -101,6 +102,11 @@ def _axolotl_sections() -> list[str]:
     lines += [f"| `{old}` | `{new}` |" for old, new in sorted({**RENAMED, **RENAMED_DATASET_KEYS}.items())]
     lines += [f"| `bnb_config_kwargs.{name}` | {f'`{key}`' if key else 'no effect (from the precision)'} |"
               for name, key in BNB_CONFIG_KWARGS.items()]  # fmt: skip
+    lines += ["", "### Keys Axolotl drops, honoured", "",
+              "Not Axolotl keys (Axolotl drops them without a word), but recipes carry them and their intent is plain.",
+              "", "| key | read as |", "| --- | --- |"]  # fmt: skip
+    lines += [f"| `{key}` | `{new}`{' (divided by learning_rate)' if new == 'cosine_min_lr_ratio' else ''} |"
+              for key, new in INTENDED.items()]  # fmt: skip
     lines += ["", "### Plugins", "", "| plugin class | effect |", "| --- | --- |"]
     for name, entry in PLUGINS.items():
         effect = "honoured (see the liger_* and cut_cross_entropy keys)" if entry is None else (

@@ -19,7 +19,8 @@ CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "axolotl_recipes"
 RECIPES = sorted(CORPUS.glob("*.yml"))
 
 # Every key Axolotl's own examples use (examples/ of axolotl-ai-cloud/axolotl, July 2026), save the few that
-# Axolotl itself ignores (adam_eps, eta_min, test_value, torch_dtype, full_finetune, context_parapllel_size).
+# Axolotl itself ignores (test_value, torch_dtype, full_finetune, context_parapllel_size; adam_eps and eta_min,
+# which llmtune honours, are in test_keys_axolotl_drops_silently_but_whose_intent_is_plain_are_honoured_and_said).
 EXAMPLE_KEYS = """
 accelerator_config activation_offloading adam_beta1 adam_beta2 adam_epsilon adapter attn_implementation
 auto_resume_from_checkpoints base_model base_model_ignore_patterns batch_size bf16 bfloat16 bnb_config_kwargs branch
@@ -139,8 +140,21 @@ def test_a_key_neither_defines_stays_unknown_with_a_did_you_mean(tmp_path):
         load_recipe(path)
 
 
-def test_a_key_axolotl_drops_silently_is_refused_with_the_key_that_does_it(tmp_path):
+def test_keys_axolotl_drops_silently_but_whose_intent_is_plain_are_honoured_and_said(tmp_path):
     path = tmp_path / "floor.yml"
-    path.write_text((CORPUS / "llama3-lora-8bit.yml").read_text() + "eta_min: 7.0e-7\n")
-    with pytest.raises(UserError, match="unknown key 'eta_min' .Axolotl ignores it too.*use cosine_min_lr_ratio"):
+    base = (CORPUS / "llama3-lora-8bit.yml").read_text()  # cosine, learning_rate 0.0002
+    path.write_text(base + "eta_min: 2.0e-5\nadam_eps: 1.0e-9\n")
+    loaded = load_recipe(path)
+    assert loaded.recipe.cosine_min_lr_ratio == pytest.approx(0.1)
+    assert loaded.recipe.adam_epsilon == 1e-9
+    assert any(n.startswith("eta_min: read as cosine_min_lr_ratio: 0.1 (Axolotl drops") for n in loaded.notes)
+    assert any(n.startswith("adam_eps: read as adam_epsilon") for n in loaded.notes)
+    path.write_text(base.replace("lr_scheduler: cosine", "lr_scheduler: linear") + "min_lr: 1.0e-6\n")
+    with pytest.raises(UserError, match="min_lr floors a cosine schedule, and lr_scheduler is linear"):
+        load_recipe(path)
+    path.write_text(base + "eta_min: 2.0e-5\ncosine_min_lr_ratio: 0.5\n")
+    with pytest.raises(UserError, match="eta_min .read as cosine_min_lr_ratio: 0.1. and cosine_min_lr_ratio: 0.5 disagree"):
+        load_recipe(path)
+    path.write_text(base + "eta_min: 0.001\n")
+    with pytest.raises(UserError, match="eta_min: 0.001 must lie between 0 and learning_rate 0.0002"):
         load_recipe(path)

@@ -152,7 +152,7 @@ def test_capability_refusals_read_as_the_issue_asks():
 def test_unknown_keys_keep_a_did_you_mean_over_both_vocabularies():
     assert "did you mean 'context_parallel_size'" in refusal(context_parapllel_size=2)
     assert "did you mean 'lora_r'" in refusal(lora_rr=8)
-    assert "did you mean 'adam_epsilon'" in refusal(adam_eps=1e-9)
+    assert "did you mean 'adam_epsilon'" in refusal(adam_epsilom=1e-9)
 
 
 def test_older_names_are_read_as_the_new_ones():
