@@ -32,7 +32,16 @@ def summary_lines(plan: Plan, recipe) -> list[tuple[str, str]]:
             f"x data-parallel {plan.data_parallel_size}",
         ),
         ("precision", plan.precision),
-        ("method", {"lora": "LoRA", "qlora": "QLoRA (4-bit base)"}.get(recipe.adapter or "", "full fine-tune")),
+        (
+            "method",
+            {"lora": "LoRA", "qlora": "QLoRA (4-bit base)"}.get(recipe.adapter or "", "full fine-tune")
+            + (" of a reward model (Bradley-Terry pairs, one score per sequence)" if recipe.reward_model else "")
+            + (
+                f" of a process reward model ({recipe.num_labels} labels per step)"
+                if recipe.process_reward_model
+                else ""
+            ),
+        ),
         ("model", recipe.base_model),
     ]
     if plan.kernels.get("summary"):

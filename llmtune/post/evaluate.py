@@ -30,6 +30,9 @@ def resolve_target(target: Path) -> Target:
     from llmtune.train.model import model_source
 
     if target.is_dir():
+        from llmtune.post.generate import refuse_reward_model
+
+        refuse_reward_model(target, "eval")
         plan_file = target / "llmtune" / "plan.json"
         if not plan_file.exists():
             raise UserError(f"{target} is not an llmtune run folder (no llmtune/plan.json)", "pass a run's output_dir")
@@ -38,6 +41,9 @@ def resolve_target(target: Path) -> Target:
         base = model_source(recipe)[0] if adapter else str(target)
         return Target(recipe, base, adapter, target / "eval.json", f"run {target}")
     recipe = load_recipe(target).recipe
+    if recipe.num_labels:
+        raise UserError(f"{target} trains a reward model: `llmtune eval` measures a causal LM's answers",
+                        "the run's own eval (val_set_size) reports eval_accuracy")  # fmt: skip
     return Target(recipe, model_source(recipe)[0], None, Path(recipe.output_dir) / "eval_base.json",
                   f"base model {recipe.base_model}")  # fmt: skip
 

@@ -96,7 +96,13 @@ def fold_adapter(adapter: Path, folder: Path, writer: ShardWriter, target, progr
     base_config = json.loads((folder / "config.json").read_text())
     fan_in_fan_out = bool(adapter_config.get("fan_in_fan_out"))
     changes, done, embedding = {}, 0, None  # embedding: (name, rows) of the input embedding, kept as facts only
+    # A reward model's adapter (peft's SEQ_CLS / TOKEN_CLS): its new head replaces the base's language-model head
+    head = {"SEQ_CLS": "ForSequenceClassification", "TOKEN_CLS": "ForTokenClassification"}.get(
+        adapter_config.get("task_type") or ""
+    )
     for name, tensor in progress(iter_tensors(folder), "merging", total=None):
+        if head and name.endswith("lm_head.weight"):
+            continue
         if name in replaced:
             tensor = replaced.pop(name)
         pair = lora.pop(name, None)
@@ -119,6 +125,17 @@ def fold_adapter(adapter: Path, folder: Path, writer: ShardWriter, target, progr
             done += 1
         writer.add(name, tensor.to(target))
         changes["tie_word_embeddings"] = False
+    if head:
+        for name in [n for n in replaced if n.split(".")[0] in ("score", "classifier")]:
+            tensor = replaced.pop(name)
+            writer.add(name, tensor.to(target))
+            labels = int(tensor.shape[0]) if name.endswith("weight") else None
+            if labels:
+                changes["architectures"] = [
+                    a.replace("ForCausalLM", head) for a in base_config.get("architectures", [])
+                ]
+                changes["id2label"] = {str(i): f"LABEL_{i}" for i in range(labels)}
+                changes["label2id"] = {f"LABEL_{i}": i for i in range(labels)}
     if lora or replaced:
         missing = ", ".join(sorted([*lora, *replaced])[:3])
         raise UserError(f"the adapter changes weights the base model doesn't have ({missing})",

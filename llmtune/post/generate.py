@@ -30,7 +30,22 @@ def inference_device() -> tuple[str, object]:
     return "cuda", torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def load_for_generation(target: str, trust_remote_code: bool = False) -> Loaded:
+def refuse_reward_model(folder: Path, command: str) -> None:
+    """A reward model (a run with reward_model / process_reward_model, or its merged folder) has no language-model
+    head: commands that generate or score next tokens can't use it."""
+    plan_file, config_file = folder / "llmtune" / "plan.json", folder / "config.json"
+    reward = plan_file.exists() and json.loads(plan_file.read_text())["recipe"].get("num_labels")
+    if not reward and config_file.exists():
+        architectures = json.loads(config_file.read_text()).get("architectures") or []
+        reward = any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures)
+    if reward:
+        raise UserError(f"{folder} is a reward model (a classification head, no language-model head): "
+                        f"`llmtune {command}` needs a causal LM",
+                        "score texts with its eval metrics (eval_accuracy in metrics.json), or load it with "
+                        "AutoModelForSequenceClassification / AutoModelForTokenClassification")  # fmt: skip
+
+
+def load_for_generation(target: str, trust_remote_code: bool = False, command: str = "infer") -> Loaded:
     """A run folder (adapter on its base, or its full model), a model folder, or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -39,6 +54,7 @@ def load_for_generation(target: str, trust_remote_code: bool = False) -> Loaded:
     adapter = None
     model_dir, tokenizer_dir, label = target, target, target
     if path.is_dir():
+        refuse_reward_model(path, command)
         plan_file = path / "llmtune" / "plan.json"
         if (path / "adapter_config.json").exists():
             adapter = str(path)
@@ -184,7 +200,7 @@ def chat(
     from transformers import TextStreamer, set_seed
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    loaded = load_for_generation(target)
+    loaded = load_for_generation(target, command="chat")
     tokenizer, model = loaded.tokenizer, loaded.model
     set_seed(sampling.seed)
 

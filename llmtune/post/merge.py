@@ -75,7 +75,12 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
         shards = writer.finish()
         if not (config_dir / "config.json").exists():  # a checkpoint of sharded states: the run's, else the base's
             config_dir = run if (run / "config.json").exists() else base_folder_of(recipe)
-        _write_config(config_dir, staging, target, merged.pop("config_changes"))
+        changes = merged.pop("config_changes")
+        if recipe.num_labels:  # a reward model reads its score at the last non-pad token
+            from transformers import AutoTokenizer
+
+            changes["pad_token_id"] = AutoTokenizer.from_pretrained(str(run)).pad_token_id
+        _write_config(config_dir, staging, target, changes)
         _copy_side_files(run, config_dir, staging)
         # provenance, and what lets `llmtune eval/infer MERGED` read the recipe (its eval split, its template)
         (staging / "llmtune").mkdir()
@@ -129,6 +134,8 @@ def _copy_side_files(run: Path, config_dir: Path, staging: Path) -> None:
 
 
 def _card(recipe, plan: dict, weights: RunWeights, result: MergeResult) -> str:
+    from llmtune.train.model import head_of
+
     method = {"lora": "LoRA", "qlora": "QLoRA"}.get(recipe.adapter or "", "full fine-tune")
     what = (f"The {method} adapter folded into the base weights ({result.merged_modules} modules)"
             if weights.kind == "adapter" else f"The {method} weights")  # fmt: skip
@@ -137,5 +144,6 @@ def _card(recipe, plan: dict, weights: RunWeights, result: MergeResult) -> str:
         f"# {result.output.name}\n\n{what}, from {weights.note}; trained with llmtune ({plan['title']}, "
         f"{plan['world_size']} process(es)). {len(result.shards)} safetensors shard(s), "
         f"{result.total_bytes / 1e6:.1f} MB in {result.dtype}.\n\n"
-        "Load it with `AutoModelForCausalLM.from_pretrained(<this folder>)`; the tokenizer and chat template are here too.\n"
+        f"Load it with `{head_of(recipe)[0]}.from_pretrained(<this folder>)`; the tokenizer and chat template are here "
+        "too.\n"
     )

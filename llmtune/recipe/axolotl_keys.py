@@ -140,13 +140,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     """,
     ),
     **_refused(
-        "reward-model and classification training",
-        "llmtune fine-tunes causal language models",
-        """
-        reward_model process_reward_model center_rewards_coefficient num_labels
-    """,
-    ),
-    **_refused(
         "training vision and audio models",
         "llmtune fine-tunes text-only causal LMs",
         """
@@ -180,7 +173,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     ),
     **_refused("LoRA+ learning rates", "remove it (plain LoRA)", "loraplus_lr_ratio loraplus_lr_embedding"),
     **_refused("per-group learning rates", "use one learning_rate", "lr_groups embedding_lr embedding_lr_scale"),
-    **_refused("quadratic warm-up", "use warmup_steps or warmup_ratio (linear)", "lr_quadratic_warmup"),
     **_refused("one-cycle schedules (lr_div_factor)", "use lr_scheduler", "lr_div_factor"),
     **_refused(
         "a constant phase in the cosine schedule",
@@ -344,13 +336,8 @@ AXOLOTL_DATASET_KEYS: dict[str, AxolotlKey] = {
         "llmtune does supervised fine-tuning",
         """
         field_chosen field_rejected field_prompt field_system_chosen chosen rejected field_label prompt_key
-        chosen_key rejected_key max_completion_length
+        chosen_key rejected_key
     """,
-    ),
-    **_refused(
-        "step-wise (process reward) data",
-        "llmtune fine-tunes causal language models",
-        "step_separator train_on_last_step_only",
     ),
     **_refused("a shard index", "use shards alone (the first shard of each)", "shards_idx", accepted=(0,)),
 }

@@ -18,10 +18,17 @@ DATASET_TYPES = {
     "input_output": "segments [{text, label: true|false}] concatenated; only label: true segments are trained",
     "jeopardy": "question / category / answer fields (Axolotl's Jeopardy prompt); 'what is <answer>' is trained",
     "pretokenized": "input_ids (and optional labels) already tokenized",
+    "bradley_terry.chat_template": "reward_model pairs: input (prompt), chosen, rejected (strings, optional "
+    "system), or chosen/rejected as whole message lists, each rendered with the chat template",
+    "stepwise_supervised": "process_reward_model rows: prompt, completions (steps) and labels (one true/false per "
+    "step); each step's last separator token is labelled",
 }
+# Formats whose rows train a reward head rather than the language model: the recipe key each one needs.
+REWARD_TYPES = {"bradley_terry.chat_template": "reward_model", "stepwise_supervised": "process_reward_model"}
 TYPE_ALIASES = {
     "alpaca_chat": "alpaca", "text": "completion", "pretrain": "completion", "tokenized": "pretokenized",
     "chat_template.default": "chat_template", "chat_template.load": "chat_template",
+    "bradley_terry": "bradley_terry.chat_template",
 }  # fmt: skip
 # Axolotl's other prompt formats: kept apart from typos, so the error names what isn't supported.
 AXOLOTL_TYPES = (
@@ -91,6 +98,12 @@ class DatasetSpec(Section):
     drop_system_message: bool = Field(False, description="Drop system messages before templating.")
     shards: int | None = Field(None, gt=0, description="Keep only one of this many shards (quick trials).")
     skip: int | None = Field(None, ge=0, description="Skip this many rows at the start of the source.")
+    step_separator: str = Field("\n", description="stepwise_supervised: text after each step (its last token is "
+                                "labelled).")  # fmt: skip
+    train_on_last_step_only: bool = Field(False, description="stepwise_supervised: label only the last step.")
+    max_completion_length: int | None = Field(
+        None, gt=0, description="stepwise_supervised: cut the steps (separators included) to this many tokens."
+    )
 
     @field_validator("type", "data_files", "name", "field", "chat_template", "chat_template_jinja", mode="before")
     @classmethod

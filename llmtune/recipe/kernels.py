@@ -138,6 +138,9 @@ def _loss_kernels(recipe, strategy: str | None, kernels: Kernels) -> None:
     if recipe.use_eaft and (fused or cut_cross_entropy_on(recipe)):
         raise UserError(f"use_eaft computes its own loss from the logits; {', '.join(fused) or 'cut_cross_entropy'} "
                         "replaces that loss", "remove one of them")  # fmt: skip
+    if (recipe.reward_model or recipe.process_reward_model) and (fused or cut_cross_entropy_on(recipe)):
+        raise UserError(f"{', '.join(fused) or 'cut_cross_entropy'} replaces the language-model loss, which a reward "
+                        "model doesn't have (its head scores sequences or steps)", "remove it")  # fmt: skip
     if cut_cross_entropy_on(recipe):
         if recipe.liger_cross_entropy:
             raise UserError("cut_cross_entropy and liger_cross_entropy both replace the loss; choose one")

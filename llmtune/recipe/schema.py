@@ -47,6 +47,7 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
         if self.streaming and not self.max_steps:
             raise ValueError("streamed data has no length known up front (streaming, or a hub pretraining_dataset): "
                              "set max_steps")  # fmt: skip
+        self._reward_rules()
         microbatches = self.pipeline_microbatches
         if self.pipeline_parallel_size > 1 and microbatches is not None and microbatches < self.pipeline_parallel_size:
             raise ValueError(
@@ -54,6 +55,50 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
                 f"({self.pipeline_parallel_size}); stages would sit idle. Use at least {self.pipeline_parallel_size}"
             )
         return self
+
+    def _reward_rules(self) -> None:
+        """reward_model / process_reward_model: their data types, their head, and what can't go with them."""
+        from llmtune.recipe.data import REWARD_TYPES
+
+        wanted = "reward_model" if self.reward_model else "process_reward_model" if self.process_reward_model else None
+        if self.reward_model and self.process_reward_model:
+            raise ValueError("reward_model and process_reward_model are both set; use one")
+        for group in ("datasets", "test_datasets"):
+            for index, spec in enumerate(getattr(self, group) or []):
+                needs = REWARD_TYPES.get(spec.type) if isinstance(spec.type, str) else None
+                if needs != wanted:
+                    raise ValueError(
+                        f"{group}[{index}].type {spec.type} needs {needs}: true" if needs else
+                        f"{wanted}: true trains on {next(t for t, k in REWARD_TYPES.items() if k == wanted)} data, "
+                        f"not {group}[{index}].type {spec.type or 'pretokenized'}"
+                    )  # fmt: skip
+        mt = self.model_type or ""
+        head = "reward_model" if mt.endswith("ForSequenceClassification") else (
+            "process_reward_model" if mt.endswith("ForTokenClassification") else None)  # fmt: skip
+        if head and head != wanted:
+            raise ValueError(f"model_type {mt} trains a classification head: set {head}: true (and its data)")
+        if wanted and mt and not head and not mt.startswith("Auto"):
+            raise ValueError(f"{wanted} trains a classification head, not model_type {mt}; remove model_type")
+        if wanted is None:
+            for key in ("num_labels", "center_rewards_coefficient"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key} belongs to reward_model or process_reward_model training; set one")
+            return
+        if self.reward_model and self.num_labels not in (None, 1):
+            raise ValueError(f"reward_model scores each sequence with one number: num_labels must be 1, not "
+                             f"{self.num_labels}")  # fmt: skip
+        if self.process_reward_model and self.num_labels == 1:
+            raise ValueError("process_reward_model classifies each step: num_labels must be at least 2")
+        if self.center_rewards_coefficient is not None and not self.reward_model:
+            raise ValueError("center_rewards_coefficient belongs to reward_model training")
+        self.num_labels = self.num_labels or (1 if self.reward_model else 2)
+        clashes = {"sample_packing": self.sample_packing, "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
+                   "tensor_parallel_size > 1": self.tensor_parallel_size > 1, "use_eaft": self.use_eaft,
+                   "qat": bool(self.qat), "lisa_n_layers": bool(self.lisa_n_layers)}  # fmt: skip
+        clash = next((key for key, on in clashes.items() if on), None)
+        if clash:
+            raise ValueError(f"{wanted} with {clash} is not supported (a classification head trains on whole, "
+                             f"unpacked rows through the HF Trainer); remove {clash.split()[0]}")  # fmt: skip
 
     @property
     def precision(self) -> str:

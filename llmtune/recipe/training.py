@@ -44,6 +44,8 @@ class TrainingKeys(Section):
     cosine_min_lr_ratio: float | None = Field(
         None, ge=0, le=1, description="cosine: floor the LR at this fraction of the peak (cosine_with_min_lr)."
     )
+    lr_quadratic_warmup: bool = Field(False, description="cosine: warm up quadratically, (step / warmup)^2, not "
+                                      "linearly (Axolotl's; no effect with other schedules).")  # fmt: skip
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
     warmup_steps: int | None = Field(
         None,
@@ -84,6 +86,14 @@ class TrainingKeys(Section):
         "in a row.",
     )  # fmt: skip
     loss_watchdog_patience: int = Field(3, gt=0, description="Consecutive logged losses above the threshold.")
+    reward_model: bool = Field(False, description="Train a reward model (a sequence-classification head, one "
+                               "score) on bradley_terry.chat_template pairs: -log sigmoid(chosen - rejected).")  # fmt: skip
+    process_reward_model: bool = Field(False, description="Train a process reward model (a token-classification "
+                                       "head) on stepwise_supervised rows.")  # fmt: skip
+    num_labels: int | None = Field(None, gt=0, description="Labels of the classification head (default 1 for "
+                                   "reward_model, 2 for process_reward_model).")  # fmt: skip
+    center_rewards_coefficient: float | None = Field(None, ge=0, description="reward_model: add this times the mean "
+                                                     "squared reward, to keep rewards centred on 0.")  # fmt: skip
     use_eaft: bool = Field(False, description="EAFT loss: each trained token's cross-entropy weighted by the entropy "
                            "of the model's top-k next-token probabilities (to the power eaft_alpha).")  # fmt: skip
     eaft_alpha: float = Field(1.0, ge=0, description="EAFT: exponent of the entropy weight.")

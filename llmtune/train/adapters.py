@@ -8,6 +8,8 @@ from llmtune.errors import UserError
 def lora_config(recipe):
     from peft import LoraConfig
 
+    from llmtune.train.model import head_of
+
     if recipe.lora_target_linear:
         targets = "all-linear"
     else:
@@ -16,6 +18,9 @@ def lora_config(recipe):
     if recipe.lora_target_parameters:
         extra["target_parameters"] = recipe.lora_target_parameters
         targets = targets or []  # parameters alone: no module targets
+    task = head_of(recipe)[1]
+    if task != "CAUSAL_LM" and targets == "all-linear":
+        extra["exclude_modules"] = ["score", "classifier"]  # the new head trains whole (peft's modules_to_save)
     loftq = recipe.peft.loftq_config if recipe.peft else None
     if loftq:
         from peft import LoftQConfig
@@ -32,7 +37,7 @@ def lora_config(recipe):
         fan_in_fan_out=recipe.lora_fan_in_fan_out,
         layers_to_transform=recipe.peft_layers_to_transform,
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type=task,  # a reward model's head is new: peft trains and saves it whole
         **extra,
     )
 

@@ -61,9 +61,9 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **ex
     save_strategy = recipe.save_strategy or save_strategy
     eval_strategy, eval_steps = _every(recipe.eval_steps, recipe.evals_per_epoch, epoch_steps)
     eval_strategy = (recipe.eval_strategy or eval_strategy) if has_eval else "no"
-    scheduler, scheduler_kwargs = recipe.lr_scheduler, dict(recipe.lr_scheduler_kwargs or {})
-    if recipe.cosine_min_lr_ratio is not None and scheduler == "cosine":
-        scheduler, scheduler_kwargs["min_lr_rate"] = "cosine_with_min_lr", recipe.cosine_min_lr_ratio
+    from llmtune.train.schedule import named_schedule
+
+    scheduler, scheduler_kwargs = named_schedule(recipe)  # (quadratic warm-up: the trainer builds its own)
     warmup = recipe.warmup_steps if recipe.warmup_steps is not None else (recipe.warmup_ratio or 0)
     kwargs = dict(
         output_dir=recipe.output_dir,

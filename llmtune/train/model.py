@@ -149,12 +149,26 @@ def _distributed_config(recipe, mesh: dict, device: str | None):
                              dp_replicate_size=mesh["dp_replicate"], fsdp_cpu_offload=offload)  # fmt: skip
 
 
+HEADS = {  # recipe key -> (transformers auto class, peft task type)
+    "reward_model": ("AutoModelForSequenceClassification", "SEQ_CLS"),
+    "process_reward_model": ("AutoModelForTokenClassification", "TOKEN_CLS"),
+}
+
+
+def head_of(recipe) -> tuple[str, str]:
+    """The auto class the recipe trains and its peft task type: a causal LM, or a reward model's classifier."""
+    for key, head in HEADS.items():
+        if getattr(recipe, key, False):
+            return head
+    return "AutoModelForCausalLM", "CAUSAL_LM"
+
+
 def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, device: str | None = None,
                mesh: dict | None = None):  # fmt: skip
     """The model, with the recipe's GPU kernels applied (device: 'cuda' or 'cpu'; default: whether CUDA is visible).
     With a tensor-parallel mesh (the plan's), transformers loads it already split: its tp_plan across
     tensor_parallel ranks, FSDP2 across dp_shard ranks and replicas across dp_replicate."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     from llmtune.train.kernels import apply_kernels, kernels_for
     from llmtune.train.progress import log
@@ -177,14 +191,22 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
                 or recipe.model_quantization_config):  # fmt: skip
             kwargs["config"] = model_config(recipe, source, log)
             _checkpoint_quantization(recipe, kwargs, log)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        auto = head_of(recipe)[0]
+        if recipe.num_labels:  # a reward model's head: a new layer of num_labels outputs
+            if "config" in kwargs:
+                kwargs["config"].num_labels = recipe.num_labels
+            else:
+                kwargs["num_labels"] = recipe.num_labels
+        model = getattr(transformers, auto).from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:
         if raised_inside(err, "deepspeed"):
             raise  # DeepSpeed's own failure under zero.Init (an op build, an offload path): not the model's source
         raise _hub_error(err, "model", source) from None
     if recipe.model_type and not recipe.model_type.startswith("Auto") and type(model).__name__ != recipe.model_type:
         raise UserError(f"model_type is {recipe.model_type} but {source} loads as {type(model).__name__}",
-                        "remove model_type or set it to AutoModelForCausalLM")  # fmt: skip
+                        f"remove model_type or set it to {auto}")  # fmt: skip
+    if recipe.num_labels:  # the classifier reads the last non-pad token of each row
+        model.config.pad_token_id = tokenizer.pad_token_id
     if recipe.reinit_weights:
         reinitialise(model, log)
     weight = model.get_input_embeddings().weight
@@ -198,7 +220,7 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
         model.resize_token_embeddings(rows)
     # Packed rows leak attention across examples when a KV cache exists (see DESIGN.md).
     model.config.use_cache = False
-    if model.generation_config is not None:
+    if getattr(model, "generation_config", None) is not None:
         model.generation_config.use_cache = True
     # Before adapters and wrapping: Liger patches the model's own modules and forward.
     apply_kernels(model, kernels, log)

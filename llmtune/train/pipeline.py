@@ -170,10 +170,10 @@ def clip_global_norm(params: list[nn.Parameter], max_norm: float, grid: Grid, sk
 def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
     """Run the pipeline loop; returns metrics for rank 0 (others return what they saw)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    from transformers import get_scheduler
 
     from llmtune.plan.pipeline import split_layers
     from llmtune.train.data.collate import REAL_TOKENS, Collator
+    from llmtune.train.schedule import make_scheduler
 
     pipe = plan["pipeline"]
     stages, microbatches = pipe["stages"], pipe["microbatches"]
@@ -234,8 +234,7 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
     warmup = (
         recipe.warmup_steps if recipe.warmup_steps is not None else math.ceil((recipe.warmup_ratio or 0) * total_steps)
     )
-    scheduler = get_scheduler(recipe.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
-                              scheduler_specific_kwargs=recipe.lr_scheduler_kwargs or {})  # fmt: skip
+    scheduler = make_scheduler(recipe, optimizer, warmup, total_steps)
     # Stages exchange activations in buffers whose shapes are fixed at the first step: pad every row to sequence_len.
     collate = Collator(tokenizer.pad_token_id, recipe.sequence_len)
     history, tokens_seen, started, start = [], 0, time.time(), 0

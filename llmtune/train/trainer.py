@@ -262,6 +262,17 @@ class LlmtuneTrainer(Trainer):
             checkpoints.rotate(Path(self.args.output_dir), self.args.save_total_limit,
                                Path(self.state.best_model_checkpoint) if self.state.best_model_checkpoint else None)  # fmt: skip
 
+    recipe = None  # the run's recipe (set by the worker), for what TrainingArguments can't say
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        from llmtune.train.schedule import make_scheduler, quadratic_warmup
+
+        if self.lr_scheduler is None and self.recipe is not None and quadratic_warmup(self.recipe):
+            warmup = self.args.get_warmup_steps(num_training_steps)
+            self.lr_scheduler = make_scheduler(self.recipe, optimizer or self.optimizer, warmup, num_training_steps)
+            self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs.pop(REAL_TOKENS, None)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)

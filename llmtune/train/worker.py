@@ -211,14 +211,24 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     cp = (plan.get("mesh") or {}).get("context_parallel", 1)
     if args is None:
         return _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_origin, trainable, total)
+    pad_to = recipe.sequence_len if recipe.pad_to_sequence_len else None
+    collator = Collator(tokenizer.pad_token_id, pad_to, multiple_of=2 * cp if cp > 1 else 1, mask=cp == 1)
+    loss_func, metrics_func = eaft_for(recipe), None
+    if recipe.reward_model or recipe.process_reward_model:
+        from llmtune.train.data.reward import PairCollator, pairwise_loss, reward_metrics
+
+        metrics_func = reward_metrics if data.eval else None
+        if recipe.reward_model:
+            collator, loss_func = (
+                PairCollator(tokenizer.pad_token_id, pad_to),
+                pairwise_loss(recipe.center_rewards_coefficient),
+            )
     trainer = LlmtuneTrainer(
         model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(data.eval) if data.eval else None,
-        data_collator=Collator(tokenizer.pad_token_id, recipe.sequence_len if recipe.pad_to_sequence_len else None,
-                               multiple_of=2 * cp if cp > 1 else 1, mask=cp == 1),
-        processing_class=tokenizer, compute_loss_func=eaft_for(recipe),
+        data_collator=collator, processing_class=tokenizer, compute_loss_func=loss_func, compute_metrics=metrics_func,
         callbacks=[StopOnNonFiniteLoss()] + ([TestKillAfterSave()] if any(k in os.environ for k in TEST_HOOKS) else []),
     )  # fmt: skip
-    trainer.plan = plan
+    trainer.plan, trainer.recipe = plan, recipe
     if qat_delay:
         trainer.add_callback(qat_delay)
     if cp > 1:  # attention-only models; and what each rank's model really sees of a row (the report checks)

@@ -47,6 +47,8 @@ SAMPLE = {
     "phi2-fft-dedup": ("phi", 1),
     "llama3-qat-fsdp2": ("llama", 2),
     "gemma3-eaft-chat": ("gemma3_text", 1),
+    "qwen2-reward-model": ("qwen2", 2),
+    "qwen2-prm-lora": ("qwen2", 1),
 }
 WORDS = ["apple", "river", "stone", "cloud", "green", "happy", "seven", "light", "table", "music", "paper", "bread"]
 
@@ -76,10 +78,17 @@ def tiny_model(root: Path, family: str) -> Path:
 
 
 def rows_like(spec: dict, count: int = 24) -> list[dict]:
-    """Local rows of the kind a `datasets` entry reads: alpaca, chat (with its field names), or plain text."""
+    """Local rows of the kind a `datasets` entry reads: alpaca, chat (with its field names), reward pairs, reward
+    steps, or plain text."""
     kind = str(spec.get("type") or "")
     if kind.startswith("alpaca"):
         return [{"instruction": f"Repeat {w}", "input": "", "output": f"{w} {w}"} for w in (WORDS * 2)[:count]]
+    if kind.startswith("bradley_terry"):
+        return [{"system": "Repeat exactly.", "input": f"Repeat {w}", "chosen": f"{w} {w}", "rejected": v}
+                for w, v in zip(WORDS * 2, WORDS[::-1] * 2, strict=True)][:count]  # fmt: skip
+    if kind == "stepwise_supervised":
+        return [{"prompt": f"Add 2 and {i}", "completions": [f"2 plus {i}", f"is {i + 2 + i % 2}"],
+                 "labels": [True, i % 2 == 0]} for i in range(count)]  # fmt: skip
     if kind.startswith("chat_template"):
         mapping = spec.get("message_property_mappings") or {}
         role = mapping.get("role") or spec.get("message_field_role") or "role"

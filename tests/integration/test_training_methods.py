@@ -108,3 +108,12 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def test_quadratic_warmup_is_the_schedule_the_trainer_steps(workspace):
+    metrics, _ = train_run(workspace, "quadratic", 1, max_steps=4, lr_scheduler="cosine", warmup_steps=2,
+                           lr_quadratic_warmup=True)  # fmt: skip
+    logged = [e["learning_rate"] for e in metrics["log_history"] if "loss" in e]
+    # the LR each of steps 0-3 ran with (warm-up 2, peak 1e-3): (0/2)^2, (1/2)^2, then the cosine from 1 at step 2
+    # (halfway down at step 3); transformers' linear warm-up would give 0, 5e-4
+    assert logged == pytest.approx([0.0, 2.5e-4, 1e-3, 5e-4], abs=1e-9)

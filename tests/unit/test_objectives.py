@@ -75,3 +75,26 @@ def test_lisa_errors_name_the_key():
         LayerSampling(_Tiny(), 9, 3, "model.layers", seed=0)
     with pytest.raises(UserError, match="lisa_layers_attribute: _Tiny has no layer list at 'model.blocks'"):
         LayerSampling(_Tiny(), 1, 3, "model.blocks", seed=0)
+
+
+def test_quadratic_warmup_rises_as_the_square_then_decays_by_cosine_to_the_floor():
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from llmtune.train.schedule import make_scheduler, quadratic_warmup
+
+    recipe = SimpleNamespace(lr_quadratic_warmup=True, lr_scheduler="cosine", cosine_min_lr_ratio=0.1,
+                             lr_scheduler_kwargs=None)  # fmt: skip
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    scheduler = make_scheduler(recipe, optimizer, warmup=4, total=12)
+    seen = []
+    for _ in range(12):
+        seen.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    warm = [2.0 * (s / 4) ** 2 for s in range(4)]
+    decay = [2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 4) / 8))) for s in range(4, 12)]
+    assert seen == pytest.approx(warm + decay)
+    assert not quadratic_warmup(SimpleNamespace(lr_quadratic_warmup=True, lr_scheduler="linear"))

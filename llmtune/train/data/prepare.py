@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.train.data.formats import IGNORE, FormatContext, RowError, format_for
+from llmtune.train.data.formats import IGNORE, FormatContext, RowError
 from llmtune.train.data.packing import pack_examples
+from llmtune.train.data.reward import converter, fit_pair
 from llmtune.train.data.rows import TokenRows
 from llmtune.train.data.sources import fingerprint_source, read_rows
 
@@ -68,7 +69,7 @@ def cache_key(recipe, tokenizer) -> str:
 def _template_for(spec, recipe, tokenizer) -> str | None:
     from llmtune.train.data.templates import resolve_chat_template
 
-    if spec.type != "chat_template":
+    if spec.type not in ("chat_template", "bradley_terry.chat_template"):
         return None
     if spec.chat_template:
         return resolve_chat_template(spec.chat_template, spec.chat_template_jinja or recipe.chat_template_jinja,
@@ -126,7 +127,7 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
         label = f"{group}[{index}]"
         ctx = FormatContext(tokenizer, spec, recipe.train_on_inputs, recipe.sequence_len,
                             _template_for(spec, recipe, tokenizer), eot_ids)  # fmt: skip
-        to_examples = format_for(spec)
+        to_examples = converter(spec)
         taken = 0
         for row, where in progress(read_rows(spec, label, recipe.streaming), f"tokenizing {label}"):
             if budget is not None and taken >= budget:
@@ -139,7 +140,14 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
                                 "fix the row, or set the dataset's type/fields to match the data") from None  # fmt: skip
             stats["rows"] += 1
             for ids, labels in pieces:
-                if len(ids) > recipe.sequence_len:
+                if spec.type == "bradley_terry.chat_template":  # a stored pair: each side must fit
+                    fitted = fit_pair(ids, labels, recipe.sequence_len, recipe.excess_length_strategy == "truncate")
+                    if fitted is None:
+                        stats["dropped_too_long"] += 1
+                        continue
+                    stats["truncated"] += fitted[0] is not ids
+                    ids, labels = fitted
+                elif len(ids) > recipe.sequence_len:
                     if recipe.excess_length_strategy == "drop":
                         stats["dropped_too_long"] += 1
                         continue
