@@ -86,7 +86,10 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
     from llmtune.post.generate import inference_device
 
     device, dtype = inference_device()
-    model = AutoModelForCausalLM.from_pretrained(info.model_dir, dtype=dtype)
+    from llmtune.train import linearize
+
+    model = linearize.from_pretrained(AutoModelForCausalLM, info.model_dir, recipe if info.adapter_dir else None,
+                                      dtype=dtype)  # fmt: skip
     if info.adapter_dir:
         from peft import PeftModel
 

@@ -90,6 +90,24 @@ def merged_weight(base, pair: LoraPair, fan_in_fan_out: bool):
     return weight
 
 
+def _fold_linearized(tensor, name: str, lora: dict, fan_in_fan_out: bool):
+    """A fused Llama 4 experts tensor (gate_up_proj [E, H, 2I] or down_proj [E, I, H]) with the LoRA of an adapter
+    trained on the linearized layout (experts.gate_projs.N, up_projs.N, down_projs.N) folded in: (tensor, folded)."""
+    prefix, kind = name.rsplit(".", 1)
+    halves = {"gate_up_proj": (("gate_projs", 0), ("up_projs", 1)), "down_proj": (("down_projs", None),)}[kind]
+    tensor, folded = tensor.float().clone(), 0
+    for expert in range(tensor.shape[0]):
+        for projection, half in halves:
+            pair = lora.pop(f"{prefix}.{projection}.{expert}.weight", None)
+            if pair is None:
+                continue
+            size = tensor.shape[-1] // 2
+            part = tensor[expert] if half is None else tensor[expert, :, half * size : (half + 1) * size]
+            part.copy_(merged_weight(part.t(), pair, fan_in_fan_out).t())  # a Linear's weight is the transpose
+            folded += 1
+    return tensor, folded
+
+
 def fold_adapter(adapter: Path, folder: Path, writer: ShardWriter, target, progress: Callable) -> tuple[int, dict]:
     """Base weights from `folder` with the adapter folded in, into the writer: (modules folded, config changes)."""
     lora, replaced, adapter_config = read_adapter(adapter)
@@ -109,6 +127,9 @@ def fold_adapter(adapter: Path, folder: Path, writer: ShardWriter, target, progr
         if pair is not None:
             tensor = merged_weight(tensor, pair, fan_in_fan_out)
             done += 1
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and lora:  # llama4_linearized_experts
+            tensor, folded = _fold_linearized(tensor, name, lora, fan_in_fan_out)
+            done += folded
         if name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")):
             embedding = (name, int(tensor.shape[0]))
         writer.add(name, tensor.to(target))

@@ -51,7 +51,7 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
 
     path = Path(target)
     device, dtype = inference_device()
-    adapter = None
+    adapter, recipe = None, None
     model_dir, tokenizer_dir, label = target, target, target
     if path.is_dir():
         refuse_reward_model(path, command)
@@ -75,7 +75,10 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
         raise UserError(f"{target} is not a model folder", "pass a run's output_dir, a merged folder, or a hub id")
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+        from llmtune.train import linearize
+
+        model = linearize.from_pretrained(AutoModelForCausalLM, model_dir, recipe if adapter else None, dtype=dtype,
+                                          trust_remote_code=trust_remote_code)  # fmt: skip
     except (OSError, ValueError) as err:
         raise UserError(f"could not load '{model_dir}' ({str(err).splitlines()[0][:160]})",
                         "check the path or hub id, your network or HF_TOKEN") from None  # fmt: skip

@@ -24,7 +24,7 @@ from pathlib import Path
 from llmtune.errors import UserError
 from llmtune.post.consolidate import RunWeights, find_weights, write_full_weights
 from llmtune.post.fold import fold_adapter
-from llmtune.post.shards import ShardWriter, base_folder_of
+from llmtune.post.shards import ShardWriter, base_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")  # fmt: skip
@@ -147,3 +147,10 @@ def _card(recipe, plan: dict, weights: RunWeights, result: MergeResult) -> str:
         f"Load it with `{head_of(recipe)[0]}.from_pretrained(<this folder>)`; the tokenizer and chat template are here "
         "too.\n"
     )
+
+
+def base_folder_of(recipe) -> Path:
+    """The folder of the recipe's base model (its local folder, or the hub snapshot)."""
+    from llmtune.train.model import model_source
+
+    return base_folder(model_source(recipe)[0], recipe.revision_of_model)

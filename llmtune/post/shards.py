@@ -68,13 +68,6 @@ def base_folder(source: str, revision: str | None = None) -> Path:
                         "check base_model, your network or HF_TOKEN") from None  # fmt: skip
 
 
-def base_folder_of(recipe) -> Path:
-    """The folder of the recipe's base model (its local folder, or the hub snapshot)."""
-    from llmtune.train.model import model_source
-
-    return base_folder(model_source(recipe)[0], recipe.revision_of_model)
-
-
 def _release_freed_memory() -> None:
     """Hand freed heap pages back to the OS (glibc keeps them otherwise, and RSS would creep up shard by shard)."""
     try:

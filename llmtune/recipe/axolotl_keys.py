@@ -207,11 +207,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     **_refused("DenseMixer MoE training", "remove it", "dense_mixer"),
     **_refused("sparse fine-tuning with LLM Compressor", "remove it", "llmcompressor"),
     **_refused("1-bit (BitNet) training", "remove it", "use_onebitllms"),
-    **_refused(
-        "Axolotl's linearized Llama 4 experts",
-        "use a Llama 4 checkpoint transformers loads as it is",
-        "llama4_linearized_experts",
-    ),
     **_no_effect(
         "llmtune starts the ranks itself (accelerate/torchrun): give --num-processes, not Ray workers",
         "use_ray ray_num_workers ray_run_name resources_per_worker",

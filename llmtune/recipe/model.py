@@ -54,6 +54,11 @@ class ModelKeys(Section):
     model_type: str | None = Field(
         None, description="Axolotl's model class (e.g. LlamaForCausalLM); checked against the loaded model."
     )
+    llama4_linearized_experts: bool = Field(
+        False, description="Llama 4: run the routed experts as one linear layer per expert (experts.gate_projs.N, "
+        "up_projs.N, down_projs.N), so 4-bit loading quantizes them and LoRA can target them; fused checkpoints are "
+        "split at load (16/32-bit), linearized ones load as they are.",
+    )  # fmt: skip
     tokenizer_type: str | None = Field(
         None, description="Axolotl's tokenizer class; llmtune always uses AutoTokenizer."
     )

@@ -4,6 +4,20 @@ from __future__ import annotations
 
 from llmtune.errors import UserError
 
+REGEX_CHARS = set("[]()*+?^$|\\")
+
+
+def target_pattern(modules):
+    """peft matches a list of target names by suffix (".q_proj"), and only a single string as a regex. A list with
+    regex entries, as recipes write them (experts.gate_projs.[0-9]+$), becomes one regex that keeps the plain
+    entries' suffix meaning."""
+    if not isinstance(modules, list) or not any(REGEX_CHARS & set(m) for m in modules):
+        return modules
+    import re
+
+    parts = [m.strip("^$") if REGEX_CHARS & set(m) else re.escape(m) for m in modules]
+    return rf"(?:.*\.)?(?:{'|'.join(parts)})"
+
 
 def lora_config(recipe):
     from peft import LoraConfig
@@ -13,7 +27,7 @@ def lora_config(recipe):
     if recipe.lora_target_linear:
         targets = "all-linear"
     else:
-        targets = recipe.lora_target_modules
+        targets = target_pattern(recipe.lora_target_modules)
     extra = {}
     if recipe.lora_target_parameters:
         extra["target_parameters"] = recipe.lora_target_parameters

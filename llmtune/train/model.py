@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -197,12 +198,34 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
                 kwargs["config"].num_labels = recipe.num_labels
             else:
                 kwargs["num_labels"] = recipe.num_labels
-        model = getattr(transformers, auto).from_pretrained(source, **kwargs)
+        linear = contextlib.nullcontext()
+        if recipe.llama4_linearized_experts:
+            from llmtune.train import linearize
+
+            config = kwargs.get("config") or transformers.AutoConfig.from_pretrained(
+                source, trust_remote_code=recipe.trust_remote_code, revision=kwargs.get("revision"))  # fmt: skip
+            if linearize.applies(recipe, config):
+                linear = linearize.linear_experts(config)
+            else:
+                log(
+                    f"llama4_linearized_experts: no effect on a {config.model_type} model (Llama 4 only, as in Axolotl)"
+                )
+        with linear:
+            model = getattr(transformers, auto).from_pretrained(source, **kwargs)
+        if not isinstance(linear, contextlib.nullcontext):
+            linearize.fill_from_fused(model, source, kwargs.get("revision"), quant is not None, log)
     except (OSError, ValueError) as err:
         if raised_inside(err, "deepspeed"):
             raise  # DeepSpeed's own failure under zero.Init (an op build, an offload path): not the model's source
         raise _hub_error(err, "model", source) from None
-    if recipe.model_type and not recipe.model_type.startswith("Auto") and type(model).__name__ != recipe.model_type:
+    loaded = type(model).__name__
+    if (
+        recipe.model_type
+        and recipe.model_type.endswith("ForConditionalGeneration")
+        and (loaded == recipe.model_type.replace("ForConditionalGeneration", "ForCausalLM"))
+    ):  # a multimodal checkpoint's text model: what a text fine-tune trains
+        log(f"model_type {recipe.model_type}: training its text model, {loaded} (no vision weights are loaded)")
+    elif recipe.model_type and not recipe.model_type.startswith("Auto") and loaded != recipe.model_type:
         raise UserError(f"model_type is {recipe.model_type} but {source} loads as {type(model).__name__}",
                         f"remove model_type or set it to {auto}")  # fmt: skip
     if recipe.num_labels:  # the classifier reads the last non-pad token of each row

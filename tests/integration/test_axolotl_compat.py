@@ -4,6 +4,7 @@ type, and the run shortened. Everything else in the recipe stays as the corpus w
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 from pathlib import Path
@@ -14,6 +15,7 @@ from harness import llmtune, losses, read_metrics
 from tiny import load_tokenizer, write_jsonl
 
 from llmtune.train.arguments import OPTIMIZER_PACKAGES
+from llmtune.train.linearize import linear_experts
 
 pytestmark = pytest.mark.integration
 
@@ -36,6 +38,11 @@ FAMILIES = {
     ),
     "gemma3_text": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 64, "query_pre_attn_scalar": 16}),
     "phi": ("PhiConfig", {"partial_rotary_factor": 0.5}),
+    "llama4_text": (
+        "Llama4TextConfig",
+        {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 128,
+         "interleave_moe_layer_step": 1, "no_rope_layers": [1, 1], "attention_chunk_size": 512, "rope_scaling": None},
+    ),  # fmt: skip
 }
 # corpus recipe -> (family, processes)
 SAMPLE = {
@@ -49,6 +56,7 @@ SAMPLE = {
     "gemma3-eaft-chat": ("gemma3_text", 1),
     "qwen2-reward-model": ("qwen2", 2),
     "qwen2-prm-lora": ("qwen2", 1),
+    "llama4-scout-linearized-qlora": ("llama4_text", 1),
 }
 WORDS = ["apple", "river", "stone", "cloud", "green", "happy", "seven", "light", "table", "music", "paper", "bread"]
 
@@ -71,7 +79,10 @@ def tiny_model(root: Path, family: str) -> Path:
         **extra,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    # Llama 4 is saved linearized, as the checkpoints llama4_linearized_experts recipes name (4-bit loads need it)
+    linear = linear_experts(config) if family == "llama4_text" else contextlib.nullcontext()
+    with linear:
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
     return path
@@ -140,6 +151,13 @@ def test_accepted_recipe_trains_in_rehearsal(tmp_path_factory, name, family, pro
     assert all(loss == loss for loss in losses(metrics))  # finite, logged
     plan = json.loads((root / "out" / "llmtune" / "plan.json").read_text())
     assert plan["plan"]["cluster"]["device"] == "cpu"
+    if yaml.safe_load(path.read_text()).get("llama4_linearized_experts"):  # LoRA reached every routed expert
+        from safetensors import safe_open
+
+        with safe_open(str(root / "out" / "adapter_model.safetensors"), framework="pt") as handle:
+            keys = list(handle.keys())
+        for projection in ("gate_projs", "up_projs", "down_projs"):
+            assert sum(f"experts.{projection}." in k and "lora_A" in k for k in keys) == 4 * 2, keys  # 4 x 2 layers
     qat = yaml.safe_load(path.read_text()).get("qat")
     if qat:  # every linear layer of the tiny model trained fake-quantized, from the step the recipe names
         assert sum(metrics["qat"]["modules"].values()) == metrics["qat"]["linear_layers"] > 0
