@@ -155,6 +155,10 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
     precision = _precision(recipe, cluster, notes)
     strategy = choose_strategy(recipe, world)
     pipeline = _pipeline_plan(recipe, world, facts) if strategy == "pipeline" else None
+    if recipe.optimizer == "muon" and strategy not in ("single", "ddp", "fsdp2"):
+        what = {"zero": "DeepSpeed", "tp": "tensor parallelism"}.get(strategy, strategy)
+        raise UserError(f"optimizer: muon under {what} is not supported (it orthogonalizes whole weight matrices: "
+                        "one process, DDP or FSDP2, as in Axolotl)", "use fsdp_version: 2, or adamw_torch")  # fmt: skip
     if pipeline and recipe.precision == "fp16":  # refused in rehearsal too: the GPU run would refuse it
         raise UserError("pipeline runs take bf16 or fp32: fp16 needs loss scaling, which the pipeline loop does not do",
                         "set bf16: true (or fp16: false)")  # fmt: skip

@@ -15,9 +15,11 @@ OPTIMIZERS = (
     "paged_lion_8bit", "paged_lion_32bit", "adamw_torch_4bit", "adamw_torch_8bit", "ademamix", "ademamix_8bit",
     "paged_ademamix_32bit", "paged_ademamix_8bit",
 )  # fmt: skip
+# Optimizers llmtune builds itself (train/muon.py).
+OWN_OPTIMIZERS = ("muon",)
 # Optimizers Axolotl implements itself (its CustomSupportedOptimizers): named, so the error says what's missing.
 AXOLOTL_OPTIMIZERS = (
-    "optimi_adamw", "ao_adamw_4bit", "ao_adamw_8bit", "ao_adamw_fp8", "adopt_adamw", "came_pytorch", "muon",
+    "optimi_adamw", "ao_adamw_4bit", "ao_adamw_8bit", "ao_adamw_fp8", "adopt_adamw", "came_pytorch",
     "dion", "flash_adamw", "flash_adam", "flash_sgd", "flash_sgdw", "flash_lion", "q_galore_adamw8bit",
 )  # fmt: skip
 LR_SCHEDULERS = (
@@ -38,7 +40,10 @@ class TrainingKeys(Section):
     )  # fmt: skip
     num_epochs: float = Field(1.0, gt=0, description="Passes over the training data.")
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (wins over epochs).")
-    optimizer: Literal[OPTIMIZERS] = Field("adamw_torch", description="Optimizer (transformers' names).")  # type: ignore[valid-type]
+    optimizer: Literal[OPTIMIZERS + OWN_OPTIMIZERS] = Field(
+        "adamw_torch",
+        description="Optimizer (transformers' names; muon: Muon for weight matrices, AdamW for the rest).",
+    )  # type: ignore[valid-type]
     lr_scheduler: Literal[LR_SCHEDULERS] = Field("cosine", description="Learning-rate schedule.")  # type: ignore[valid-type]
     lr_scheduler_kwargs: dict | None = Field(None, description="Extra scheduler arguments.")
     cosine_min_lr_ratio: float | None = Field(
@@ -137,7 +142,7 @@ class TrainingKeys(Section):
     def _axolotl_optimizer(cls, value):
         if value in AXOLOTL_OPTIMIZERS:
             raise ValueError(f"'{value}' (an optimizer Axolotl implements itself) is not supported; use one of "
-                             f"{', '.join(OPTIMIZERS)}")  # fmt: skip
+                             f"{', '.join(OPTIMIZERS + OWN_OPTIMIZERS)}")  # fmt: skip
         return value
 
     @field_validator("gradient_checkpointing", mode="before")

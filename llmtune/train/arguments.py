@@ -72,7 +72,7 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **ex
         gradient_accumulation_steps=plan["gradient_accumulation_steps"],
         num_train_epochs=recipe.num_epochs,
         max_steps=recipe.max_steps or -1,
-        optim=recipe.optimizer,
+        optim="adamw_torch" if recipe.optimizer == "muon" else recipe.optimizer,  # muon: the trainer builds it
         learning_rate=recipe.learning_rate,
         lr_scheduler_type=scheduler,
         lr_scheduler_kwargs=scheduler_kwargs,

@@ -264,6 +264,15 @@ class LlmtuneTrainer(Trainer):
 
     recipe = None  # the run's recipe (set by the worker), for what TrainingArguments can't say
 
+    def create_optimizer(self, model=None):
+        if self.optimizer is None and self.recipe is not None and self.recipe.optimizer == "muon":
+            from llmtune.train.muon import make_muon
+
+            model = model or self.model
+            self.optimizer = make_muon(model, self.args, set(self.get_decay_parameter_names(model)))
+            return self.optimizer
+        return super().create_optimizer(model)
+
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         from llmtune.train.schedule import make_scheduler, quadratic_warmup
 

@@ -277,6 +277,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
                      "model_state_bytes": meter.result, "peak_rss_bytes": peak_rss_bytes(),
                      "peak_rss_at_load_bytes": loaded_rss, **cuda_peaks(),
                      **({"sequence_seen": seen.lengths} if cp > 1 else {}),
+                     "optimizer_class": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
                      **engine_report(trainer)})  # fmt: skip
     trainer._check_finite()
     _full_state_dict_for_final_save(trainer)

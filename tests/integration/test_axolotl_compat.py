@@ -57,6 +57,7 @@ SAMPLE = {
     "qwen2-reward-model": ("qwen2", 2),
     "qwen2-prm-lora": ("qwen2", 1),
     "llama4-scout-linearized-qlora": ("llama4_text", 1),
+    "qwen2-muon-pretrain-fsdp2": ("qwen2", 2),
 }
 WORDS = ["apple", "river", "stone", "cloud", "green", "happy", "seven", "light", "table", "music", "paper", "bread"]
 

@@ -117,3 +117,16 @@ def test_quadratic_warmup_is_the_schedule_the_trainer_steps(workspace):
     # the LR each of steps 0-3 ran with (warm-up 2, peak 1e-3): (0/2)^2, (1/2)^2, then the cosine from 1 at step 2
     # (halfway down at step 3); transformers' linear warm-up would give 0, 5e-4
     assert logged == pytest.approx([0.0, 2.5e-4, 1e-3, 5e-4], abs=1e-9)
+
+
+def test_muon_on_two_fsdp2_ranks_matches_one_process(workspace, plain):
+    muon = {"optimizer": "muon", "learning_rate": 0.02, "weight_decay": 0.01, "max_steps": 4, "lr_scheduler": "constant"}
+    single, _ = train_run(workspace, "muon-single", 1, gradient_accumulation_steps=2, **muon)
+    fsdp, _ = train_run(workspace, "muon-fsdp2", 2, fsdp_version=2, **muon,
+                        fsdp_config={"transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                                     "state_dict_type": "FULL_STATE_DICT"})  # fmt: skip
+    assert all(r["optimizer_class"] == "Muon" for r in single["ranks"] + fsdp["ranks"]), fsdp["ranks"]
+    assert all(r["engine"] == "fsdp2" for r in fsdp["ranks"])
+    # each rank orthogonalizes the whole matrix from its gathered update, then keeps its rows: as one process does
+    assert losses(fsdp) == pytest.approx(losses(single), abs=2e-5)
+    assert losses(single)[-1] < losses(single)[0] - 0.5, losses(single)

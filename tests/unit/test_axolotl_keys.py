@@ -210,7 +210,8 @@ def test_plugins_speed_and_logging_only_accepted_others_refused_by_capability():
 
 def test_optimizers():
     assert load(optimizer="adamw_torch_4bit").recipe.optimizer == "adamw_torch_4bit"
-    assert "'muon' (an optimizer Axolotl implements itself) is not supported" in refusal(optimizer="muon")
+    assert load(optimizer="muon").recipe.optimizer == "muon"
+    assert "'dion' (an optimizer Axolotl implements itself) is not supported" in refusal(optimizer="dion")
 
 
 def test_chat_templates_by_axolotls_names():
