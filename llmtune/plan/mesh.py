@@ -64,16 +64,10 @@ def tensor_parallel_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, n
             if count % tp:
                 raise UserError(f"tensor_parallel_size {tp} does not divide the model's {count} {what} (each rank "
                                 f"keeps whole heads)", "choose a tensor_parallel_size that divides both head counts")  # fmt: skip
-    if recipe.save_strategy != "no" and not recipe.save_only_model:
-        raise UserError("checkpoints with the optimizer state of a tensor-parallel run are not supported: "
-                        "transformers can't checkpoint a model sharded at load, so such a run couldn't resume",
-                        'set save_only_model: true (weight snapshots; a stopped run starts over) or save_strategy: "no"')  # fmt: skip
-    if recipe.resume_from_checkpoint:
-        raise UserError("resume_from_checkpoint with tensor_parallel_size is not supported (no optimizer state is "
-                        "saved)", "start a new run, with base_model set to the checkpoint's weights")  # fmt: skip
     if recipe.save_strategy != "no":
-        notes.append("tensor parallel: checkpoints hold the weights only (save_only_model), and a stopped run starts "
-                     "over instead of resuming")  # fmt: skip
+        notes.append("tensor parallel: checkpoints hold the whole weights, and the optimizer state as torch's "
+                     "distributed checkpoint (each rank its shards); a stopped run resumes on the same mesh"
+                     if not recipe.save_only_model else "tensor parallel: weight snapshots only (save_only_model)")  # fmt: skip
     if shard > 1 and fsdp is None:
         notes.append(f"dp_shard_size {shard}: FSDP2 shards the weights across {shard} ranks (no fsdp keys needed)")
     notes.append(f"tensor parallel: each layer split across {tp} ranks (transformers' tp_plan); data parallel over "

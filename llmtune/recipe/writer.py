@@ -105,7 +105,7 @@ def strategy_keys(answers: Answers) -> dict:
         return {"context_parallel_size": answers.context_parallel_size, "fsdp_version": 2}
     if key == "tensor_parallel":  # the other ranks shard with FSDP2 (across machines: sharded, then replicated)
         # transformers can't checkpoint the optimizer of a model sharded at load: weight snapshots only
-        return {"tensor_parallel_size": answers.tensor_parallel_size, "fsdp_version": 2, "save_only_model": True}
+        return {"tensor_parallel_size": answers.tensor_parallel_size, "fsdp_version": 2}
     raise ValueError(f"unknown strategy {key}")
 
 

@@ -94,7 +94,8 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **ex
         save_strategy=save_strategy,
         save_steps=save_steps or 500,
         save_total_limit=recipe.save_total_limit,
-        save_only_model=recipe.save_only_model,
+        # tensor parallel: the Trainer refuses to checkpoint the optimizer; llmtune's trainer saves it itself
+        save_only_model=recipe.save_only_model or plan["strategy"] == "tp",
         eval_strategy=eval_strategy,
         eval_steps=eval_steps,
         train_sampling_strategy=_sampling(recipe),

@@ -40,7 +40,7 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _like(full: torch.Tensor, param):
+def shard_like(full: torch.Tensor, param):
     """`full` laid out as `param` is: itself, or this rank's shard of it (a DTensor's placements)."""
     if not hasattr(param, "device_mesh"):
         return full
@@ -84,7 +84,7 @@ class Muon(torch.optim.Optimizer):
         full = _full(update)
         orthogonal = orthogonalize(full.reshape(fan_out, fan_in)).reshape(full.shape)
         param.mul_(1 - group["lr"] * group["weight_decay"])
-        param.add_(_like(orthogonal, param), alpha=-group["lr"] * math.sqrt(fan_out / fan_in))
+        param.add_(shard_like(orthogonal, param), alpha=-group["lr"] * math.sqrt(fan_out / fan_in))
 
     def _adamw(self, param, group) -> None:
         state = self.state[param]

@@ -222,6 +222,8 @@ class LlmtuneTrainer(Trainer):
         self._staging = True
         try:
             super()._save_checkpoint(model, trial)
+            if self._tensor_parallel_resumable():
+                self._save_tensor_parallel_state(str(staged))
         except (OSError, RuntimeError) as err:
             if not _disk_full(err, Path(self.args.output_dir)):
                 raise
@@ -263,6 +265,65 @@ class LlmtuneTrainer(Trainer):
                                Path(self.state.best_model_checkpoint) if self.state.best_model_checkpoint else None)  # fmt: skip
 
     recipe = None  # the run's recipe (set by the worker), for what TrainingArguments can't say
+
+    # Tensor parallel: transformers can't checkpoint the optimizer of a model it sharded at load (the Trainer runs
+    # with save_only_model). llmtune saves it with torch's distributed checkpoint (each rank its shards of the
+    # DTensor states), the scheduler and the RNG; resume loads the saved whole weights into this rank's shards.
+    TP_OPTIMIZER = "optimizer_tp"
+
+    def _tensor_parallel_resumable(self) -> bool:
+        return bool(self.plan and self.plan["strategy"] == "tp" and self.recipe and not self.recipe.save_only_model)
+
+    def _bare_optimizer(self):
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def _save_tensor_parallel_state(self, folder: str) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(self.model, self._bare_optimizer())}
+        dcp.save(state, checkpoint_id=os.path.join(folder, self.TP_OPTIMIZER))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
+        self._save_rng_state(folder)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self._tensor_parallel_resumable():
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        import torch
+        from safetensors import safe_open
+
+        from llmtune.post.shards import _weight_files
+        from llmtune.train.muon import shard_like
+
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for path in _weight_files(Path(resume_from_checkpoint)):
+                with safe_open(str(path), framework="pt") as handle:
+                    for name in handle.keys():
+                        if name in params:
+                            param = params.pop(name)
+                            param.copy_(shard_like(handle.get_tensor(name).to(param.dtype), param))
+        tied = {n for n in params if "lm_head" in n or "embed" in n}  # a tied head is saved once
+        if set(params) - tied:
+            raise RuntimeError(f"{resume_from_checkpoint} lacks {sorted(params)[:3]}")
+        return None
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        folder = os.path.join(checkpoint, self.TP_OPTIMIZER) if checkpoint else None
+        if not (self._tensor_parallel_resumable() and folder and os.path.isdir(folder)):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        optimizer = self._bare_optimizer()
+        state = {"optimizer": get_optimizer_state_dict(self.model, optimizer)}  # templates (states initialised)
+        dcp.load(state, checkpoint_id=folder)
+        set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+        return None
 
     def create_optimizer(self, model=None):
         if self.optimizer is None and self.recipe is not None and self.recipe.optimizer == "muon":

@@ -250,7 +250,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     if state.is_local_main_process:
         clear_staging(output_dir)  # whatever a killed save left half-written
     state.wait_for_everyone()
-    resume = resume_point(recipe, log) if plan["strategy"] != "tp" else None  # TP: weights-only checkpoints
+    weights_only = plan["strategy"] == "tp" and recipe.save_only_model  # TP snapshots can't resume
+    resume = resume_point(recipe, log) if not weights_only else None
     if resume:
         log(f"resuming from {resume}")
     from llmtune.train.memory import ModelStateMeter

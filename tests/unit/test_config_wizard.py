@@ -179,7 +179,7 @@ def test_not_a_terminal_without_yes_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize(
     ("strategy", "flag", "keys", "mesh"),
     [
-        ("tensor_parallel", "--tensor-parallel-size", {"tensor_parallel_size": 4, "fsdp_version": 2, "save_only_model": True},
+        ("tensor_parallel", "--tensor-parallel-size", {"tensor_parallel_size": 4, "fsdp_version": 2},
          {"tensor_parallel": 4, "dp_shard": 2, "dp_replicate": 1}),
         ("context_parallel", "--context-parallel-size", {"context_parallel_size": 4, "fsdp_version": 2,
                                                          "sample_packing": False},

@@ -247,8 +247,6 @@ def test_tensor_parallel_mesh_and_batch_follow_the_data_parallel_degree(tmp_path
         ({"tensor_parallel_size": 2, "dp_shard_size": 3}, 4, ["world size 4", "dp_shard_size 3", "= 6"]),
         ({"fsdp_version": 2, "dp_replicate_size": 3}, 4, ["world size 4", "dp_replicate_size 3"]),
         ({"dp_shard_size": 2}, 2, ["dp_shard_size", "fsdp_version: 2"]),
-        ({"tensor_parallel_size": 2, "save_only_model": False}, 2, ["optimizer state", "not supported",
-                                                                    "save_only_model: true"]),
     ],
 )
 def test_impossible_parallel_sizes_name_the_arithmetic(tmp_path, changes, world, words):
