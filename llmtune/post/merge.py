@@ -99,7 +99,18 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
 
 def _write_weights(recipe, weights: RunWeights, writer: ShardWriter, target, progress):
     if weights.kind != "adapter":
+        fused = None
+        if recipe.llama4_linearized_experts:  # experts saved one Linear each: written back fused
+            from llmtune.train import linearize
+
+            config = json.loads(((weights.folder if (weights.folder / "config.json").exists() else
+                                  base_folder_of(recipe)) / "config.json").read_text())  # fmt: skip
+            experts = (config.get("text_config") or config).get("num_local_experts")
+            if experts:
+                writer = fused = linearize.FusedExperts(writer, experts)
         write_full_weights(weights, writer, target, progress)
+        if fused:
+            fused.check()
         return weights.folder, {"modules": 0, "config_changes": {}}, weights.note
     folder = base_folder_of(recipe)
     done, changes = fold_adapter(weights.folder, folder, writer, target, progress)

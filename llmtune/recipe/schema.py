@@ -48,6 +48,14 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
             raise ValueError("streamed data has no length known up front (streaming, or a hub pretraining_dataset): "
                              "set max_steps")  # fmt: skip
         self._reward_rules()
+        kwargs = self.lr_scheduler_kwargs or {}
+        if (
+            self.lr_scheduler == "cosine_with_min_lr"
+            and self.cosine_min_lr_ratio is None
+            and not ("min_lr" in kwargs or "min_lr_rate" in kwargs)
+        ):
+            raise ValueError("lr_scheduler: cosine_with_min_lr needs its floor: set cosine_min_lr_ratio (a fraction "
+                             "of learning_rate)")  # fmt: skip
         microbatches = self.pipeline_microbatches
         if self.pipeline_parallel_size > 1 and microbatches is not None and microbatches < self.pipeline_parallel_size:
             raise ValueError(
@@ -94,7 +102,8 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
         self.num_labels = self.num_labels or (1 if self.reward_model else 2)
         clashes = {"sample_packing": self.sample_packing, "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
                    "tensor_parallel_size > 1": self.tensor_parallel_size > 1, "use_eaft": self.use_eaft,
-                   "qat": bool(self.qat), "lisa_n_layers": bool(self.lisa_n_layers)}  # fmt: skip
+                   "qat": bool(self.qat), "lisa_n_layers": bool(self.lisa_n_layers),
+                   "context_parallel_size > 1": self.context_parallel_size > 1}  # fmt: skip
         clash = next((key for key, on in clashes.items() if on), None)
         if clash:
             raise ValueError(f"{wanted} with {clash} is not supported (a classification head trains on whole, "

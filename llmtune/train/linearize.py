@@ -134,14 +134,65 @@ def fill_from_fused(model, source: str, revision: str | None, quantized: bool, l
     return layers
 
 
+LINEAR = re.compile(r"(.+\.experts)\.(gate|up|down)_projs\.(\d+)\.weight")
+
+
+def saved_linear(folder: Path) -> bool:
+    """Whether a model folder holds experts in the linear layout (a full fine-tune with llama4_linearized_experts)."""
+    from safetensors import safe_open
+
+    from llmtune.post.shards import _weight_files
+
+    for path in _weight_files(folder) if folder.is_dir() else []:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as handle:
+                if any(LINEAR.fullmatch(key) for key in handle.keys()):
+                    return True
+    return False
+
+
+class FusedExperts:
+    """In front of a ShardWriter: linear-layout expert weights are written back in transformers' fused layout
+    (gate_up_proj [E, H, 2I], down_proj [E, I, H]), so a merged model loads with plain transformers."""
+
+    def __init__(self, writer, num_experts: int) -> None:
+        self.writer, self.num_experts, self.pending = writer, num_experts, {}
+
+    def add(self, name: str, tensor) -> None:
+        match = LINEAR.fullmatch(name)
+        if not match:
+            self.writer.add(name, tensor)
+            return
+        parts = self.pending.setdefault(match.group(1), {})
+        parts[(match.group(2), int(match.group(3)))] = tensor
+        if len(parts) == 3 * self.num_experts:
+            self._write(match.group(1), self.pending.pop(match.group(1)))
+
+    def _write(self, prefix: str, parts: dict) -> None:
+        import torch
+
+        experts = range(self.num_experts)
+        gate_up = torch.stack([torch.cat([parts[("gate", e)].t(), parts[("up", e)].t()], dim=-1) for e in experts])
+        self.writer.add(f"{prefix}.gate_up_proj", gate_up.contiguous())
+        self.writer.add(f"{prefix}.down_proj", torch.stack([parts[("down", e)].t() for e in experts]).contiguous())
+
+    def check(self) -> None:
+        if self.pending:
+            prefix, parts = next(iter(self.pending.items()))
+            raise UserError(f"{prefix} has {len(parts)} of its {3 * self.num_experts} linear expert weights",
+                            "the checkpoint is incomplete")  # fmt: skip
+
+
 def from_pretrained(auto_class, model_dir: str, recipe, **kwargs):
-    """auto_class.from_pretrained, in the linear layout when the recipe trained an adapter on it (infer, eval)."""
-    if recipe is None or not recipe.llama4_linearized_experts:
+    """auto_class.from_pretrained, in the linear layout when the recipe trained an adapter on it, or the folder
+    holds a linear-layout full fine-tune (infer, eval)."""
+    asked = recipe is not None and recipe.llama4_linearized_experts
+    if not asked and not saved_linear(Path(model_dir)):
         return auto_class.from_pretrained(model_dir, **kwargs)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=kwargs.get("trust_remote_code", False))
-    if not applies(recipe, config):
+    if getattr(config, "model_type", None) not in LLAMA4:
         return auto_class.from_pretrained(model_dir, **kwargs)
     with linear_experts(config):
         model = auto_class.from_pretrained(model_dir, **kwargs)

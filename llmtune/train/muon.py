@@ -100,13 +100,24 @@ class Muon(torch.optim.Optimizer):
         param.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / (1 - beta1**step))
 
 
+def _embeddings_and_heads(model) -> set[int]:
+    """ids of the parameters of the input embeddings, the output head (a reward model's score/classifier included)
+    and every nn.Embedding, whatever the architecture names them."""
+    modules = [getattr(model, getter)() for getter in ("get_input_embeddings", "get_output_embeddings")
+               if hasattr(model, getter)]  # fmt: skip
+    modules += [m for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Embedding) or name.split(".")[-1] in ("score", "classifier")]  # fmt: skip
+    return {id(p) for module in modules if module is not None for p in module.parameters()}
+
+
 def muon_groups(model, decay_names: set[str], weight_decay: float) -> list[dict]:
-    """Axolotl's grouping (see the module's docstring), by parameter name."""
+    """Axolotl's grouping (see the module's docstring)."""
     groups: dict[tuple[str, bool], list] = {}
+    special = _embeddings_and_heads(model)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        head = name.endswith("modules_to_save.default.weight") or "embed_tokens" in name or "lm_head" in name
+        head = id(param) in special or name.endswith("modules_to_save.default.weight") or "lm_head" in name
         algorithm = "adamw" if head or param.ndim < 2 else "muon"
         groups.setdefault((algorithm, name in decay_names and not head), []).append(param)
     return [{"params": params, "algorithm": algorithm, "weight_decay": weight_decay if decays else 0.0}

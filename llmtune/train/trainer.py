@@ -179,7 +179,8 @@ class LlmtuneTrainer(Trainer):
                 inputs["input_ids"], self.plan, self.accelerator.num_processes, len(self.train_dataset)
             )
         self.tokens_seen += int(inputs.pop(REAL_TOKENS, 0))
-        self.rows_seen += int(inputs["input_ids"].shape[0])
+        pairs = self.recipe is not None and self.recipe.reward_model  # a pair is two sequences of the batch
+        self.rows_seen += int(inputs["input_ids"].shape[0]) // (2 if pairs else 1)
         self.padded_seen += int(inputs["input_ids"].numel())
         if self.batch_hash is not None:
             self.batch_hash.update(inputs["input_ids"].cpu().numpy().tobytes())
@@ -267,59 +268,55 @@ class LlmtuneTrainer(Trainer):
     recipe = None  # the run's recipe (set by the worker), for what TrainingArguments can't say
 
     # Tensor parallel: transformers can't checkpoint the optimizer of a model it sharded at load (the Trainer runs
-    # with save_only_model). llmtune saves it with torch's distributed checkpoint (each rank its shards of the
-    # DTensor states), the scheduler and the RNG; resume loads the saved whole weights into this rank's shards.
-    TP_OPTIMIZER = "optimizer_tp"
+    # with save_only_model, which still writes the whole weights for users). For resume llmtune saves the model's
+    # and the optimizer's DTensor states with torch's distributed checkpoint (each rank its shards, under the names
+    # the live model has, whatever transformers converted at load), the scheduler and the RNG state.
+    TP_STATE = "tp_state"
 
     def _tensor_parallel_resumable(self) -> bool:
         return bool(self.plan and self.plan["strategy"] == "tp" and self.recipe and not self.recipe.save_only_model)
 
-    def _bare_optimizer(self):
-        return getattr(self.optimizer, "optimizer", self.optimizer)
+    def _tp_states(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        return {"model": get_model_state_dict(self.model), "optimizer": get_optimizer_state_dict(self.model, optimizer)}
 
     def _save_tensor_parallel_state(self, folder: str) -> None:
         import torch
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        state = {"optimizer": get_optimizer_state_dict(self.model, self._bare_optimizer())}
-        dcp.save(state, checkpoint_id=os.path.join(folder, self.TP_OPTIMIZER))
+        dcp.save(self._tp_states(), checkpoint_id=os.path.join(folder, self.TP_STATE))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
         self._save_rng_state(folder)
 
+    def _tp_folder(self, checkpoint) -> str | None:
+        folder = os.path.join(checkpoint, self.TP_STATE) if checkpoint else None
+        return folder if self._tensor_parallel_resumable() and folder and os.path.isdir(folder) else None
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        if not self._tensor_parallel_resumable():
+        folder = self._tp_folder(resume_from_checkpoint)
+        if folder is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        import torch
-        from safetensors import safe_open
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-        from llmtune.post.shards import _weight_files
-        from llmtune.train.muon import shard_like
-
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for path in _weight_files(Path(resume_from_checkpoint)):
-                with safe_open(str(path), framework="pt") as handle:
-                    for name in handle.keys():
-                        if name in params:
-                            param = params.pop(name)
-                            param.copy_(shard_like(handle.get_tensor(name).to(param.dtype), param))
-        tied = {n for n in params if "lm_head" in n or "embed" in n}  # a tied head is saved once
-        if set(params) - tied:
-            raise RuntimeError(f"{resume_from_checkpoint} lacks {sorted(params)[:3]}")
+        state = {"model": get_model_state_dict(self.model)}
+        dcp.load(state, checkpoint_id=folder)
+        set_model_state_dict(self.model, state["model"])
         return None
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        folder = os.path.join(checkpoint, self.TP_OPTIMIZER) if checkpoint else None
-        if not (self._tensor_parallel_resumable() and folder and os.path.isdir(folder)):
+        folder = self._tp_folder(checkpoint)
+        if folder is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         import torch
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        optimizer = self._bare_optimizer()
-        state = {"optimizer": get_optimizer_state_dict(self.model, optimizer)}  # templates (states initialised)
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        state = {"optimizer": self._tp_states()["optimizer"]}  # templates, the optimizer's states initialised
         dcp.load(state, checkpoint_id=folder)
         set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
@@ -345,6 +342,18 @@ class LlmtuneTrainer(Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs.pop(REAL_TOKENS, None)
+        if self.recipe is not None and self.recipe.reward_model:  # one margin per pair, not one score per sequence
+            import torch
+
+            from llmtune.train.data.reward import pair_margins
+
+            labels = inputs["labels"]
+            with torch.no_grad():
+                loss, outputs = self.compute_loss(model, dict(inputs), return_outputs=True)
+            if prediction_loss_only:
+                return loss.detach(), None, None
+            margins = pair_margins(outputs.logits.detach(), labels)
+            return loss.detach(), margins, torch.ones_like(margins)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
 

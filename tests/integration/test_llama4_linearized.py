@@ -73,3 +73,26 @@ def test_merge_folds_expert_lora_into_the_fused_tensors(workspace, single, tmp_p
         assert torch.allclose(plain(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5)
     infer = llmtune("infer", output_dir, "--prompt", "Repeat apple", "--max-new-tokens", "4")
     assert infer.returncode == 0 and '"output"' in infer.stdout, infer.stderr[-2000:]
+
+
+def test_a_full_fine_tune_saved_linear_loads_linear_and_merges_back_fused(workspace, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmtune.train import linearize
+
+    recipe = {k: v for k, v in RECIPE.items() if not k.startswith(("adapter", "lora_"))}
+    _, output_dir = train_run(workspace, "full", 1, **{**recipe, "max_steps": 2})
+    assert linearize.saved_linear(output_dir)  # the run's own folder keeps the layout it trained in
+    trained = linearize.from_pretrained(AutoModelForCausalLM, str(output_dir), None).eval()
+    assert type(trained.model.layers[0].feed_forward.experts).__name__ == "LinearizedExperts"
+    merged = tmp_path / "merged"
+    result = llmtune("merge", output_dir, "--output", merged)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not linearize.saved_linear(merged)
+    plain = AutoModelForCausalLM.from_pretrained(str(merged)).eval()  # plain transformers, fused experts
+    ids = torch.tensor([[1, 20, 35, 8, 77, 12, 5, 9]])
+    with torch.no_grad():
+        assert torch.allclose(plain(input_ids=ids).logits, trained(input_ids=ids).logits, atol=1e-5)
+    infer = llmtune("infer", output_dir, "--prompt", "Repeat apple", "--max-new-tokens", "4")
+    assert infer.returncode == 0 and '"output"' in infer.stdout, infer.stderr[-2000:]

@@ -28,7 +28,7 @@ def pairs(words: list[str], shift: int) -> list[dict]:
 def workspace(tmp_path_factory, tiny_model):
     root, _, model = make_workspace(tmp_path_factory, "reward", tiny_model)
     data = write_jsonl(root / "pairs.jsonl", pairs(WORDS, 1) * 2 + pairs(WORDS, 3) * 2)  # 32 pairs
-    write_jsonl(root / "eval.jsonl", pairs(WORDS, 2))
+    write_jsonl(root / "eval.jsonl", pairs(WORDS, 2)[:7])  # 7: the last eval batch is partial on 1 and 2 ranks
     steps = [{"prompt": f"Add 2 and {i}", "completions": [f"2 plus {i}", f"is {i + 2 + i % 2}"],
               "labels": [True, i % 2 == 0]} for i in range(32)]  # fmt: skip
     write_jsonl(root / "steps.jsonl", steps)
@@ -83,7 +83,7 @@ def test_reward_model_on_two_ranks_matches_one_and_its_saved_model_gives_the_rep
     assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
     assert config["pad_token_id"] is not None
     # the run's final eval, recomputed from the saved model on the eval pairs
-    loss, accuracy = score(output_dir, pairs(WORDS, 2))
+    loss, accuracy = score(output_dir, pairs(WORDS, 2)[:7])
     assert metrics["eval_loss"] == pytest.approx(loss, abs=1e-4)
     assert metrics["eval_accuracy"] == pytest.approx(accuracy)
     assert metrics["eval_accuracy"] == 1.0 and losses(metrics)[-1] < 0.25, losses(metrics)  # it learned to rank

@@ -154,16 +154,16 @@ def test_hsdp_killed_after_a_checkpoint_resumes_to_the_same_losses(workspace, re
                          ids=["tp2", "tp2-fsdp2"])  # fmt: skip
 def test_tensor_parallel_killed_after_a_checkpoint_resumes_to_the_same_losses(workspace, reference, processes, micro,
                                                                               mesh):  # fmt: skip
-    """transformers can't checkpoint a model it sharded at load; llmtune saves the optimizer's DTensor states with
-    torch's distributed checkpoint and the whole weights, and the rerun resumes on the uninterrupted losses."""
+    """transformers can't checkpoint a model it sharded at load; llmtune saves the model's and optimizer's DTensor
+    states with torch's distributed checkpoint, and the rerun resumes on the uninterrupted losses."""
     root, name = workspace[0], f"tp-killed-{processes}"
     changes = {"tensor_parallel_size": 2, "save_strategy": "steps", "save_steps": 2, **mesh}
     with pytest.raises(AssertionError):  # the killed run fails (run() asserts success)
         run(workspace, name, processes, micro, env={"LLMTUNE_TEST_EXIT_AFTER_STEP": "2"}, **changes)
     checkpoint = root / name / "checkpoint-2"
     assert (checkpoint / "llmtune-complete.json").is_file() and not (root / name / "metrics.json").exists()
-    shards = sorted(p.name for p in (checkpoint / "optimizer_tp").iterdir() if p.suffix == ".distcp")
-    assert len(shards) == processes, shards  # one file of optimizer-state shards per rank
+    shards = sorted(p.name for p in (checkpoint / "tp_state").iterdir() if p.suffix == ".distcp")
+    assert len(shards) == processes, shards  # one file of model and optimizer shards per rank
     metrics, _ = run(workspace, name, processes, micro, **changes)
     assert metrics["resumed_from"] == str(checkpoint)
     assert losses(metrics) == pytest.approx(reference[0], abs=1e-5)

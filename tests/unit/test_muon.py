@@ -34,6 +34,23 @@ def test_groups_follow_axolotl_matrices_to_muon_the_rest_to_adamw():
     assert by_param[id(named["proj.bias"])] == ("adamw", 0.0) and by_param[id(named["norm.weight"])] == ("adamw", 0.0)
 
 
+def test_embeddings_and_heads_go_to_adamw_whatever_their_names():
+    class Gpt2Like(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(10, 8), nn.Embedding(16, 8)
+            self.c_fc = nn.Linear(8, 8)
+            self.score = nn.Linear(8, 1, bias=False)  # a reward model's head
+
+        def get_input_embeddings(self):
+            return self.wte
+
+    model = Gpt2Like()
+    groups = muon_groups(model, set(dict(model.named_parameters())), 0.1)
+    muon = [p for g in groups if g["algorithm"] == "muon" for p in g["params"]]
+    assert len(muon) == 1 and muon[0] is model.c_fc.weight
+
+
 def test_an_adamw_group_steps_exactly_as_torchs_adamw():
     torch.manual_seed(0)
     ours, theirs = nn.Parameter(torch.randn(5)), None

@@ -98,3 +98,19 @@ def test_quadratic_warmup_rises_as_the_square_then_decays_by_cosine_to_the_floor
     decay = [2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 4) / 8))) for s in range(4, 12)]
     assert seen == pytest.approx(warm + decay)
     assert not quadratic_warmup(SimpleNamespace(lr_quadratic_warmup=True, lr_scheduler="linear"))
+
+
+def test_the_cosine_floor_applies_to_both_cosine_names_and_cosine_with_min_lr_needs_one():
+    from pathlib import Path
+
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.schedule import named_schedule
+
+    for name in ("cosine", "cosine_with_min_lr"):
+        recipe = SimpleNamespace(lr_scheduler=name, cosine_min_lr_ratio=0.1, lr_scheduler_kwargs=None)
+        assert named_schedule(recipe) == ("cosine_with_min_lr", {"min_lr_rate": 0.1})
+    base = {"base_model": "org/m", "output_dir": "/x", "datasets": [{"path": "o/d", "type": "alpaca"}]}
+    with pytest.raises(UserError, match="cosine_with_min_lr needs its floor"):
+        recipe_from_mapping({**base, "lr_scheduler": "cosine_with_min_lr"}, Path("r.yml"), check_files=False)
+    floored = {**base, "lr_scheduler": "cosine_with_min_lr", "eta_min": 2e-6, "learning_rate": 2e-5}
+    assert recipe_from_mapping(floored, Path("r.yml"), check_files=False).recipe.cosine_min_lr_ratio == 0.1

@@ -21,6 +21,7 @@ from llmtune.train.data.reward import (
     PairCollator,
     converter,
     fit_pair,
+    pair_margins,
     pairwise_loss,
     reward_metrics,
 )
@@ -90,6 +91,8 @@ def test_step_rows_label_the_last_separator_token_of_each_step(tok):
     assert [x for x in last_only if x != IGNORE] == [0]
     [(cut, cut_labels)] = run(tok, row, "stepwise_supervised", step_separator="\n\n", max_completion_length=len(first))
     assert cut == head + first and [x for x in cut_labels if x != IGNORE] == [1]
+    with pytest.raises(RowError, match=r"'labels' must lie in 0..1 .the head's num_labels."):
+        run(tok, {**row, "labels": [2, 0]}, "stepwise_supervised")
     with pytest.raises(RowError, match="'completions' has 2 steps and 'labels' 1"):
         run(tok, {**row, "labels": [True]}, "stepwise_supervised")
 
@@ -118,11 +121,14 @@ def test_the_pairwise_loss_is_bradley_terry_averaged_over_the_pairs_counted():
     assert float(centred) == pytest.approx((sum(each) + 0.01 * ((2.0 + 1.0) ** 2 + (0.5 + 1.5) ** 2)) / 2, rel=1e-6)
 
 
-def test_eval_metrics_pair_the_kth_chosen_with_the_kth_rejected():
+def test_eval_works_on_one_margin_per_pair_the_kth_chosen_with_the_kth_rejected():
     import numpy as np
+    import torch
 
-    prediction = SimpleNamespace(predictions=np.array([[2.0], [0.5], [1.0], [1.5]]),
-                                 label_ids=np.array([CHOSEN, CHOSEN, REJECTED, REJECTED]))  # fmt: skip
+    margins = pair_margins(torch.tensor([[2.0], [0.5], [1.0], [1.5]]),
+                           torch.tensor([CHOSEN, CHOSEN, REJECTED, REJECTED]))  # fmt: skip
+    assert margins.tolist() == [1.0, -1.0]
+    prediction = SimpleNamespace(predictions=margins.numpy(), label_ids=np.ones(2))
     assert reward_metrics(prediction) == {"accuracy": 0.5, "margin": pytest.approx(0.0)}
     steps = SimpleNamespace(predictions=np.array([[[0.1, 0.9], [0.8, 0.2], [0.0, 1.0]]]),
                             label_ids=np.array([[IGNORE, 0, 0]]))  # fmt: skip
@@ -156,6 +162,8 @@ def test_recipe_rules_match_the_head_with_its_data():
         reward_model=True, datasets=PAIRS, sample_packing=True)  # fmt: skip
     assert "model_type AutoModelForSequenceClassification trains a classification head: set reward_model" in refusal(
         model_type="AutoModelForSequenceClassification", datasets=[{"path": "o/d", "type": "alpaca"}])  # fmt: skip
+    assert "reward_model with context_parallel_size > 1 is not supported" in refusal(
+        reward_model=True, datasets=PAIRS, context_parallel_size=2, fsdp_version=2)  # fmt: skip
     assert "center_rewards_coefficient belongs to reward_model" in refusal(
         process_reward_model=True, datasets=STEPS, center_rewards_coefficient=0.01)  # fmt: skip
     assert "replaces the language-model loss, which a reward model doesn't have" in _plan_refusal(

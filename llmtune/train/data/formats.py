@@ -39,6 +39,7 @@ class FormatContext:
     sequence_len: int
     template: str | None = None  # the resolved chat template, for chat_template rows
     eot_ids: frozenset[int] = frozenset()  # the recipe's eot_tokens; empty: the first special token ends a turn
+    num_labels: int = 2  # process_reward_model: the step labels the head has
 
 
 Example = tuple[list[int], list[int]]  # input_ids, labels

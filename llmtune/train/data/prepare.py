@@ -126,7 +126,7 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
     for index, spec in enumerate(specs):
         label = f"{group}[{index}]"
         ctx = FormatContext(tokenizer, spec, recipe.train_on_inputs, recipe.sequence_len,
-                            _template_for(spec, recipe, tokenizer), eot_ids)  # fmt: skip
+                            _template_for(spec, recipe, tokenizer), eot_ids, recipe.num_labels or 2)  # fmt: skip
         to_examples = converter(spec)
         taken = 0
         for row, where in progress(read_rows(spec, label, recipe.streaming), f"tokenizing {label}"):

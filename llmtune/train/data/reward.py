@@ -83,6 +83,8 @@ def stepwise_supervised(row: dict, ctx: FormatContext) -> list[Example]:
         raise RowError(f"'completions' has {len(steps)} steps and 'labels' {len(verdicts)}; one label per step")
     if not all(isinstance(s, str) for s in steps) or not all(isinstance(v, (bool, int)) for v in verdicts):
         raise RowError("'completions' must be strings and 'labels' true/false")
+    if any(int(v) < 0 or int(v) >= ctx.num_labels for v in verdicts):
+        raise RowError(f"'labels' must lie in 0..{ctx.num_labels - 1} (the head's num_labels), not {verdicts}")
     separator = tokenizer(spec.step_separator, add_special_tokens=False)["input_ids"]
     completion: list[int] = []
     marks: list[int] = []
@@ -154,15 +156,21 @@ def pairwise_loss(center_rewards_coefficient: float | None):
     return loss
 
 
+def pair_margins(logits, labels):
+    """r_chosen - r_rejected of each pair of a batch (eval returns these: one value per pair, so the Trainer's
+    gathering, which trims the last batch to the dataset's length in pairs, keeps whole pairs)."""
+    rewards = logits.squeeze(-1).float()
+    return rewards[labels == CHOSEN] - rewards[labels == REJECTED]
+
+
 def reward_metrics(prediction):
-    """Eval metrics: reward_model: accuracy (chosen scored above rejected) and the mean margin;
-    process_reward_model: accuracy of the step labels."""
+    """Eval metrics: reward_model: accuracy (chosen scored above rejected) and the mean margin, from the margins of
+    every pair; process_reward_model: accuracy of the step labels."""
     import numpy as np
 
     logits, labels = prediction.predictions, prediction.label_ids
-    if labels.ndim == 1:  # pairs: within every batch the B chosen come first, so the k-th of each kind pair up
-        rewards = logits.reshape(len(labels), -1)[:, 0]
-        margin = rewards[labels == CHOSEN] - rewards[labels == REJECTED]
+    if labels.ndim == 1:  # one margin per pair
+        margin = np.asarray(logits).reshape(-1)
         return {"accuracy": float((margin > 0).mean()), "margin": float(margin.mean())}
     kept = labels != IGNORE
     return {"accuracy": float((np.argmax(logits, axis=-1)[kept] == labels[kept]).mean())}
