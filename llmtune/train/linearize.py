@@ -68,21 +68,25 @@ def applies(recipe, config) -> bool:
     return bool(recipe.llama4_linearized_experts) and getattr(config, "model_type", None) in LLAMA4
 
 
-def _fused_keys(folder: Path) -> dict[tuple[int, str], tuple[Path, str]]:
-    """(layer, 'gate_up_proj' | 'down_proj') -> (file, key) of a fused checkpoint's expert tensors."""
+def _checkpoint_keys(folder: Path):
+    """(file, key) of every tensor a model folder's safetensors files hold (headers only, no tensor is read)."""
     from safetensors import safe_open
 
     from llmtune.post.shards import _weight_files
 
+    for path in _weight_files(folder) if folder.is_dir() else []:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as handle:
+                yield from ((path, key) for key in handle.keys())
+
+
+def _fused_keys(folder: Path) -> dict[tuple[int, str], tuple[Path, str]]:
+    """(layer, 'gate_up_proj' | 'down_proj') -> (file, key) of a fused checkpoint's expert tensors."""
     found = {}
-    for path in _weight_files(folder):
-        if path.suffix != ".safetensors":
-            continue
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                match = FUSED.fullmatch(key)
-                if match:
-                    found[(int(match.group(1)), match.group(2))] = (path, key)
+    for path, key in _checkpoint_keys(folder):
+        match = FUSED.fullmatch(key)
+        if match:
+            found[(int(match.group(1)), match.group(2))] = (path, key)
     return found
 
 
@@ -139,16 +143,7 @@ LINEAR = re.compile(r"(.+\.experts)\.(gate|up|down)_projs\.(\d+)\.weight")
 
 def saved_linear(folder: Path) -> bool:
     """Whether a model folder holds experts in the linear layout (a full fine-tune with llama4_linearized_experts)."""
-    from safetensors import safe_open
-
-    from llmtune.post.shards import _weight_files
-
-    for path in _weight_files(folder) if folder.is_dir() else []:
-        if path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt") as handle:
-                if any(LINEAR.fullmatch(key) for key in handle.keys()):
-                    return True
-    return False
+    return any(LINEAR.fullmatch(key) for _, key in _checkpoint_keys(folder))
 
 
 class FusedExperts:

@@ -276,17 +276,19 @@ class LlmtuneTrainer(Trainer):
     def _tensor_parallel_resumable(self) -> bool:
         return bool(self.plan and self.plan["strategy"] == "tp" and self.recipe and not self.recipe.save_only_model)
 
-    def _tp_states(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    def _tp_optimizer_state(self) -> dict:
+        """This rank's optimizer state as DCP keys it (initialised first if the optimizer has not stepped yet)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        return {"model": get_model_state_dict(self.model), "optimizer": get_optimizer_state_dict(self.model, optimizer)}
+        return get_optimizer_state_dict(self.model, getattr(self.optimizer, "optimizer", self.optimizer))
 
     def _save_tensor_parallel_state(self, folder: str) -> None:
         import torch
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        dcp.save(self._tp_states(), checkpoint_id=os.path.join(folder, self.TP_STATE))
+        states = {"model": get_model_state_dict(self.model), "optimizer": self._tp_optimizer_state()}
+        dcp.save(states, checkpoint_id=os.path.join(folder, self.TP_STATE))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
         self._save_rng_state(folder)
@@ -315,10 +317,9 @@ class LlmtuneTrainer(Trainer):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        state = {"optimizer": self._tp_states()["optimizer"]}  # templates, the optimizer's states initialised
+        state = {"optimizer": self._tp_optimizer_state()}  # the templates DCP loads into
         dcp.load(state, checkpoint_id=folder)
-        set_optimizer_state_dict(self.model, optimizer, state["optimizer"])
+        set_optimizer_state_dict(self.model, getattr(self.optimizer, "optimizer", self.optimizer), state["optimizer"])
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
         return None
 
