@@ -54,6 +54,14 @@ def train(
     rdzv_timeout: Annotated[
         Optional[int], typer.Option("--rdzv-timeout", min=1, help="Seconds to wait for every machine to join.")
     ] = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Show every line the ranks print (the logs under OUT/llmtune/logs/ always have them all).",
+        ),
+    ] = False,
     shrink: Annotated[
         bool,
         typer.Option(
@@ -72,6 +80,9 @@ def train(
         rehearse_from_train(recipe, num_processes, num_machines, machine_rank, main_process_ip, main_process_port,
                             device, launcher, hostfile, no_ssh, list(ctx.args))  # fmt: skip
         return
+    from llmtune.train.progress import mark
+
+    mark("start")  # the command has parsed its flags (Python and the CLI's imports before this are not counted)
     from llmtune.launch.net import free_port
     from llmtune.launch.preflight import check_nvme_offload, check_trackers, finished_run, memory_check
     from llmtune.launch.runner import run
@@ -104,7 +115,7 @@ def train(
     for note in [*the_plan.notes, *loaded.notes]:
         typer.echo(f"{'note':>14}  {note}", err=True)
     write_plan_files(Path(the_plan.config_dir), files)
-    code = run(the_plan, ctx.args, loaded.recipe.rdzv_timeout)
+    code = run(the_plan, ctx.args, loaded.recipe.rdzv_timeout, verbose=verbose)
     if code:
         # 2: a user error the worker already explained; 128+N: stopped by signal N (130 for Ctrl-C); else 1
         raise typer.Exit(code if code == EXIT_USER_ERROR or code > 128 else 1)

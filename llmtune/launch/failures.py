@@ -7,10 +7,12 @@ back; from its "Root Cause" section we name the failing rank and show the tail o
 
 from __future__ import annotations
 
+import codecs
 import re
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,18 +29,56 @@ class RootCause:
     exitcode: int
 
 
+def records(stream) -> Iterator[tuple[str, bool]]:
+    """(text, transient) for each record a stream carries as it arrives: a line, or a progress bar's redraw that
+    ended in a carriage return (transient). Binary pipes are decoded as UTF-8; text streams are read as they are."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    read = getattr(stream, "read1", None) or stream.read
+    pending = ""
+    while True:
+        chunk = read(65536)
+        if not chunk:
+            break
+        pending += decoder.decode(chunk) if isinstance(chunk, bytes) else chunk
+        held_cr = pending.endswith("\r")  # maybe the first half of a \r\n split between two reads
+        parts = SEPARATOR.split(pending[:-1] if held_cr else pending)
+        pending = parts.pop() + ("\r" if held_cr else "")
+        for text, separator in zip(parts[::2], parts[1::2], strict=True):
+            yield text, separator == "\r"
+    pending += decoder.decode(b"", final=True)
+    if pending:
+        yield pending.rstrip("\r"), False
+
+
+SEPARATOR = re.compile(r"(\r\n|\n|\r)")
+
+
 class StderrWatcher(threading.Thread):
-    def __init__(self, stream, out=None) -> None:
+    """Reads what the launched processes print: each line goes to the log and, filtered, to the console; under
+    torchrun (hold_tracebacks) the agent's own traceback is held back for the failure report."""
+
+    def __init__(self, stream, out=None, console=None, log=None, hold_tracebacks: bool = True) -> None:
         super().__init__(daemon=True)
+        from llmtune.launch.console import Console
+
         self.stream = stream
-        self.out = out or sys.stderr
+        self.console = console or Console(out or sys.stderr, verbose=True, live=False)
+        self.log = log
+        self.hold_tracebacks = hold_tracebacks
         self.held: list[str] = []
         self.holding = False
         self.last_error: dict[int, str] = {}
         self.lost_peers: list[str] = []  # addresses gloo lost its connection to, first seen first
 
     def run(self) -> None:
-        for line in iter(self.stream.readline, ""):
+        for text, transient in records(self.stream):
+            if transient:
+                self.console.feed(text, transient=True)
+                continue
+            if self.log is not None:
+                self.log.write(text + "\n")
+                self.log.flush()
+            line = text + "\n"
             match = RANK_LINE.match(line)
             user_error = bool(match) and line[match.end() :].startswith("error: ")
             lost = LOST_PEER.search(line)
@@ -46,14 +86,18 @@ class StderrWatcher(threading.Thread):
                 self.lost_peers.append(lost.group(1))
             if user_error:
                 self.last_error[int(match.group(1))] = line[match.end() :].strip()
-            if not self.holding and not match and line.startswith("Traceback (most recent call last):"):
+            if (
+                self.hold_tracebacks
+                and not self.holding
+                and not match
+                and line.startswith("Traceback (most recent call last):")
+            ):
                 self.holding = True
             if self.holding:
                 self.held.append(line)
             else:
-                self.out.write(line)
-                self.out.flush()
-            if user_error:
+                self.console.feed(text)
+            if user_error and self.hold_tracebacks:
                 # a rank stopped on a user error: what the other ranks print while the job goes down (broken
                 # connections, tracebacks) is a consequence; it is shown only if the error turns out not to be the cause
                 self.holding = True
@@ -72,8 +116,8 @@ class StderrWatcher(threading.Thread):
         return RootCause(int(rank.group(1)), int(rank.group(2)), host.group(1) if host else "?", int(code.group(1)))
 
     def flush_held(self) -> None:
-        self.out.write("".join(self.held))
-        self.out.flush()
+        self.console.out.write("".join(self.held))
+        self.console.out.flush()
 
 
 def describe_exit(code: int) -> str:

@@ -36,7 +36,9 @@ def _log(message: str) -> None:
     print(f"[llmtune] {message}", file=sys.stderr, flush=True)
 
 
-def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: float = 600) -> int:
+def run(
+    plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: float = 600, verbose: bool = False
+) -> int:
     """Start this machine's command and wait; returns its exit code."""
     cluster = plan.cluster
     stop_file = Path(plan.config_dir) / STOP_FILE
@@ -44,7 +46,7 @@ def run(plan: Plan, extra_launcher_args: list[str] | None = None, rdzv_timeout: 
         stop_file.unlink(missing_ok=True)  # clears it: on shared storage a late machine must not drop a pending one
     previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: _request_stop(stop_file))  # also while machines gather
     try:
-        return _run(plan, extra_launcher_args, rdzv_timeout)
+        return _run(plan, extra_launcher_args, rdzv_timeout, verbose)
     finally:
         signal.signal(signal.SIGUSR1, previous_usr1)
 
@@ -59,7 +61,7 @@ def _request_stop(stop_file: Path) -> None:
     _log("SIGUSR1: the ranks save a checkpoint after this step and stop (run the same command to resume)")
 
 
-def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float) -> int:
+def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float, verbose: bool) -> int:
     cluster = plan.cluster
     if cluster.launcher == "deepspeed" and cluster.ssh and cluster.num_machines > 1:
         from llmtune.launch.remote import check_ssh_hosts
@@ -85,19 +87,30 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float)
         check_port_free(cluster.main_process_port)
     command = plan.commands[cluster.machine_rank]
     argv = executable_command(command, extra_launcher_args)
-    env = {**os.environ, **plan.env}
+    from llmtune.train.progress import TIMELINE_ENV, launcher_marks, mark
+
+    mark("plan")  # the recipe read, the plan made and written: the ranks start now
+    env = {**os.environ, **plan.env, "PYTHONUNBUFFERED": "1", TIMELINE_ENV: launcher_marks()}  # lines as printed
     torchrun = command[:2] == ["accelerate", "launch"] or command[:3] == ["python", "-m", "torch.distributed.run"]
-    if not torchrun or "--standalone" in command:
-        return supervise(subprocess.Popen(argv, env=env, start_new_session=True))
+    from llmtune.launch.console import Console
     from llmtune.launch.failures import StderrWatcher, report
 
-    process = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
-                               errors="replace", bufsize=1)  # fmt: skip
-    watcher = StderrWatcher(process.stderr)
-    watcher.start()
-    code = supervise(process)
-    watcher.join(timeout=10)
-    if code == 0 or code > 128:  # success, or stopped by Ctrl-C/SIGTERM
+    log_dir = Path(plan.config_dir) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    console = Console(verbose=verbose)
+    # every rank of this machine, unfiltered, in the order printed; appended, so a resumed run keeps the first's
+    with open(log_dir / f"machine-{cluster.machine_rank}.log", "a", encoding="utf-8") as log:
+        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
+        process = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT)  # fmt: skip
+        watcher = StderrWatcher(
+            process.stdout, console=console, log=log, hold_tracebacks=torchrun and "--standalone" not in command
+        )
+        watcher.start()
+        code = supervise(process)
+        watcher.join(timeout=10)
+    console.close()
+    if not watcher.hold_tracebacks or code == 0 or code > 128:  # not torchrun's report; success; a signal
         return code
     rendezvous = None
     if plan.rdzv_backend == "c10d":
@@ -107,8 +120,7 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float)
     if cluster.machine_rank == 0:
         here.add(cluster.main_process_ip)
     lost_ok = cluster.num_machines > 1  # a lost peer is another machine only when there are several
-    return report(watcher, Path(plan.config_dir) / "logs", rendezvous=rendezvous,
-                  local_addresses=here if lost_ok else None)  # fmt: skip
+    return report(watcher, log_dir, rendezvous=rendezvous, local_addresses=here if lost_ok else None)  # fmt: skip
 
 
 def supervise(process: subprocess.Popen, grace: float = 10.0) -> int:

@@ -50,6 +50,18 @@ def _sampling(recipe) -> str:
     return "group_by_length" if recipe.group_by_length else "random"
 
 
+def _checkpointing_arguments(on: bool, options: dict) -> dict:
+    """Activation checkpointing under the name the installed transformers takes today: `activation_checkpointing` in
+    recent releases (5.24 here), where the older `gradient_checkpointing` names still work but raise a FutureWarning
+    each; older releases know only those."""
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    name = "activation" if "activation_checkpointing" in {f.name for f in fields(TrainingArguments)} else "gradient"
+    return {f"{name}_checkpointing": on, f"{name}_checkpointing_kwargs": options}
+
+
 def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **extra):
     from transformers import TrainingArguments
 
@@ -85,8 +97,10 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **ex
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         tf32=recipe.tf32 and not rehearsal or None,
-        gradient_checkpointing=recipe.gradient_checkpointing and not fsdp_checkpointing(plan),
-        gradient_checkpointing_kwargs=recipe.gradient_checkpointing_kwargs or {"use_reentrant": False},
+        **_checkpointing_arguments(
+            recipe.gradient_checkpointing and not fsdp_checkpointing(plan),
+            recipe.gradient_checkpointing_kwargs or {"use_reentrant": False},
+        ),
         seed=recipe.seed,
         data_seed=recipe.seed,
         logging_steps=recipe.logging_steps,
@@ -109,7 +123,7 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **ex
         ddp_bucket_cap_mb=recipe.ddp_bucket_cap_mb,
         remove_unused_columns=False,
         use_cpu=rehearsal and not plan["strategy"].startswith("zero"),
-        disable_tqdm=False,
+        disable_tqdm=True,  # llmtune's own progress line replaces the Trainer's bar and its dict lines
     )
     if recipe.early_stopping_patience and has_eval:
         kwargs.update(load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False)

@@ -23,6 +23,7 @@ from llmtune.train import collectives
 from llmtune.train import pipeline_checkpoint as checkpoints
 from llmtune.train.checkpoints import resume_point, stop_requested
 from llmtune.train.data.formats import IGNORE
+from llmtune.train.progress import step_line
 
 NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_layer_norm")
 
@@ -291,9 +292,10 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         history.append(entry)
         time.sleep(step_sleep)
         if (step + 1) % recipe.logging_steps == 0 or step == 0:
-            log(
-                f"step {step + 1}/{total_steps} loss {entry['loss']:.4f} grad norm {norm:.3f} lr {entry['learning_rate']:.3g}"
-            )
+            elapsed, done = time.time() - started, step + 1 - start
+            log(step_line(step + 1, total_steps, entry["loss"], entry["learning_rate"], norm,
+                          tokens_seen / elapsed if elapsed else None,
+                          elapsed / done * (total_steps - step - 1)).removeprefix("[llmtune] "))  # fmt: skip
         stop = stop_votes > 0 and step + 1 < total_steps
         if (interval and (step + 1) % interval == 0 or stop) and step + 1 < total_steps:
             checkpoints.save(output_dir, step + 1, grid, params, optimizer, scheduler, history, recipe.save_total_limit)

@@ -106,6 +106,38 @@ class StepStats(TrainerCallback):
         return sum(self.real[self.WARMUP_STEPS :]), sum(self.seconds[self.WARMUP_STEPS :])
 
 
+class ProgressLines(TrainerCallback):
+    """Rank 0's progress at each logging step, in place of the Trainer's dict lines and bar: step/total, loss and
+    learning rate as numbers, tokens/s (rank 0's real tokens x the data-parallel degree) and the ETA; eval results
+    as one line. The launcher turns the step lines into a live bar on a terminal."""
+
+    def __init__(self, trainer: LlmtuneTrainer, data_parallel_size: int) -> None:
+        self.trainer, self.data_parallel_size = trainer, data_parallel_size
+        self._start = (0.0, 0, 0)  # (clock, step, tokens) when this run's training began (a resume starts mid-way)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start = (time.perf_counter(), state.global_step, self.trainer.tokens_seen)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        from llmtune.train.progress import log, step_line
+
+        logs = logs or {}
+        if not state.is_world_process_zero:
+            return
+        if "loss" in logs:
+            began, first_step, first_tokens = self._start
+            elapsed, done = time.perf_counter() - began, state.global_step - first_step
+            speed = (self.trainer.tokens_seen - first_tokens) * self.data_parallel_size / elapsed if elapsed else None
+            eta = elapsed / done * (state.max_steps - state.global_step) if done else None
+            log(step_line(state.global_step, state.max_steps, logs["loss"], logs.get("learning_rate", 0.0),
+                          logs.get("grad_norm"), speed, eta).removeprefix("[llmtune] "))  # fmt: skip
+        evals = {k: v for k, v in logs.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+        if "eval_loss" in evals:
+            shown = "  ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in evals.items()
+                              if not k.endswith(("_runtime", "_per_second")))  # fmt: skip
+            log(f"eval at step {state.global_step}: {shown}")
+
+
 class StopOnRequest(TrainerCallback):
     """Save a checkpoint at the end of the current step and stop, when asked: `kill -USR1` to `llmtune train`, or
     the sbatch script on Slurm's warning before the time limit, leaves <config_dir>/stop-requested. Each machine's

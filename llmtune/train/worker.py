@@ -14,8 +14,8 @@ from pathlib import Path
 from llmtune.errors import EXIT_USER_ERROR, UserError
 from llmtune.recipe import Recipe
 from llmtune.recipe.loader import recipe_fingerprint
-from llmtune.train import collectives, distributed
-from llmtune.train.progress import log, track
+from llmtune.train import collectives, distributed, libraries
+from llmtune.train.progress import log, mark, startup_seconds, track
 
 TEST_HOOKS = ("LLMTUNE_TEST_EXIT_AFTER_STEP", "LLMTUNE_TEST_PAUSE_AFTER_STEP", "LLMTUNE_TEST_STEP_SLEEP")
 
@@ -53,6 +53,7 @@ def _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_ori
     reports = gather({"rank": rank.rank, "stage": grid.stage, "replica": grid.replica, "schedule": result["schedule"],
                       "stage_indices": result["stage_indices"], "layer_indices": result["layer_indices"],
                       "local_parameters": local_parameter_numel(result["stage_module"]), "world_size": rank.world_size,
+                      "libraries": libraries.imported(),
                       **cuda_peaks()})  # fmt: skip
     state = gather_state_dict(result)
     history = result["history"]
@@ -126,6 +127,13 @@ def _planned_memory(recipe, plan: dict) -> dict:
     return {"estimate_total_bytes": int(row.total), "estimate_allocated_bytes": int(row.allocated)}
 
 
+def _startup(first_step_end: float | None) -> dict[str, float]:
+    """Seconds per phase from `llmtune train` to the end of the first optimizer step (engine start included)."""
+    if first_step_end:
+        mark("first_step", first_step_end)
+    return startup_seconds()
+
+
 def _merge_reports(first_batches: list[dict] | None, shards: list[dict]) -> list[dict]:
     by_rank = {r["rank"]: dict(r) for r in first_batches or []}
     for shard in shards:
@@ -150,7 +158,20 @@ def _write_probe(trainer, row: dict) -> None:
         save_file({"input_ids": ids.cpu(), "logits": logits.contiguous()}, target)
 
 
+def _library_bars_off() -> None:
+    """transformers' own bars (loading and writing weights) are off: llmtune reports those phases itself. Hub
+    downloads keep theirs, unless the user turned them off (HF_HUB_DISABLE_PROGRESS_BARS)."""
+    import huggingface_hub.utils as hub
+    from transformers.utils import logging as transformers_logging
+
+    downloads = not hub.are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()  # turns the hub's off too
+    if downloads:
+        hub.enable_progress_bars()
+
+
 def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
+    _library_bars_off()
     from accelerate import PartialState
     from transformers import set_seed
 
@@ -165,6 +186,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from llmtune.train.trainer import (
         LlmtuneTrainer,
         LossWatchdog,
+        ProgressLines,
         Rows,
         StepStats,
         StopOnNonFiniteLoss,
@@ -180,6 +202,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         tokenizer = load_tokenizer(recipe, source)
         data = prepare_data(recipe, tokenizer, track)
     stats = data.stats
+    mark("data")  # tokenizer, transformers, the data read and tokenized (or the cache read)
     log(f"data: {stats['train_examples']} train / {stats['eval_examples']} eval examples "
         f"({'cache hit' if stats['cache_hit'] else 'tokenized'}; {stats['dropped_too_long']} longer than sequence_len "
         f"{'truncated' if recipe.excess_length_strategy == 'truncate' else 'dropped'}, {stats['dropped_no_labels']} "
@@ -193,13 +216,18 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
 
         args = training_arguments(recipe, plan, len(data.train), data.eval is not None, **rank.training_kwargs,
                                   **compile_arguments(recipe, plan["cluster"]["device"]))  # fmt: skip
+    loading = time.time()
     model = attach_adapter(
         load_model(recipe, source, tokenizer, plan["precision"], device=plan["cluster"]["device"],
                    mesh=plan.get("mesh") if plan["strategy"] == "tp" else None), recipe,
     )  # fmt: skip
     loaded_rss = peak_rss_bytes()  # the peak so far: loading the model (and, under ZeRO-3, partitioning it)
+    mark("model")  # TrainingArguments (the engine's config), the model built, loaded and adapted
     trainable, total = parameter_counts(model)
-    log(f"model: {type(model).__name__}, trainable {trainable:,} of {total:,} parameters ({trainable / total:.2%})")
+    log(
+        f"model: {type(model).__name__}, trainable {trainable:,} of {total:,} parameters ({trainable / total:.2%}); "
+        f"loaded in {time.time() - loading:.1f} s"
+    )
     qat_report, qat_delay = None, None
     if recipe.qat:
         from llmtune.train import qat
@@ -229,6 +257,10 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         callbacks=[StopOnNonFiniteLoss()] + ([TestKillAfterSave()] if any(k in os.environ for k in TEST_HOOKS) else []),
     )  # fmt: skip
     trainer.plan, trainer.recipe = plan, recipe
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # its dict lines show numbers as strings; ProgressLines replaces them
+    trainer.add_callback(ProgressLines(trainer, plan["data_parallel_size"]))
     if qat_delay:
         trainer.add_callback(qat_delay)
     if cp > 1:  # attention-only models; and what each rank's model really sees of a row (the report checks)
@@ -257,6 +289,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from llmtune.train.memory import ModelStateMeter
 
     meter = ModelStateMeter(trainer.model, lambda: trainer.model_wrapped)
+    mark("trainer")  # the Trainer and its callbacks
     started = time.time()
     result = trainer.train(resume_from_checkpoint=resume)
     meter.close()
@@ -279,6 +312,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
                      "peak_rss_at_load_bytes": loaded_rss, **cuda_peaks(),
                      **({"sequence_seen": seen.lengths} if cp > 1 else {}),
                      "optimizer_class": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+                     "libraries": libraries.imported(),
                      **engine_report(trainer)})  # fmt: skip
     trainer._check_finite()
     _full_state_dict_for_final_save(trainer)
@@ -298,6 +332,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         step_seconds=step_stats.seconds, step_real_tokens=step_stats.real, step_padded_tokens=step_stats.padded,
         step_batch_hashes=step_stats.hashes or None,
         first_step_end_unix=step_stats.first_step_end_unix,
+        startup_seconds=_startup(step_stats.first_step_end_unix),
         resumed_from=resume, **_planned_memory(recipe, plan),
     )  # fmt: skip
     if lisa:
@@ -314,14 +349,17 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    mark("launch")  # this rank started: Python and llmtune's light imports
     if len(argv) != 1:
         print("usage: python -m llmtune.train <output_dir>/llmtune/plan.json", file=sys.stderr)
         return EXIT_USER_ERROR
     payload = json.loads(Path(argv[0]).read_text())
     recipe = Recipe.model_validate(payload["recipe"])
     plan = payload["plan"]
+    libraries.hide_unused(recipe, plan)
     try:
         rank = distributed.setup(plan, recipe.ddp_timeout)
+        mark("process_group")  # torch imported, the rank's device and process group set
         train(recipe, plan, rank)
     except UserError as err:
         # No barrier on the way out: the other ranks may be inside a collective and would wait forever.
@@ -329,4 +367,10 @@ def main(argv: list[str]) -> int:
         print(f"error: {err.one_line()}", file=sys.stderr)
         return EXIT_USER_ERROR
     collectives.teardown()
+    # The interpreter's last garbage collection walks every object torch and transformers made (1.5-2 s of a tiny
+    # single-process run, measured here); the run's files are written and closed, so leave them to the OS.
+    # Reference counting still releases what isn't in a cycle, and atexit handlers (trackers) still run.
+    import gc
+
+    gc.freeze()
     return 0

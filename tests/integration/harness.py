@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,28 @@ def llmtune(
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "llmtune", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd or ROOT)  # fmt: skip
+
+
+# Lines the user didn't cause, which llmtune silences at their source or filters from the console (the logs keep
+# them): library load failures, torch's and transformers' deprecations, DeepSpeed's accelerator line, the Trainer's
+# own bar and its dict lines with numbers as strings.
+CONSOLE_NOISE = {
+    "torchao/bitsandbytes load failures": re.compile(r"Failed to load"),
+    "torch _pytree deprecations": re.compile(r"_pytree"),
+    "bitsandbytes kernel hub": re.compile(r"kernels-community"),
+    "DeepSpeed's accelerator line": re.compile(r"Setting accelerator to CPU"),
+    "FutureWarnings": re.compile(r"FutureWarning"),
+    "the Trainer's dict lines": re.compile(r"\{'loss': |'train_runtime'"),
+    "tqdm bars": re.compile(r"\d+it/s\]|s/it\]"),
+}
+STEP_LINE = re.compile(r"\[llmtune\] step \d+/\d+  loss \d+\.\d{4}  lr \d\.\d{3}e[-+]\d\d")
+
+
+def assert_quiet_console(console: str) -> None:
+    """A training run's console: no third-party noise, and the loss printed as a number."""
+    found = {what: pattern.search(console).group(0) for what, pattern in CONSOLE_NOISE.items() if pattern.search(console)}
+    assert not found, f"noise on the console: {found}\n{console[-3000:]}"
+    assert STEP_LINE.search(console), console[-3000:]
 
 
 def alpaca_rows(count: int = 24) -> list[dict]:
@@ -116,6 +139,7 @@ def train_run(workspace: tuple, name: str, processes: int, **changes) -> tuple[d
     path = write_run_recipe(workspace, name, **changes)
     result = llmtune("train", path, "--num-processes", processes, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert_quiet_console(result.stdout + result.stderr)
     return read_metrics(path), root / name
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from harness import llmtune, losses, read_metrics
+from harness import STEP_LINE, assert_quiet_console, llmtune, losses, read_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +64,16 @@ def test_single_process_training_learns_and_saves(make_recipe, tmp_path, method,
     assert not (output_dir / "training_args.bin").exists()
     plan = json.loads((output_dir / "llmtune" / "plan.json").read_text())
     assert plan["plan"]["strategy"] == "single"
+    # the rank imported only the optional libraries its plan uses (read from its sys.modules after training)
+    assert metrics["ranks"][0]["libraries"].keys() == ({"bitsandbytes"} if method == "qlora" else set())
+    # the console shows what the user caused, the loss as a number; the log keeps every line the rank printed
+    console = result.stdout + result.stderr
+    assert_quiet_console(console)
+    log = (output_dir / "llmtune" / "logs" / "machine-0.log").read_text().splitlines()
+    shown = [line for line in console.splitlines() if line.startswith("[llmtune]")]
+    assert shown and set(shown) <= set(log) and len(log) > len(shown)
+    assert len([line for line in log if STEP_LINE.match(line)]) == metrics["steps"]  # logging_steps 1
+    assert all(isinstance(entry["loss"], float) for entry in metrics["log_history"] if "loss" in entry)
     reloaded, in_memory = reload_logits(output_dir, probe, four_bit=method == "qlora")
     assert (reloaded - in_memory).abs().max().item() < 1e-4
 

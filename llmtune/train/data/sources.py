@@ -112,6 +112,17 @@ def _saved_dataset_rows(folder: Path, spec, label: str) -> Iterator[tuple[dict, 
         yield row, f"{folder} row {index}"
 
 
+def reads_with_datasets(spec) -> bool:
+    """Whether read_rows needs the `datasets` library for this source: every source but local JSON files (a
+    missing path is a hub id)."""
+    path = Path(spec.path)
+    files = [path] if path.is_file() else _files_in(path, spec.data_files) if path.is_dir() else []
+    if not files or (path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())):
+        return True
+    return any((spec.ds_type or {".jsonl": "jsonl", ".json": "json"}.get(f.suffix)) not in ("json", "jsonl")
+               for f in files)  # fmt: skip
+
+
 def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict, str]]:
     """Rows of one dataset entry; `label` names the entry (e.g. 'datasets[0]') in errors.
 

@@ -1,0 +1,175 @@
+"""What the user's console shows of a run, and what only the logs keep.
+
+Every line the ranks print reaches `<output_dir>/llmtune/logs/` unchanged. The console shows what the user caused:
+llmtune's own lines (plan, warnings about the recipe, progress, summary), errors, and any line llmtune doesn't know
+to be noise. Noise is silenced at its source first (a rank imports only the libraries its plan uses, and llmtune
+passes today's argument names); what can't be silenced there is listed in NOISE, each entry narrow (the emitting
+module and its message) and with the reason it can't be fixed where it starts. `--verbose` shows everything.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from typing import IO
+
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
+
+
+@dataclass(frozen=True)
+class Noise:
+    pattern: re.Pattern
+    why: str
+
+
+def _noise(pattern: str, why: str) -> Noise:
+    return Noise(re.compile(pattern), why)
+
+
+NOISE = (
+    _noise(
+        r"transformers/modeling_utils\.py:\d+: FutureWarning: `is_gradient_checkpointing` is deprecated",
+        "peft's PeftModel reads transformers' old property name itself (peft 0.21); nothing llmtune passes",
+    ),
+    _noise(
+        r"\[real_accelerator\.py:\d+:get_accelerator\] Setting accelerator to CPU",
+        "DeepSpeed announces its accelerator when imported; in a CPU rehearsal of a ZeRO plan that is the point, "
+        "and the plan summary already says so",
+    ),
+    _noise(
+        r"^Failed to load \S+/torchao/_C\w*\.\S+\.so: Could not load this library",
+        "torchao's prebuilt CUDA kernels (qat and its optimizers only) don't load on every machine; llmtune uses "
+        "its Python fake-quantizers and low-bit optimizers, which don't need them",
+    ),
+    _noise(
+        r"torch/utils/_pytree\.py:\d+\] <enum '\w+'> is an Enum subclass and is now natively supported",
+        "torchao registers its enums with an older torch API at import (qat and its optimizers only)",
+    ),
+    _noise(
+        r"^Failed to load CPU gemm_4bit_forward from kernels-community",
+        "bitsandbytes looks for an optional CPU kernel on the hub at import (4/8-bit runs only); its own kernel "
+        "is used instead",
+    ),
+    _noise(
+        r"torch/distributed/run\.py:\d+\] (\*{10,}|Setting OMP_NUM_THREADS environment variable for each process"
+        r"|\s*$)",
+        "torchrun's notice that it sets OMP_NUM_THREADS=1 for its processes, at every multi-process launch",
+    ),
+    _noise(r"reducer\.cpp:\d+\] Warning: find_unused_parameters=True was specified in DDP constructor, but did not "
+           r"find any unused parameters",
+           "transformers asks DDP to look for unused parameters whenever gradient checkpointing is off, and torch "
+           "then says it found none; llmtune keeps that default, since MoE and partly frozen models do leave some "
+           "unused and a wrong false stops the run (ddp_find_unused_parameters: false takes the faster path)"),
+    _noise(r"^DeepSpeed deepspeed\.ops\.comm\.deepspeed_shm_comm_op built successfully",
+           "DeepSpeed's CPU accelerator loads its shared-memory collectives op in every rank of a rehearsal"),
+    _noise(r"torch/distributed/c10d_logger\.py:\d+: FutureWarning: `torch\.distributed\.all_gather_into_tensor` is "
+           r"deprecated",
+           "DeepSpeed 0.19's ZeRO calls torch's old collective name; llmtune's own collectives use today's"),
+)  # fmt: skip
+
+# A Python warning's second line (the source line it points at) and a glog continuation are indented.
+CONTINUATION = re.compile(r"^\s+\S")
+
+
+def noise(text: str) -> Noise | None:
+    """The NOISE entry this line matches (rank prefix removed first), or None."""
+    text = RANK_PREFIX.sub("", text, count=1)
+    return next((entry for entry in NOISE if entry.pattern.search(text)), None)
+
+
+class Console:
+    """Shows the ranks' output on the user's console: filtered, and with a live progress bar on a terminal.
+
+    `feed` takes one record the ranks printed: a line, or (transient=True) a progress bar's redraw that ended in
+    a carriage return. Progress lines of llmtune's (train.progress.step_line) drive the live bar on a terminal and
+    print as lines elsewhere. A line every rank prints (a library's warning) is shown once.
+    """
+
+    def __init__(self, out: IO[str] | None = None, verbose: bool = False, live: bool | None = None) -> None:
+        self.out = out or sys.stderr
+        self.verbose = verbose
+        self.live = self.out.isatty() if live is None else live
+        self._dropping = False  # inside a dropped warning: its continuation lines go too
+        self._shown: set[str] = set()  # what was shown, without rank prefixes: other ranks' copies are dropped
+        self._bar = None
+
+    def feed(self, text: str, transient: bool = False) -> None:
+        if transient:  # a third-party bar's redraw (downloads): only a terminal can show it in place
+            if self.live:
+                self._progress().status(RANK_PREFIX.sub("", text, count=1).strip())
+            return
+        if not self.verbose and not self._keep(text):
+            return
+        rank = RANK_PREFIX.match(text)
+        if not self.verbose and rank and rank.group(1) == "0" and text[rank.end() :].startswith("[llmtune]"):
+            text = text[rank.end() :]  # llmtune speaks from rank 0 only: the prefix says nothing
+        if self.live:
+            from llmtune.train.progress import parse_step
+
+            step = parse_step(RANK_PREFIX.sub("", text, count=1))
+            if step:
+                self._progress().update(step)
+                return
+            if self._bar is not None:
+                self._bar.print(text)
+                return
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def _keep(self, text: str) -> bool:
+        if self._dropping and CONTINUATION.match(RANK_PREFIX.sub("", text, count=1)):
+            return False
+        self._dropping = noise(text) is not None
+        if self._dropping:
+            return False
+        rank = RANK_PREFIX.match(text)
+        body = text[rank.end() :] if rank else text
+        if rank and rank.group(1) != "0" and body in self._shown:
+            return False
+        if len(self._shown) < 100_000:
+            self._shown.add(body)
+        return True
+
+    def _progress(self) -> _LiveBar:
+        if self._bar is None:
+            self._bar = _LiveBar(self.out)
+        return self._bar
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+class _LiveBar:
+    """rich's progress bar on the launcher's terminal: step/total, loss, learning rate, tokens/s, ETA."""
+
+    def __init__(self, out: IO[str]) -> None:
+        from rich.console import Console as RichConsole
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+
+        self.progress = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[numbers]}"), console=RichConsole(file=out), transient=False,
+        )  # fmt: skip
+        self.task = self.progress.add_task("", total=None, numbers="")
+        self.progress.start()
+
+    def status(self, text: str) -> None:
+        self.progress.update(self.task, description=text[:60])
+
+    def update(self, step: dict) -> None:
+        numbers = f"loss {step['loss']:.4f}  lr {step['lr']:.2e}"
+        if step.get("tokens_per_second") is not None:
+            numbers += f"  {step['tokens_per_second']:,.0f} tok/s"
+        if step.get("eta"):
+            numbers += f"  eta {step['eta']}"
+        self.progress.update(self.task, description="training", completed=step["step"], total=step["total"],
+                             numbers=numbers)  # fmt: skip
+
+    def print(self, text: str) -> None:
+        self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def stop(self) -> None:
+        self.progress.stop()

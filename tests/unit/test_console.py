@@ -1,0 +1,127 @@
+"""The console shows what the user caused: noise filtered narrowly, everything kept in the logs, progress as numbers."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from llmtune.launch.console import NOISE, Console, noise
+from llmtune.launch.failures import StderrWatcher, records
+from llmtune.train.progress import parse_step, startup_seconds, step_line
+
+# One real line of each kind (copied from runs on this machine: torch 2.13, transformers 5.24, torchao 0.18,
+# bitsandbytes 0.50, deepspeed 0.19.8), and the lines around them that must stay.
+NOISY = [
+    "/x/site-packages/transformers/modeling_utils.py:3312: FutureWarning: `is_gradient_checkpointing` is deprecated "
+    "and will be removed in v6. Use `is_activation_checkpointing` instead.",
+    "[2026-11-25 03:15:19,299] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU. If you "
+    "have GPU or other accelerator, we were unable to detect it.",
+    "Failed to load /x/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load this library: "
+    "/x/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so",
+    "W1125 03:15:39.160000 3760 site-packages/torch/utils/_pytree.py:630] <enum 'KernelPreference'> is an Enum "
+    "subclass and is now natively supported by torch.compile as an opaque value type.",
+    "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. Please make sure you "
+    "already `pip install kernels` and the kernels >= 0.11.1",
+    "W1125 03:27:20.104000 14698 site-packages/torch/distributed/run.py:852] Setting OMP_NUM_THREADS environment "
+    "variable for each process to be 1 in default, to avoid your system being overloaded",
+    "[rank0]:[W1125 03:30:37.043346355 reducer.cpp:1529] Warning: find_unused_parameters=True was specified in DDP "
+    "constructor, but did not find any unused parameters in the forward pass.",
+    "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully",
+    "/x/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: `torch.distributed.all_gather_into_tensor` "
+    "is deprecated. Please use `torch.distributed.all_gather_single` instead.",
+]
+KEPT = [
+    "[llmtune] data: 32 train / 0 eval examples",
+    "error: datasets[0].type: unknown format 'alpacca' (hint: did you mean 'alpaca'?)",
+    "/x/site-packages/transformers/trainer.py:10: UserWarning: a warning llmtune doesn't know",
+    "Failed to load the tokenizer of some/model",  # only torchao's .so lines are noise, not every failure
+]
+
+
+@pytest.mark.parametrize("line", NOISY)
+def test_each_noise_entry_matches_its_line_and_nothing_llmtune_says(line):
+    assert noise(line) is not None
+    assert noise(f"[rank1]:{line}") is not None
+    assert all(entry.why for entry in NOISE)
+    for kept in KEPT:
+        assert noise(kept) is None, kept
+
+
+def test_the_console_drops_noise_with_its_continuation_and_shows_a_line_of_every_rank_once():
+    out = io.StringIO()
+    console = Console(out, live=False)
+    lines = [
+        "[llmtune] data: 32 train",
+        NOISY[0],
+        "  warnings.warn(",  # the warning's source line goes with it
+        "[rank0]:[llmtune] step 1/2  loss 2.0000  lr 1.000e-03",
+        "[rank0]:UserWarning: something new",
+        "[rank1]:UserWarning: something new",  # another rank's copy of a line: shown once
+        "[rank1]:UserWarning: something else",
+        "  indented after a kept line stays",
+    ]
+    for line in lines:
+        console.feed(line)
+    shown = [lines[0], lines[3].removeprefix("[rank0]:"), lines[4], lines[6], lines[7]]  # rank 0's own lines bare
+    assert out.getvalue().splitlines() == shown
+    verbose = io.StringIO()
+    everything = Console(verbose, verbose=True, live=False)
+    for line in lines:
+        everything.feed(line)
+    assert verbose.getvalue().splitlines() == lines
+
+
+def test_records_split_lines_and_carriage_return_redraws_across_reads():
+    class Chunks(io.RawIOBase):
+        def __init__(self, parts):
+            self.parts = list(parts)
+
+        def read1(self, _size=-1):
+            return self.parts.pop(0) if self.parts else b""
+
+    stream = Chunks([b"one\ntw", b"o\r\nbar 1/3\rbar 2/3\r", b"\nbar done\n", "é".encode()[:1], "é\n".encode()[1:]])
+    assert list(records(stream)) == [("one", False), ("two", False), ("bar 1/3", True), ("bar 2/3", False),
+                                     ("bar done", False), ("é", False)]  # fmt: skip
+
+
+def test_the_watcher_logs_every_line_and_shows_the_filtered_ones(tmp_path):
+    text = "\n".join(["[llmtune] kept", NOISY[1], "download 10%\rdownload 100%", "[llmtune] also kept"]) + "\n"
+    out, log = io.StringIO(), io.StringIO()
+    watcher = StderrWatcher(io.StringIO(text), console=Console(out, live=False), log=log, hold_tracebacks=False)
+    watcher.run()
+    assert out.getvalue() == "[llmtune] kept\ndownload 100%\n[llmtune] also kept\n"
+    assert log.getvalue() == "[llmtune] kept\n" + NOISY[1] + "\ndownload 100%\n[llmtune] also kept\n"
+
+
+def test_a_live_console_turns_step_lines_into_a_bar_and_prints_the_rest_above_it():
+    out = io.StringIO()
+    console = Console(out, live=True)
+    console.feed("[llmtune] model: loaded")
+    console.feed(step_line(1, 4, 2.5, 1e-3, 0.5, 1000.0, 3.0))
+    assert console._bar is not None
+    task = console._bar.progress.tasks[0]
+    assert (task.completed, task.total) == (1, 4) and "loss 2.5000" in task.fields["numbers"]
+    console.feed("[llmtune] eval at step 1: loss 2.4000")
+    console.close()
+    shown = out.getvalue()
+    assert "[llmtune] model: loaded" in shown and "eval at step 1" in shown and "loss 2.5000" in shown
+
+
+def test_step_lines_carry_numbers_and_parse_back():
+    line = step_line(3, 8, 6.20501, 8.54e-4, 0.58, 1234.4, 62)
+    assert line == "[llmtune] step 3/8  loss 6.2050  lr 8.540e-04  grad_norm 0.580  tok/s 1,234  eta 0:01:02"
+    assert parse_step(line) == {"step": 3, "total": 8, "loss": 6.2050, "lr": 8.54e-4, "grad_norm": 0.58,
+                                "tokens_per_second": 1234.0, "eta": "0:01:02"}  # fmt: skip
+    assert parse_step(step_line(1, 2, float("nan"), 0.0))["grad_norm"] is None
+    assert parse_step("[llmtune] data: 3 rows") is None
+
+
+def test_startup_seconds_follow_the_marks_from_the_launcher_to_the_rank(monkeypatch):
+    from llmtune.train import progress
+
+    monkeypatch.setattr(progress, "_marks", {})
+    monkeypatch.setenv(progress.TIMELINE_ENV, "start=100.0,plan=100.5")
+    progress.mark("launch", 101.0)
+    progress.mark("data", 103.25)
+    assert startup_seconds() == {"plan": 0.5, "launch": 0.5, "data": 2.25}
