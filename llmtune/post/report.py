@@ -46,10 +46,16 @@ def curves(metrics: dict) -> dict:
     }  # fmt: skip
 
 
-def _plot_loss(data: dict, path: Path) -> None:
+def prepare_plotting() -> None:
+    """Import the plotting library (the report's slowest part), with the file-only backend."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+
+def _plot_loss(data: dict, path: Path) -> None:
+    prepare_plotting()
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
@@ -74,9 +80,7 @@ def _plot_loss(data: dict, path: Path) -> None:
 
 
 def _plot_throughput(data: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+    prepare_plotting()
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(8, 3.5), dpi=100)

@@ -28,15 +28,7 @@ def model_card(recipe, plan: dict, metrics: dict, gguf_origin: str | None) -> st
 
 
 def write_run_files(output_dir: Path, recipe, plan: dict, metrics: dict, gguf_origin: str | None) -> None:
+    """metrics.json and the model card. The report (curves, summary) is drawn by the launcher once the ranks have
+    left (launch.runner), off the ranks' critical path."""
     atomic_write(output_dir / "metrics.json", json.dumps(metrics, indent=2, default=str) + "\n")
     atomic_write(output_dir / "README.md", model_card(recipe, plan, metrics, gguf_origin))
-    from llmtune.post.report import write_report
-    from llmtune.train.progress import log
-
-    try:
-        log(f"report: {write_report(output_dir, json.loads(json.dumps(metrics, default=str)))}")
-    except Exception as err:  # noqa: BLE001 - the trained model is saved; a plotting failure must not fail the run
-        log(
-            f"WARNING: the training report could not be written ({type(err).__name__}: {err}); "
-            f"rebuild it with `llmtune report {output_dir}`"
-        )

@@ -117,7 +117,9 @@ def reads_with_datasets(spec) -> bool:
     missing path is a hub id)."""
     path = Path(spec.path)
     files = [path] if path.is_file() else _files_in(path, spec.data_files) if path.is_dir() else []
-    if not files or (path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())):
+    if not files or (
+        path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
+    ):
         return True
     return any((spec.ds_type or {".jsonl": "jsonl", ".json": "json"}.get(f.suffix)) not in ("json", "jsonl")
                for f in files)  # fmt: skip
