@@ -12,7 +12,7 @@ import json
 import os
 
 import pytest
-from harness import llmtune, losses, make_workspace, train_run, write_run_recipe
+from harness import STEP_LINE, llmtune, losses, make_workspace, train_run, write_run_recipe
 from slurm_cluster import SlurmCluster, available
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(available() is not None, reason=str(available()))]
@@ -80,7 +80,7 @@ def test_requeue_near_the_time_limit_checkpoints_first_and_loses_no_step(cluster
     job_id = submitted.stdout.strip().split(";")[0]
     log = run_dir / "slurm" / f"requeue-test-{job_id}.out"
     deadline = time.monotonic() + 600
-    while not log.exists() or log.read_text(errors="replace").count("'loss'") < 3:
+    while not log.exists() or len(STEP_LINE.findall(log.read_text(errors="replace"))) < 3:
         assert time.monotonic() < deadline, cluster.logs()[-3000:]
         time.sleep(0.5)
     assert cluster.run("scancel", "--batch", "--signal=USR1", job_id).returncode == 0
