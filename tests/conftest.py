@@ -15,6 +15,22 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 from recipe_edits import DROP  # noqa: E402
 
 
+# Seconds each slow module took on the 2-core machine (`--durations`, 2026-11-25). `make test` runs two pytest
+# workers, each taking whole files (`-n 2 --dist loadfile`, so a module's shared runs happen once); the longest files
+# go first so that the two workers end together instead of one waiting on the last long file.
+MODULE_SECONDS = {
+    "test_rehearse.py": 720, "test_netns.py": 210, "test_tensor_parallel.py": 180, "test_resume.py": 175,
+    "test_distributed.py": 165, "test_post.py": 180, "test_pipeline.py": 145, "test_axolotl_compat.py": 110,
+    "test_train_single.py": 85, "test_training_methods.py": 75, "test_slurm.py": 65,
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Longest modules first (stable within a module); the rest keep their order."""
+    order = {name: index for index, name in enumerate(dict.fromkeys(item.path.name for item in items))}
+    items.sort(key=lambda item: (-MODULE_SECONDS.get(item.path.name, 0), order[item.path.name]))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Under CI (CI=true) a skipped integration test fails the run: a green CI with the cross-host, Slurm or real

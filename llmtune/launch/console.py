@@ -63,9 +63,9 @@ NOISE = (
            "unused and a wrong false stops the run (ddp_find_unused_parameters: false takes the faster path)"),
     _noise(r"^DeepSpeed deepspeed\.ops\.comm\.deepspeed_shm_comm_op built successfully",
            "DeepSpeed's CPU accelerator loads its shared-memory collectives op in every rank of a rehearsal"),
-    _noise(r"torch/distributed/c10d_logger\.py:\d+: FutureWarning: `torch\.distributed\.all_gather_into_tensor` is "
-           r"deprecated",
-           "DeepSpeed 0.19's ZeRO calls torch's old collective name; llmtune's own collectives use today's"),
+    _noise(r"torch/distributed/c10d_logger\.py:\d+: FutureWarning: `torch\.distributed\.(all_gather_into_tensor|"
+           r"reduce_scatter_tensor)` is deprecated",
+           "DeepSpeed 0.19's ZeRO calls torch's old collective names; llmtune's own collectives use today's"),
 )  # fmt: skip
 
 # A Python warning's second line (the source line it points at) and a glog continuation are indented.

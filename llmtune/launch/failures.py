@@ -130,13 +130,18 @@ def describe_exit(code: int) -> str:
 
 
 def rank_log_tail(log_dir: Path, local_rank: int, lines: int = 12) -> tuple[Path | None, list[str]]:
-    """The last lines of a local rank's stderr log from torchrun's newest attempt."""
-    logs = sorted(log_dir.glob(f"*/attempt_*/{local_rank}/stderr.log"), key=lambda p: p.stat().st_mtime)
-    if not logs:
+    """The last lines a local rank printed in torchrun's newest attempt: its stderr log, or its stdout log when it
+    wrote nothing to stderr. (None, []) when torchrun kept no log of it."""
+    attempts = sorted(log_dir.glob(f"*/attempt_*/{local_rank}"), key=lambda p: p.stat().st_mtime)
+    if not attempts:
         return None, []
-    text = logs[-1].read_text(errors="replace")
-    shown = [part.split("\r")[-1].rstrip() for part in text.splitlines()]
-    return logs[-1], [line for line in shown if line.strip()][-lines:]
+    for name in ("stderr.log", "stdout.log"):
+        path = attempts[-1] / name
+        text = path.read_text(errors="replace") if path.is_file() else ""
+        shown = [line for line in (part.split("\r")[-1].rstrip() for part in text.splitlines()) if line.strip()]
+        if shown:
+            return path, shown[-lines:]
+    return attempts[-1] / "stderr.log", []
 
 
 def report(watcher: StderrWatcher, log_dir: Path, out=None, rendezvous: tuple[str, int, float] | None = None,
@@ -185,5 +190,7 @@ def report(watcher: StderrWatcher, log_dir: Path, out=None, rendezvous: tuple[st
         print(f"last lines of rank {cause.rank} ({path}):", file=out)
         for line in tail:
             print(f"    {line}", file=out)
+    elif path is not None:  # a rank that printed nothing (ranks other than 0 are quiet) was stopped from outside
+        print(f"rank {cause.rank} printed nothing before it stopped (its log: {path.parent})", file=out)
     print("to resume from the last complete checkpoint, run the same command again", file=out)
     return 1

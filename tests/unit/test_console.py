@@ -30,6 +30,8 @@ NOISY = [
     "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully",
     "/x/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: `torch.distributed.all_gather_into_tensor` "
     "is deprecated. Please use `torch.distributed.all_gather_single` instead.",
+    "/x/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: `torch.distributed.reduce_scatter_tensor` is "
+    "deprecated. Please use `torch.distributed.reduce_scatter_single` instead.",
 ]
 KEPT = [
     "[llmtune] data: 32 train / 0 eval examples",

@@ -237,3 +237,21 @@ def test_a_crash_on_one_machine_is_not_reported_as_a_lost_machine(tmp_path):
         out = io.StringIO()
         report(watcher, tmp_path, out, local_addresses=local)
         assert out.getvalue().startswith("error: rank 1 (local rank 1 on node-a) exited with code 1")
+
+
+def test_the_failure_report_shows_what_the_rank_printed_or_says_it_printed_nothing(tmp_path):
+    cause = "Root Cause (first observed failure):\n  host : node-a\n  rank : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 9)\n"
+    folder = tmp_path / "run_x" / "attempt_0" / "1"
+    folder.mkdir(parents=True)
+    (folder / "stderr.log").write_text("")
+    (folder / "stdout.log").write_text("[llmtune] something\nlast words\n")
+    shown = []
+    for _ in range(2):
+        watcher = StderrWatcher(io.StringIO("Traceback (most recent call last):\n" + cause), out=io.StringIO())
+        watcher.run()
+        out = io.StringIO()
+        assert report(watcher, tmp_path, out) == 1
+        shown.append(out.getvalue())
+        (folder / "stdout.log").write_text("")
+    assert f"last lines of rank 1 ({folder / 'stdout.log'}):\n    [llmtune] something\n    last words" in shown[0]
+    assert f"rank 1 printed nothing before it stopped (its log: {folder})" in shown[1]
