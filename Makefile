@@ -1,21 +1,26 @@
 # llmtune: `make demo` runs the offline demo, `make test` runs every test CI runs (unit + multi-process integration).
 PYTHON ?= python3
 PYTEST = $(PYTHON) -m pytest
+# Two pytest workers, each taking whole test files (a module's shared runs happen once): the multi-process tests
+# leave a core idle while they start, wait on a rendezvous or a timeout, so two at a time finish the suite sooner.
+WORKERS ?= 2
+PARALLEL = -n $(WORKERS) --dist loadfile
 
 .PHONY: install test test-unit test-all test-gpu lint format demo bench docs fixtures
 
 install:
 	$(PYTHON) -m pip install --quiet torch==2.13.0
 	$(PYTHON) -m pip install --quiet -e '.[dev]'
+	$(PYTHON) -m compileall -q llmtune  # every rank reads bytecode, even where PYTHONDONTWRITEBYTECODE is set
 
 test: install
-	$(PYTEST) tests -m "not slow and not gpu" -q
+	$(PYTEST) tests -m "not slow and not gpu" -q $(PARALLEL) --durations=30
 
 test-unit:
 	$(PYTEST) tests -m "not integration and not slow and not gpu" -q
 
 test-all: install
-	$(PYTEST) tests -m "not gpu" -q
+	$(PYTEST) tests -m "not gpu" -q $(PARALLEL) --durations=30
 
 # On a machine with a CUDA device (tests/gpu/README: how to get the stack there); writes tests/gpu/last-run.md
 test-gpu:

@@ -98,7 +98,11 @@ def run_llmtune(work: Path, tag: str, model: Path, data: Path, a, env: dict) -> 
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == a.steps and metrics["data"]["train_rows"] == a.rows, "llmtune ran other steps or rows"
     first = metrics.get("first_step_end_unix")
+    PHASES.append(metrics.get("startup_seconds") or {})
     return wall, first - start if first else None
+
+
+PHASES: list[dict] = []  # llmtune's own start-up phases (metrics.json startup_seconds), one dict per run
 
 
 def run_llamafactory(work: Path, tag: str, python: Path, model: Path, a, env: dict) -> tuple[float, float | None]:
@@ -198,6 +202,10 @@ def main() -> None:
         table[side] = row
         first = f"{row['first_step_s']:13.2f}" if firsts else f"{'-':>13}"
         print(f"{side:14} {row['median_s']:9.2f} {row['min_s']:7.2f} {row['max_s']:7.2f} {first}")
+    phases = {name: round(statistics.median(run.get(name, 0.0) for run in PHASES), 3) for name in PHASES[0]}
+    if phases:
+        print("llmtune's start-up, median seconds per phase:", ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+    table["llmtune"]["startup_phases_s"] = phases
     ratio = table["llmtune"]["median_s"] / table["LLaMA-Factory"]["median_s"]
     verdict = "ok" if ratio <= TARGET else "MISSED"
     print(f"\nllmtune / LLaMA-Factory: {ratio:.2f}x wall time (target <= {TARGET}x): {verdict}")

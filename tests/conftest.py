@@ -14,7 +14,6 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 
 from recipe_edits import DROP  # noqa: E402
 
-
 # Seconds each slow module took on the 2-core machine (`--durations`, 2026-11-25). `make test` runs two pytest
 # workers, each taking whole files (`-n 2 --dist loadfile`, so a module's shared runs happen once); the longest files
 # go first so that the two workers end together instead of one waiting on the last long file.

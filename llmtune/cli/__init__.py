@@ -70,6 +70,11 @@ def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 2."""
     try:
         code = app(standalone_mode=False)  # click returns the exit code here instead of raising Exit
+        # The interpreter's last garbage collection would walk every object the command imported (the report's
+        # plotting library, for `train`); what the command wrote is closed, so leave the rest to the OS.
+        import gc
+
+        gc.freeze()
         sys.exit(code if isinstance(code, int) else 0)
     except UserError as err:
         typer.echo(f"error: {err.one_line()}", err=True)

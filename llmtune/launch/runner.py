@@ -112,8 +112,8 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
         code = supervise(process)
         watcher.join(timeout=10)
     console.close()
-    if code == 0 and training_report is not None:
-        training_report.write()
+    if training_report is not None:
+        training_report.finish(code == 0)
     if not watcher.hold_tracebacks or code == 0 or code > 128:  # not torchrun's report; success; a signal
         return code
     rendezvous = None
@@ -128,37 +128,43 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
 
 
 class _Report:
-    """The run's training report (post.report), drawn here on machine 0 after the ranks finish: the plotting library
-    is imported in a thread while the ranks run (this process only waits then), so a run ends sooner than if rank 0
-    drew it before exiting (0.8 s of a tiny LoRA run on 2 cores)."""
+    """The run's training report (post.report), drawn here on machine 0 rather than by rank 0 before it exits (0.8 s
+    of a tiny LoRA run on 2 cores): the plotting library is imported in a thread while the ranks run (this process
+    only waits then), and the report is drawn as soon as rank 0 has written metrics.json, while the ranks finish."""
 
     def __init__(self, plan: Plan) -> None:
         self.output_dir = Path(plan.config_dir).parent
         self.started = time.time()
-        self.ready = threading.Thread(target=self._import, daemon=True)
-        self.ready.start()
+        self.stop = threading.Event()
+        self.result: str | None = None
+        self.thread = threading.Thread(target=self._draw, daemon=True)
+        self.thread.start()
 
-    @staticmethod
-    def _import() -> None:
+    def _metrics_written(self) -> bool:
+        metrics = self.output_dir / "metrics.json"  # written atomically, last of the run's files but the weights'
+        return metrics.exists() and metrics.stat().st_mtime >= self.started
+
+    def _draw(self) -> None:
         try:
-            from llmtune.post.report import prepare_plotting
+            from llmtune.post.report import prepare_plotting, write_report
 
             prepare_plotting()
-        except Exception:  # noqa: BLE001 - write() reports any real failure
-            pass
-
-    def write(self) -> None:
-        metrics = self.output_dir / "metrics.json"
-        if not metrics.exists() or metrics.stat().st_mtime < self.started:  # stopped early: no finished run
-            return
-        self.ready.join()
-        from llmtune.post.report import write_report
-
-        try:
-            _log(f"report: {write_report(self.output_dir)}")
+            while not self._metrics_written():
+                if self.stop.wait(0.05):
+                    return
+            self.result = f"report: {write_report(self.output_dir)}"
         except Exception as err:  # noqa: BLE001 - the trained model is saved; a plotting failure must not fail the run
-            _log(f"WARNING: the training report could not be written ({type(err).__name__}: {err}); rebuild it with "
-                 f"`llmtune report {self.output_dir}`")  # fmt: skip
+            self.result = (f"WARNING: the training report could not be written ({type(err).__name__}: {err}); "
+                           f"rebuild it with `llmtune report {self.output_dir}`")  # fmt: skip
+
+    def finish(self, succeeded: bool) -> None:
+        """After the ranks: say where the report is (a run that stopped early or failed has none)."""
+        if not (succeeded and self._metrics_written()):
+            self.stop.set()
+            return
+        self.thread.join()
+        if self.result:
+            _log(self.result)
 
 
 def supervise(process: subprocess.Popen, grace: float = 10.0) -> int:
