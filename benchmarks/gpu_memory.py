@@ -5,6 +5,15 @@ steps through `llmtune train` (llmtune's own path: recipe, plan, launcher, worke
 torch.cuda.max_memory_allocated/reserved per rank in metrics.json), and prints the estimate's row for that
 strategy next to the measurement. Every row is appended to benchmarks/results.json.
 
+Each row keeps three measured quantities apart, each beside the estimate's term that predicts it:
+- allocated (max_memory_allocated) against the estimate's allocated peak;
+- reserved (max_memory_reserved) against allocated peak + the allocator's reserve;
+- the CUDA context, which lives outside the allocator, against the estimate's context. The total is compared with
+  reserved + context. The context is read from nvidia-smi as a difference: the device's memory in use during the
+  run minus what was in use before it (other processes) minus the rank's reserved peak (`rank_context_bytes`), and
+  once for this process alone (`cuda_context_bytes`). Reading total - free instead counts every other process on
+  the GPU: the 2026-11-23 rows, run beside the GPU test groups, recorded 0.72-13 GB that way.
+
     python benchmarks/gpu_memory.py --shape 1b --method full --strategy single --layout packed
     python benchmarks/gpu_memory.py --shape 1b 8b --method full lora qlora --strategy single zero2 zero3 \\
         zero3_offload fsdp2 --checkpointing off on --layout packed padded      # the calibration matrix
@@ -147,27 +156,85 @@ def measured(recipe_path: Path, out: Path, processes: int) -> dict:
     """Train through the CLI; the largest rank's CUDA peaks, or why there are none."""
     command = [sys.executable, "-m", "llmtune", "train", str(recipe_path), "--device", "cuda", "--no-memory-check",
                "--num-processes", str(processes)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    with DevicePeak() as device:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=3600, cwd=ROOT)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         return {"error": f"exit {done.returncode}: {last[:300]}"}
-    ranks = [r for r in json.loads((out / "metrics.json").read_text()).get("ranks", []) if "cuda_max_reserved_bytes" in r]
+    ranks = [
+        r for r in json.loads((out / "metrics.json").read_text()).get("ranks", []) if "cuda_max_reserved_bytes" in r
+    ]
     for saved in [*out.glob("*.safetensors"), *out.glob("checkpoint-*"), *out.glob("pytorch_model*")]:
         shutil.rmtree(saved) if saved.is_dir() else saved.unlink()  # a 1B/8B matrix would fill the disk
     if not ranks:
         return {"error": "metrics.json has no cuda_max_*_bytes (a worker without CUDA peak recording)"}
-    return {"measured_allocated_bytes": max(r["cuda_max_allocated_bytes"] for r in ranks),
-            "measured_reserved_bytes": max(r["cuda_max_reserved_bytes"] for r in ranks)}  # fmt: skip
+    result = {"measured_allocated_bytes": max(r["cuda_max_allocated_bytes"] for r in ranks),
+              "measured_reserved_bytes": max(r["cuda_max_reserved_bytes"] for r in ranks),
+              "gpu_in_use_before_bytes": device.before, "run_device_peak_bytes": device.gained()}  # fmt: skip
+    if processes == 1 and device.gained():  # one rank on the GPU: what it added beyond its reserved peak
+        result["rank_context_bytes"] = device.gained() - result["measured_reserved_bytes"]
+    return result
 
 
-def cuda_context_bytes() -> int | None:
-    """Device memory in use beyond the allocator's, once this process has run a matmul: its CUDA context."""
+def gpu_index() -> str:
+    """The GPU the runs use, as nvidia-smi numbers it (the first of CUDA_VISIBLE_DEVICES)."""
+    return (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
+
+
+def device_memory_used() -> int | None:
+    """Memory in use on the GPU by every process (nvidia-smi, which makes no CUDA context), in bytes."""
+    query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", gpu_index()]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(float(out.split()[0]) * 2**20)  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def cuda_context_bytes(before: int | None) -> int | None:
+    """This process's CUDA context after one matmul: what the device gained since `before` (read before torch
+    touched the GPU), less what the caching allocator reserved. Other processes count only if they grew meanwhile."""
     import torch
 
     torch.ones(256, 256, device="cuda") @ torch.ones(256, 256, device="cuda")
     torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return int(total - free - torch.cuda.memory_reserved())  # other processes on the GPU count too
+    after = device_memory_used()
+    if before is None or after is None:
+        return None
+    return after - before - torch.cuda.memory_reserved()
+
+
+class DevicePeak:
+    """The most memory in use on the GPU while a run lasts, sampled by `nvidia-smi -lms` every 200 ms. The
+    reserved peak stays reserved until the rank exits (no empty_cache in the Trainer's loop), so a sample lands on
+    it; a run that shares the GPU with a process that grows meanwhile reads too high."""
+
+    def __enter__(self):
+        import threading
+
+        self.before, self.peak = device_memory_used(), 0
+        query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", gpu_index(), "-lms",
+                 "200"]  # fmt: skip
+        self.poll = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        return self
+
+    def _read(self):
+        for line in self.poll.stdout:
+            try:
+                self.peak = max(self.peak, int(float(line.strip()) * 2**20))
+            except ValueError:
+                pass
+
+    def __exit__(self, *exc):
+        self.poll.terminate()
+        self.poll.wait(timeout=30)
+        self.reader.join(timeout=5)
+
+    def gained(self) -> int | None:
+        """Bytes the run added on the GPU at its peak: its ranks' reserved memory, contexts and NCCL buffers."""
+        return self.peak - self.before if self.before is not None and self.peak else None
 
 
 def device_name(estimate_only: bool) -> tuple[str, float]:
@@ -191,16 +258,21 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def main() -> None:
     args = parse_args()
+    before = None if args.estimate_only else device_memory_used()  # before this process makes its CUDA context
     cuda_or_exit(args.estimate_only)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
     device, gpu_memory = device_name(args.estimate_only)
-    context = None if args.estimate_only else cuda_context_bytes()
+    context = None if args.estimate_only else cuda_context_bytes(before)
     rows, version = [], commit()
     print(f"device {device}, {gpu_memory / GB:.1f} GB; CUDA context of this process "
           f"{context / GB:.2f} GB" if context else f"device {device}")  # fmt: skip
+    print(
+        "est resv = allocated + reserve, against max_memory_reserved; est total (context included) against "
+        "reserved + the rank's context (this process's where the rank's could not be read)"
+    )
     print(f"{'configuration':58} {'est alloc':>9} {'meas alloc':>10} {'ratio':>6} {'est resv':>9} {'meas resv':>9} "
-          f"{'ratio':>6} {'est total':>9}")  # fmt: skip
+          f"{'ratio':>6} {'est total':>9} {'resv+ctx':>9} {'ratio':>6}")  # fmt: skip
     for combo in itertools.product(args.shape, args.method, args.strategy, args.checkpointing, args.layout):
         config = configuration(args, *combo)
         if config["method"] == "qlora" and config["strategy"].startswith("zero3"):
@@ -218,15 +290,19 @@ def main() -> None:
         row = estimated(recipe_path, model, config["strategy"], args.num_processes, gpu_memory)
         result = {"configuration": config, "recipe_keys": {**METHODS[config["method"]], **STRATEGIES[config["strategy"]][0]},
                   "estimate_row": STRATEGIES[config["strategy"]][1], "estimate_bytes": row.total, "estimate_allocated_bytes": row.allocated,
-                  "estimate_reserved_bytes": row.total - row.overhead, "estimate_peak_at": row.peak_at,
-                  "device": device, "commit": version, "cuda_context_bytes": context}  # fmt: skip
+                  "estimate_reserved_bytes": row.total - row.overhead, "estimate_context_bytes": row.overhead,
+                  "estimate_peak_at": row.peak_at, "device": device, "commit": version,
+                  "cuda_context_bytes": context}  # fmt: skip
         if not args.estimate_only:
             result.update(measured(recipe_path, out, args.num_processes))
         alloc, resv = result.get("measured_allocated_bytes"), result.get("measured_reserved_bytes")
+        rank_context = result.get("rank_context_bytes") or context
+        whole = resv + rank_context if resv and rank_context else None
         gb = lambda value: f"{value / GB:9.1f}" if value else f"{'-':>9}"  # noqa: E731
         print(f"{' '.join(combo):58} {gb(row.allocated)} {gb(alloc):>10} {ratio(row.allocated, alloc):>6} "
               f"{gb(row.total - row.overhead)} {gb(resv)} {ratio(row.total - row.overhead, resv):>6} "
-              f"{gb(row.total)}" + (f"  {result['error']}" if "error" in result else ""))  # fmt: skip
+              f"{gb(row.total)} {gb(whole)} {ratio(row.total, whole):>6}"
+              + (f"  {result['error']}" if "error" in result else ""))  # fmt: skip
         rows.append(result)
         with (args.work / "rows.jsonl").open("a") as log:  # a matrix cut off by a time limit keeps its rows
             log.write(json.dumps(result) + "\n")

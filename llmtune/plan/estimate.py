@@ -21,8 +21,8 @@ from llmtune.plan.model_facts import ModelFacts
 from llmtune.plan.recommend import recommend
 
 EIGHT_BIT = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "lion_8bit", "paged_lion_8bit")
-# check_fits and recommend() refuse a total above this share of the GPU: the calibration's worst row was 4%
-# below the measured peak (QLoRA 8B), and nvidia-smi's memory.total includes memory no process can allocate
+# check_fits and recommend() refuse a total above this share of the GPU: the calibration's lowest row was 0.5%
+# below reserved + context (FSDP2, issue 32), and nvidia-smi's memory.total includes memory no process can allocate
 FIT_FRACTION = 0.95
 
 
@@ -75,6 +75,8 @@ class Estimate:
     temporaries: float = 0.0  # the optimizer's scratch during its step
     recompute: float = 0.0  # gradient checkpointing: one layer's activations rebuilt during backward
     reserve: float = 0.0  # the caching allocator's: blocks cached but idle at the peak, and fragmentation
+    basis: str = "modelled"  # or "measured on H100": whether a recorded GPU run covers this row (estimate_basis)
+    basis_reason: str = ""  # why a row is modelled
 
     @property
     def name(self) -> str:
@@ -369,10 +371,19 @@ def estimate_recipe(
     if stages <= 1 and gpus_per_machine > 1:
         stages = min(gpus_per_machine, facts.num_layers)  # what a pipeline inside one machine would hold
     data_parallel = world // stages if recipe.pipeline_parallel_size > 1 else world
-    rows = estimate(recipe, facts, data_parallel, gpus_per_machine, stages, mixed=mixed)
+    rows = [labelled(row, recipe, world, facts.model_type)
+            for row in estimate(recipe, facts, data_parallel, gpus_per_machine, stages, mixed=mixed)]  # fmt: skip
     choice = recommend(rows, gpu_memory, num_machines, interconnect, cpu_memory)
     return Report(recipe.base_model, facts.total_params(), trainable_parameters(recipe, facts), gpus_per_machine,
                   num_machines, gpu_memory, cpu_memory, interconnect, rows, choice)  # fmt: skip
+
+
+def labelled(row: Estimate, recipe, world_size: int, model_type: str) -> Estimate:
+    """The row with its basis: "measured on H100" where a recorded GPU run covers it, else "modelled"."""
+    from llmtune.plan.estimate_basis import basis
+
+    label, why = basis(recipe, row.name, world_size, model_type)
+    return replace(row, basis=label, basis_reason=why)
 
 
 def row_for_plan(plan) -> str:

@@ -4,8 +4,10 @@ the model, with the data-parallel degree the batch arithmetic follows (plan.mesh
 from __future__ import annotations
 
 from llmtune.errors import UserError
+from llmtune.plan.cluster import Cluster
 from llmtune.plan.model_facts import NOT_ATTENTION_ONLY, ModelFacts
 from llmtune.recipe import Recipe
+from llmtune.recipe.kernels import CCE_PLUGIN, liger_requested
 
 
 def _data_parallel_sizes(recipe: Recipe, world: int, inner: int, key: str, shard_the_rest: bool) -> tuple[int, int]:
@@ -74,3 +76,41 @@ def tensor_parallel_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, n
                  f"{replicate * shard} groups ({shard} FSDP2 shard x {replicate} replica): the global batch, steps and "
                  "learning-rate schedule follow those groups, not the world size")  # fmt: skip
     return {"tensor_parallel": tp, "dp_shard": shard, "dp_replicate": replicate}
+
+
+def check_tensor_parallel_loss(recipe: Recipe) -> None:
+    """Liger's fused linear cross-entropy (cut_cross_entropy runs as it) multiplies the hidden states by
+    lm_head.weight itself, never calling lm_head, so the hook that gathers TP's vocabulary-sharded output never runs:
+    the kernel gets a DTensor shard (over NCCL it fails on mixed tensors, or takes a softmax over one shard). The
+    CPU rehearsal runs no Liger kernel and can't show it, so it is refused there too."""
+    if not liger_requested(recipe)["fused_linear_cross_entropy"]:
+        return
+    key = ("liger_fused_linear_cross_entropy" if recipe.liger_fused_linear_cross_entropy
+           else "cut_cross_entropy" if recipe.cut_cross_entropy else f"plugins: {CCE_PLUGIN}")  # fmt: skip
+    raise UserError(f"{key} with tensor_parallel_size {recipe.tensor_parallel_size} is not supported: the fused kernel "
+                    "reads the whole lm_head weight, which tensor parallelism holds as a DTensor shard of the "
+                    "vocabulary (over NCCL it fails, or computes the loss over one shard)",
+                    f"use liger_cross_entropy: true instead of {key} (the loss on the gathered logits), or drop "
+                    "tensor_parallel_size")  # fmt: skip
+
+
+def tensor_parallel_shared_output(recipe: Recipe, cluster: Cluster, notes: list[str]) -> str | None:
+    """Why every machine of this tensor-parallel run must see one output_dir (None: it needn't). The checkpoint's
+    tp_state is torch's distributed checkpoint: one .metadata (written by rank 0) and shards each rank writes, and
+    replicated tensors saved by one rank only, so resuming reads other machines' files. The machines' check-in
+    (launch/lobby.py) tests that they share output_dir; launches without it are refused here."""
+    resumes = recipe.save_strategy != "no" or recipe.resume_from_checkpoint or recipe.auto_resume_from_checkpoints
+    if cluster.num_machines == 1 or recipe.save_only_model or not resumes:
+        return None
+    reason = "tensor-parallel checkpoints (tp_state: each rank's shards, read back by the other ranks on resume)"
+    unchecked = ("rdzv_backend: c10d" if recipe.rdzv_backend == "c10d"
+                 else "DeepSpeed's launcher over ssh" if cluster.launcher == "deepspeed" and cluster.ssh else None)  # fmt: skip
+    if unchecked:
+        raise UserError(f"{reason} need output_dir on storage all {cluster.num_machines} machines share, which llmtune "
+                        f"checks when the machines check in, and {unchecked} starts them without that check",
+                        ("remove rdzv_backend: c10d" if recipe.rdzv_backend == "c10d" else "add --no-ssh")
+                        + " (each machine checks in with machine 0), or set save_only_model: true (weight snapshots, "
+                        "no resume)")  # fmt: skip
+    notes.append(f"tensor parallel on {cluster.num_machines} machines: output_dir must be on storage every machine "
+                 "shares (checked when the machines check in)")  # fmt: skip
+    return reason

@@ -15,7 +15,12 @@ from llmtune.errors import UserError
 from llmtune.plan.accelerate_config import build_accelerate_config, fsdp_section
 from llmtune.plan.cluster import Cluster
 from llmtune.plan.deepspeed import build_deepspeed_config
-from llmtune.plan.mesh import hybrid_mesh, tensor_parallel_mesh
+from llmtune.plan.mesh import (
+    check_tensor_parallel_loss,
+    hybrid_mesh,
+    tensor_parallel_mesh,
+    tensor_parallel_shared_output,
+)
 from llmtune.plan.model_facts import ModelFacts, read_model_facts
 from llmtune.plan.pipeline import bubble_fraction, split_layers
 from llmtune.recipe import Recipe
@@ -61,6 +66,7 @@ class Plan:
     min_machines: int | None = None  # c10d: the job runs with any machine count from this up to num_machines
     kernels: dict[str, Any] = field(default_factory=dict)  # on GPUs: liger kernels, attention, torch.compile
     mesh: dict[str, int] | None = None  # tp: {tensor_parallel, dp_shard, dp_replicate}; ranks = their product
+    shared_output_dir: str | None = None  # what needs every machine to see one output_dir (the check-in tests it)
 
     @property
     def title(self) -> str:
@@ -159,6 +165,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         what = {"zero": "DeepSpeed", "tp": "tensor parallelism"}.get(strategy, strategy)
         raise UserError(f"optimizer: muon under {what} is not supported (it orthogonalizes whole weight matrices: "
                         "one process, DDP or FSDP2, as in Axolotl)", "use fsdp_version: 2, or adamw_torch")  # fmt: skip
+    if recipe.optimizer == "muon" and strategy == "fsdp2":
+        _check_muon_offload(recipe)
     if pipeline and recipe.precision == "fp16":  # refused in rehearsal too: the GPU run would refuse it
         raise UserError("pipeline runs take bf16 or fp32: fp16 needs loss scaling, which the pipeline loop does not do",
                         "set bf16: true (or fp16: false)")  # fmt: skip
@@ -166,9 +174,11 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         # measured on an H100 (torch 2.11): gloo's send/recv of CUDA tensors fails with "Bad address"
         raise UserError("pipeline stages pass activations with send/recv, which gloo cannot do on CUDA tensors",
                         "run pipeline stages on separate GPUs (NCCL), or rehearse them with --device cpu")  # fmt: skip
-    mesh = None
+    mesh = shared_output = None
     if strategy == "tp":
+        check_tensor_parallel_loss(recipe)
         mesh = tensor_parallel_mesh(recipe, world, facts, notes)
+        shared_output = tensor_parallel_shared_output(recipe, cluster, notes)
     elif strategy.startswith("fsdp"):
         mesh = hybrid_mesh(recipe, world, recipe.resolved_fsdp()[0], notes, facts)
     data_parallel = world // pipeline.stages if pipeline else world
@@ -259,8 +269,21 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         strategy, offload, world, data_parallel, recipe.micro_batch_size, accumulation, global_batch, precision,
         cluster, config_dir, accelerate, deepspeed_config, env, commands, pipeline, notes, recipe.rdzv_backend,
         recipe.min_machines if recipe.min_machines and recipe.min_machines < cluster.num_machines else None,
-        kernels.to_dict(), mesh,
+        kernels.to_dict(), mesh, shared_output,
     )  # fmt: skip
+
+
+def _check_muon_offload(recipe: Recipe) -> None:
+    """Muon's Newton-Schulz step gathers each whole matrix (DTensor.full_tensor) on the device its shard is on;
+    with FSDP2 offload the shards and their gradients live on the CPU, which NCCL can't gather (gloo can: a CPU
+    rehearsal would pass), so it is refused on every device."""
+    if not recipe.resolved_fsdp()[1].offload_params:
+        return
+    key = "fsdp_config.offload_params" if recipe.fsdp_config and recipe.fsdp_config.offload_params else "fsdp: offload"
+    raise UserError(f"optimizer: muon with {key} is not supported: its Newton-Schulz step needs each whole weight "
+                    "matrix on the GPU, and FSDP2 offload keeps the shards and their gradients on the CPU, where NCCL "
+                    "can't gather them", f"remove {key} (muon runs under FSDP2 without offload), or use optimizer: "
+                    "adamw_torch")  # fmt: skip
 
 
 def _kernels(recipe: Recipe, cluster: Cluster, precision: str, strategy: str) -> Kernels:

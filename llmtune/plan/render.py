@@ -176,6 +176,20 @@ ESTIMATE_NOTES = (
 )
 
 
+def basis_notes(rows) -> list[str]:
+    """Which rows a recorded GPU run checks, and one line per reason the others are only modelled."""
+    measured = [row for row in rows if not row.basis_reason]
+    lines = [f"{measured[0].basis} ({', '.join(row.name for row in measured)}): a recorded GPU run of this "
+             "configuration checks these rows (docs/estimate.md)"] if measured else []  # fmt: skip
+    reasons: dict[str, list[str]] = {}
+    for row in rows:
+        if row.basis_reason:
+            reasons.setdefault(row.basis_reason, []).append(row.name)
+    every = len(reasons) == 1 and not measured
+    return lines + [f"modelled ({'every row' if every else ', '.join(names)}): {reason}"
+                    for reason, names in reasons.items()]  # fmt: skip
+
+
 def estimate_cells(row) -> list[str]:
     """One row of the estimate table, in GB: the ZeRO paper's terms, then what the GPU adds."""
     from llmtune.plan.estimate import GB
@@ -196,16 +210,18 @@ def print_estimate(report) -> None:
                         f"({report.trainable_params / 1e6:,.1f}M trainable), {report.num_machines} x "
                         f"{report.gpus_per_machine} GPUs of {report.gpu_memory / GB:.0f} GB")  # fmt: skip
     columns = ("strategy (GB per GPU)", "params", "grads", "optim", "buffers", "activ", "logits", "peak (at)",
-               "reserve", "context", "total", "fits", "CPU/machine")  # fmt: skip
+               "reserve", "context", "total", "fits", "CPU/machine", "basis")  # fmt: skip
     for column in columns:
-        table.add_column(column, justify="left" if column.startswith("strategy") else "right")
+        table.add_column(column, justify="left" if column.startswith(("strategy", "basis")) else "right")
     for row in report.rows:
         cpu = f"{row.cpu / GB:.1f}" + (" + NVMe" if row.nvme else "") if row.cpu or row.nvme else ""
-        table.add_row(row.strategy, *estimate_cells(row), "yes" if report.fits(row) else "no", cpu)
+        table.add_row(row.strategy, *estimate_cells(row), "yes" if report.fits(row) else "no", cpu, row.basis)
     console = Console(width=None if Console().is_terminal else 160)
     console.print(table)
     for note in ESTIMATE_NOTES:
         console.print(note, highlight=False)
+    for line in basis_notes(report.rows):
+        console.print(line, highlight=False)
     console.print(f"fits: total under {FIT_FRACTION:.0%} of the GPU's {report.gpu_memory / GB:.0f} GB "
                   f"({FIT_FRACTION * report.gpu_memory / GB:.1f} GB)", highlight=False)  # fmt: skip
     if report.choice is None:

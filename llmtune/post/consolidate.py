@@ -61,13 +61,36 @@ def consolidate(weights: RunWeights) -> dict:
             tag = sorted(weights.folder.glob("global_step*"), key=lambda p: int(p.name[11:] or 0))[-1].name
         state = get_fp32_state_dict_from_zero_checkpoint(str(weights.folder), tag=tag)
         return {key.removeprefix("module."): value for key, value in state.items()}
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
     folder = next(
         iter(sorted(weights.folder.glob("pytorch_model_fsdp_*")) or sorted(weights.folder.glob("model_fsdp_*")))
     )
-    state = _load_state_dict_from_keys(checkpoint_id=str(folder))
-    return dict(state.get("model", state))
+    return load_dcp_model(folder)
+
+
+def load_dcp_model(folder: Path) -> dict:
+    """The model tensors of a torch.distributed.checkpoint folder, whole, in this one process.
+
+    DCP loads into a state dict it is given; the checkpoint's own metadata says each tensor's shape and dtype, so
+    the template is built from it (public API only; see docs/private-api.md). accelerate saves FSDP's sharded state
+    as {"model": state_dict}: the names are given back without that "model." level.
+    """
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(folder))
+    metadata = reader.read_metadata()
+    state = {key: torch.empty(item.size, dtype=item.properties.dtype)
+             for key, item in metadata.state_dict_metadata.items() if isinstance(item, dcp.TensorStorageMetadata)}  # fmt: skip
+    with warnings.catch_warnings():  # it warns that it loads in one process, which is what no_dist asks
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    paths = {key: tuple((metadata.planner_data or {}).get(key, (key,))) for key in state}  # key -> its nested path
+    if any(len(path) > 1 and path[0] == "model" for path in paths.values()):
+        return {".".join(map(str, path[1:])): state[key] for key, path in paths.items()
+                if len(path) > 1 and path[0] == "model"}  # fmt: skip
+    return state
 
 
 def write_full_weights(weights: RunWeights, writer: ShardWriter, target, progress: Callable) -> None:

@@ -40,7 +40,7 @@ class Parts:
 def find_parts(model) -> Parts:
     """The pieces of a decoder-only LM, found from its structure rather than a table of model names."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    lists = [m for m in vars(base).get("_modules", {}).values() if isinstance(m, nn.ModuleList)] if base else []
+    lists = [m for m in base.children() if isinstance(m, nn.ModuleList)] if base is not None else []
     norm = next((getattr(base, n) for n in NORM_NAMES if base is not None and hasattr(base, n)), None)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if not lists or norm is None or embed is None or head is None:
@@ -232,6 +232,10 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
     if steps_per_epoch == 0:
         raise UserError(f"{len(rows)} training rows can't fill one global batch of {global_batch}")
     total_steps = recipe.max_steps or math.ceil(recipe.num_epochs * steps_per_epoch)
+    # a logging_steps below 1 is a fraction of the run, as transformers reads it
+    logging_interval = (
+        max(1, round(recipe.logging_steps * total_steps)) if recipe.logging_steps < 1 else int(recipe.logging_steps)
+    )
     warmup = (
         recipe.warmup_steps if recipe.warmup_steps is not None else math.ceil((recipe.warmup_ratio or 0) * total_steps)
     )
@@ -291,7 +295,7 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
                  "epoch": (step + 1) / steps_per_epoch, "step": step + 1}  # fmt: skip
         history.append(entry)
         time.sleep(step_sleep)
-        if (step + 1) % recipe.logging_steps == 0 or step == 0:
+        if (step + 1) % logging_interval == 0 or step == 0:
             elapsed, done = time.time() - started, step + 1 - start
             log(step_line(step + 1, total_steps, entry["loss"], entry["learning_rate"], norm,
                           tokens_seen / elapsed if elapsed else None,

@@ -87,12 +87,10 @@ def _pausable_mx():
 
 def _linear_config(qat: Qat):
     """torchao's QATConfig for the linear layers (None for NVFP4, which llmtune emulates itself)."""
-    from torchao.quantization.qat import QATConfig
-    from torchao.quantization.qat.fake_quantize_config import (
-        Float8FakeQuantizeConfig,
-        Int4WeightFakeQuantizeConfig,
-        IntxFakeQuantizeConfig,
-    )
+    from torchao.quantization.qat import Float8FakeQuantizeConfig, IntxFakeQuantizeConfig, QATConfig
+
+    # not exported by torchao.quantization.qat (0.18): see docs/private-api.md
+    from torchao.quantization.qat.fake_quantize_config import Int4WeightFakeQuantizeConfig
 
     act, weight = qat.activation_dtype, qat.weight_dtype
     if weight == "nvfp4":

@@ -26,8 +26,19 @@ def gather(report: dict) -> list[dict]:
     return collectives.all_gather_objects(report)
 
 
-def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset_rows: int) -> list[dict]:
-    """Gather every rank's view of the run and stop it if the ranks don't form the planned job."""
+def duplicate_rows(dataset) -> int:
+    """Rows of the tokenized train set whose input_ids repeat an earlier row's (0: every row is distinct)."""
+    seen: set[tuple[int, int]] = set()
+    for index in range(len(dataset)):
+        ids = dataset[index]["input_ids"]
+        seen.add((len(ids), hash(tuple(ids))))
+    return len(dataset) - len(seen)
+
+
+def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset) -> list[dict]:
+    """Gather every rank's view of the run and stop it if the ranks don't form the planned job.
+
+    `dataset`: the train rows (each with input_ids), read only when two data-parallel groups collide."""
     world, rank = collectives.world_size(), collectives.rank()
     report = {"rank": rank, "host": socket.gethostname(), "world_size": world, "accelerate_world_size": accelerate_world,
               "first_batch": fingerprint(input_ids), "first_batch_width": int(input_ids.shape[-1])}  # fmt: skip
@@ -41,8 +52,7 @@ def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset_rows
             )
     # Every data-parallel rank (pipeline runs use their own loop) must see its own rows: first batches differ
     # between data-parallel groups, and are the same within a tensor- or context-parallel group (consecutive
-    # ranks, which split one forward pass by layer slices or by sequence chunks). Sets too small to give each group its own rows may
-    # legitimately repeat some.
+    # ranks, which split one forward pass by layer slices or by sequence chunks).
     mesh = plan.get("mesh") or {}
     group = mesh.get("tensor_parallel", 1) * mesh.get("context_parallel", 1)  # consecutive ranks that share rows
     groups: dict[int, set] = {}
@@ -51,20 +61,30 @@ def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset_rows
     if any(len(batches) > 1 for batches in groups.values()):
         raise SilentlyWrongRun("the ranks of one tensor-parallel group received different batches: each would "
                                "compute its slice of a different forward pass")  # fmt: skip
-    if dataset_rows >= 2 * plan["micro_batch_size"] * plan["data_parallel_size"]:
-        # Data split over only part of the mesh leaves at most half the first batches distinct; a dataset with
-        # repeated rows can make two ranks' batches equal by chance, so one collision among many is not an error.
-        seen: dict[str, list[int]] = {}
-        for index, batches in groups.items():
-            seen.setdefault(next(iter(batches)), []).append(index * group)
-        if len(seen) <= len(groups) // 2:
-            same = next(ranks for ranks in seen.values() if len(ranks) > 1)
-            raise SilentlyWrongRun(
-                f"data-parallel ranks {' and '.join(map(str, same))} received the same first batch ({len(seen)} "
-                f"distinct among {len(groups)}): the data is not being split across ranks, so they would train on "
-                "the same examples"
-            )
+    _check_groups_differ(groups, group, plan, dataset)
     return reports
+
+
+def _check_groups_differ(groups: dict[int, set], group: int, plan: dict, dataset) -> None:
+    """At most one pair of data-parallel groups may share a first batch, and only when the dataset repeats rows
+    (two copies of a row can open two groups' batches by chance); more is a sharding bug, not chance."""
+    if len(dataset) < plan["micro_batch_size"] * plan["data_parallel_size"]:
+        return  # too few rows to give every group its own first batch: the sampler wraps around and repeats them
+    ranks_by_batch: dict[str, list[int]] = {}
+    for index, batches in sorted(groups.items()):
+        ranks_by_batch.setdefault(next(iter(batches)), []).append(index * group)
+    same = [ranks for ranks in ranks_by_batch.values() if len(ranks) > 1]
+    pairs = sum(len(ranks) * (len(ranks) - 1) // 2 for ranks in same)
+    if not pairs:
+        return
+    repeated = duplicate_rows(dataset) if pairs == 1 else None  # hashing every row only where it can decide
+    if repeated:
+        return
+    named = "; ".join(" and ".join(map(str, ranks)) for ranks in same)
+    why = (f"{pairs} colliding pairs among {len(groups)} groups (repeated rows explain at most one)" if pairs > 1
+           else "and the dataset has no repeated rows")  # fmt: skip
+    raise SilentlyWrongRun(f"data-parallel ranks {named} received the same first batch, {why}: the data is not being "
+                           "split across ranks, so they would train on the same examples")  # fmt: skip
 
 
 SEQUENCE_MIXERS = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent", "Rwkv", "SSM")

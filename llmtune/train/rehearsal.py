@@ -2,9 +2,9 @@
 
 On GPUs none of this runs. On CPU, accelerate would otherwise give DeepSpeed no process group
 (world size 1: every rank trains on the same batches) and turn FSDP into DDP. We create the
-process state ourselves with gloo and tell the Trainer to use it; nothing in the libraries is
-patched. Tests check the result behaves as on GPUs: sharded parameters, distinct data per
-rank, and the same loss as a single-process run.
+process state ourselves with gloo and tell the Trainer to use it; no library code is patched (the
+private hooks used are listed in docs/private-api.md). Tests check the result behaves as on GPUs:
+sharded parameters, distinct data per rank, and the same loss as a single-process run.
 """
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ def context_parallel_on_cpu() -> None:
     """
     import torch
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+    from torch.distributed.tensor.experimental import register_sharding
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
     from torch.distributed.tensor.placement_types import Shard
 
@@ -87,13 +86,9 @@ def context_parallel_on_cpu() -> None:
         return
     seq = 2  # (batch, heads, sequence, head_dim)
 
-    def sharded(inputs: int, outputs: int, first_input: int):
-        def strategy(op_schema):
-            mesh = op_schema.get_mesh_from_args(validate=False)
-            return expand_to_full_mesh_op_strategy(mesh, op_schema, [[Shard(seq)] * (outputs + inputs)],
-                                                   input_index=first_input)  # fmt: skip
-
-        return strategy
+    def sharded(inputs: int, outputs: int):
+        """Every tensor input and output sharded along the sequence, the one layout ring attention takes."""
+        return lambda *args, **kwargs: [([Shard(seq)] * outputs, [Shard(seq)] * inputs)]
 
     def kernel(query, key, value, is_causal, dropout_p=0.0, scale=None):
         return forward(query, key, value, dropout_p, is_causal, scale=scale)
@@ -121,7 +116,7 @@ def context_parallel_on_cpu() -> None:
             )[:3]  # fmt: skip
         return dispatcher.wrap(tuple(result), info.output_sharding.output_spec)
 
-    register_op_strategy(forward, schema_info=RuntimeSchemaInfo(3))(sharded(3, 2, 2))
-    register_op_strategy(backward)(sharded(6, 3, 3))
+    register_sharding(forward)(sharded(3, 2))  # q, k, v -> out, logsumexp
+    register_sharding(backward)(sharded(6, 3))  # grad_out, q, k, v, out, logsumexp -> grad q, k, v
     dispatcher._custom_op_handlers[forward] = handler
     dispatcher._custom_op_handlers[backward] = handler

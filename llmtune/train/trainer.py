@@ -212,7 +212,7 @@ class LlmtuneTrainer(Trainer):
             from llmtune.train.ranks import check_first_batch
 
             self.rank_reports = check_first_batch(
-                inputs["input_ids"], self.plan, self.accelerator.num_processes, len(self.train_dataset)
+                inputs["input_ids"], self.plan, self.accelerator.num_processes, self.train_dataset
             )
         self.tokens_seen += int(inputs.pop(REAL_TOKENS, 0))
         pairs = self.recipe is not None and self.recipe.reward_model  # a pair is two sequences of the batch

@@ -17,11 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def llmtune(
-    *args, timeout: float = 600, env: dict | None = None, cwd: Path | None = None
+    *args, timeout: float = 600, env: dict | None = None, cwd: Path | None = None, python_flags: tuple = ()
 ) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "llmtune", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=cwd or ROOT)  # fmt: skip
+    return subprocess.run([sys.executable, *python_flags, "-m", "llmtune", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=full_env, cwd=cwd or ROOT)  # fmt: skip
+
+
+def split_import_times(stderr: str) -> tuple[set[str], str]:
+    """`python -X importtime` lines (this process only: children don't inherit the flag): the top-level packages
+    the process imported, and stderr without those lines."""
+    rows = [line for line in stderr.splitlines() if line.startswith("import time:")]
+    packages = {row.rsplit("|", 1)[-1].strip().split(".")[0] for row in rows[1:]}  # the first row is the header
+    return packages, "\n".join(line for line in stderr.splitlines() if not line.startswith("import time:"))
 
 
 # Lines the user didn't cause, which llmtune silences at their source or filters from the console (the logs keep
@@ -41,7 +49,9 @@ STEP_LINE = re.compile(r"\[llmtune\] step \d+/\d+  loss \d+\.\d{4}  lr \d\.\d{3}
 
 def assert_quiet_console(console: str) -> None:
     """A training run's console: no third-party noise, and the loss printed as a number."""
-    found = {what: pattern.search(console).group(0) for what, pattern in CONSOLE_NOISE.items() if pattern.search(console)}
+    found = {
+        what: pattern.search(console).group(0) for what, pattern in CONSOLE_NOISE.items() if pattern.search(console)
+    }
     assert not found, f"noise on the console: {found}\n{console[-3000:]}"
     assert STEP_LINE.search(console), console[-3000:]
 
@@ -98,7 +108,11 @@ def read_metrics(recipe_path: Path) -> dict:
 
 
 def losses(metrics: dict) -> list[float]:
-    return [entry["loss"] for entry in metrics["log_history"] if "loss" in entry]
+    """The run's logged training losses; never empty: the tests compare two runs' lists, and two runs that logged
+    nothing would compare equal."""
+    found = [entry["loss"] for entry in metrics["log_history"] if "loss" in entry]
+    assert found, f"the run logged no training loss in {metrics.get('steps')} steps"
+    return found
 
 
 REPEAT_WORDS = ["apple", "river", "stone", "cloud", "green", "happy", "seven", "light"]
@@ -140,7 +154,13 @@ def train_run(workspace: tuple, name: str, processes: int, **changes) -> tuple[d
     result = llmtune("train", path, "--num-processes", processes, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert_quiet_console(result.stdout + result.stderr)
-    return read_metrics(path), root / name
+    metrics = read_metrics(path)
+    # a loss at every logging step: the tests compare runs step by step, and a run that logged fewer steps would
+    # compare on those alone
+    every = changes.get("logging_steps", 1)
+    logged = [entry["step"] for entry in metrics["log_history"] if "loss" in entry]
+    assert logged == [s for s in range(1, metrics["steps"] + 1) if s == 1 or s % every == 0], (logged, metrics["steps"])
+    return metrics, root / name
 
 
 def saved_weights(output_dir: Path) -> dict:

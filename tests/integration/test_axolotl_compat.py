@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -148,8 +149,14 @@ def test_accepted_recipe_trains_in_rehearsal(tmp_path_factory, name, family, pro
     result = llmtune("train", path, "--rehearse", "--num-processes", processes, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     metrics = read_metrics(path)
-    assert metrics["world_size"] == processes and metrics["steps"] >= 1
-    assert all(loss == loss for loss in losses(metrics))  # finite, logged
+    history = losses(metrics)
+    assert len(history) == metrics["steps"] and all(math.isfinite(loss) for loss in history), history  # each step
+    # max_steps, unless the recipe's loss watchdog stops the run first: a random model's loss (ln 512 = 6.2) stays
+    # above its threshold, so it stops after `patience` steps, as the recipe asks
+    written = yaml.safe_load(path.read_text())
+    threshold, patience = written.get("loss_watchdog_threshold"), written.get("loss_watchdog_patience") or 3
+    watched = threshold is not None and all(loss > threshold for loss in history[:patience])
+    assert metrics["world_size"] == processes and metrics["steps"] == (patience if watched else 4), history
     plan = json.loads((root / "out" / "llmtune" / "plan.json").read_text())
     assert plan["plan"]["cluster"]["device"] == "cpu"
     if yaml.safe_load(path.read_text()).get("llama4_linearized_experts"):  # LoRA reached every routed expert

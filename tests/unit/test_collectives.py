@@ -101,6 +101,25 @@ def test_values_are_reduced_on_the_communication_device(one_rank_group):
     collectives.barrier()
 
 
+def test_sums_and_flags_combine_every_ranks_values(one_rank_group, monkeypatch):
+    """At world size 1 a sum is its input; here a second rank's values are added inside the all-reduce, so a
+    sum_values or any_rank that skipped the reduction (or reduced off the communication device) shows."""
+    import torch.distributed as dist
+
+    collectives, real, seen = one_rank_group, dist.all_reduce, []
+
+    def with_a_second_rank(tensor, group=None, **kwargs):  # the other rank holds 1.0 in every slot
+        seen.append(tensor.device)
+        work = real(tensor, group=group, **kwargs)
+        tensor.add_(1.0)
+        return work
+
+    monkeypatch.setattr(dist, "all_reduce", with_a_second_rank)
+    assert collectives.sum_values([3, 0.5]) == [4.0, 1.5]
+    assert collectives.any_rank(False)  # this rank says no, the other yes: every rank stops
+    assert seen == [collectives.device()] * 2
+
+
 def test_a_tensor_elsewhere_is_refused_as_nccl_would(one_rank_group):
     import torch
 

@@ -36,7 +36,8 @@ def model_dir(tmp_path) -> Path:
 
 def test_interactive_session_in_a_terminal(tmp_path, chat_file, model_dir):
     """Typed the way a person types: a value then Enter, or Enter alone for the default shown in brackets."""
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect  # a dev dependency: without it this must fail, not skip (a skip would pass CI unproven)
+
     output = tmp_path / "my.yaml"
     missing = "./data/missing.jsonl"
     env = {**os.environ, "TERM": "xterm", "COLUMNS": "160", "LINES": "60", "CUDA_VISIBLE_DEVICES": ""}

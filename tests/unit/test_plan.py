@@ -273,8 +273,12 @@ def test_tensor_parallel_refuses_what_it_cannot_combine_with(changes, words):
 
 def test_hsdp_plans_a_replicated_fsdp2_mesh(tmp_path):
     plan = make_plan(recipe(fsdp_version=2, dp_replicate_size=2), make_cluster(8, device="cuda"))
-    assert plan.strategy == "fsdp2" and plan.mesh == {"tensor_parallel": 1, "context_parallel": 1, "dp_shard": 4,
-                                                      "dp_replicate": 2}
+    assert plan.strategy == "fsdp2" and plan.mesh == {
+        "tensor_parallel": 1,
+        "context_parallel": 1,
+        "dp_shard": 4,
+        "dp_replicate": 2,
+    }
     assert plan.data_parallel_size == 8 and any("HSDP" in n for n in plan.notes)
     assert make_plan(recipe(fsdp_version=2, dp_shard_size=8), make_cluster(8, device="cuda")).mesh is None
 
@@ -350,3 +354,96 @@ def test_steps_per_epoch_follow_the_data_parallel_degree_under_tensor_and_contex
                    make_cluster(4, device="cuda"))  # fmt: skip
     for plan in (tp, cp):  # 64 rows, 4 per rank, 2 data-parallel groups (not 4 ranks): 8 steps, not 4
         assert plan.data_parallel_size == 2 and steps_per_epoch(64, plan.to_dict()) == 8
+
+
+# Combinations that pass a CPU rehearsal and fail (or compute something else) over NCCL: refused at plan time, on
+# every device, in one line naming the keys; the neighbouring valid combination still plans.
+CCE = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
+
+
+@pytest.mark.parametrize(
+    ("fused", "key"),
+    [
+        ({"liger_fused_linear_cross_entropy": True}, "liger_fused_linear_cross_entropy"),
+        ({"cut_cross_entropy": True}, "cut_cross_entropy"),  # runs as Liger's fused linear cross-entropy
+        ({"plugins": [CCE]}, f"plugins: {CCE}"),  # Axolotl's way to turn it on
+    ],
+)
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_tensor_parallel_refuses_the_fused_linear_cross_entropy(fused, key, device):
+    with pytest.raises(UserError) as err:
+        make_plan(recipe(tensor_parallel_size=2, **fused), make_cluster(2, device=device))
+    line = err.value.one_line()
+    assert line.startswith(f"{key} with tensor_parallel_size 2 is not supported"), line
+    assert "whole lm_head weight" in line and "DTensor shard" in line and "liger_cross_entropy: true" in err.value.hint
+    # the neighbours plan: tensor parallel with Liger's plain cross-entropy, and the fused kernel without TP
+    assert (
+        make_plan(recipe(tensor_parallel_size=2, liger_cross_entropy=True), make_cluster(2, device=device)).strategy
+        == "tp"
+    )
+    assert make_plan(recipe(fsdp_version=2, **fused), make_cluster(2, device=device)).strategy == "fsdp2"
+
+
+@pytest.mark.parametrize(
+    ("fsdp", "key"),
+    [
+        ({"fsdp_config": {"offload_params": True}}, "fsdp_config.offload_params"),
+        ({"fsdp_config": {"fsdp_offload_params": True}}, "fsdp_config.offload_params"),  # Axolotl's spelling
+        ({"fsdp": ["full_shard", "auto_wrap", "offload"]}, "fsdp: offload"),
+    ],
+)
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_muon_refuses_fsdp2_parameter_offload(fsdp, key, device):
+    with pytest.raises(UserError) as err:
+        make_plan(recipe(optimizer="muon", fsdp_version=2, **fsdp), make_cluster(2, device=device))
+    line = err.value.one_line()
+    assert line.startswith(f"optimizer: muon with {key} is not supported"), line
+    assert "Newton-Schulz" in line and "whole weight matrix" in line and "CPU" in line
+    # the neighbours plan: muon under FSDP2 without offload, and AdamW with the offload
+    assert make_plan(recipe(optimizer="muon", fsdp_version=2), make_cluster(2, device=device)).strategy == "fsdp2"
+    assert make_plan(recipe(fsdp_version=2, **fsdp), make_cluster(2, device=device)).offload == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"tensor_parallel_size": 2, "liger_fused_linear_cross_entropy": True},
+         ["liger_fused_linear_cross_entropy with tensor_parallel_size 2", "DTensor shard"]),
+        ({"optimizer": "muon", "fsdp_version": 2, "fsdp_config": {"offload_params": True}},
+         ["optimizer: muon with fsdp_config.offload_params", "Newton-Schulz"]),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("command", ["validate", "plan"])
+def test_refused_combinations_end_the_cli_in_one_line(run_cli, write_recipe, changes, words, command):
+    flags = ["--num-processes", "2", "--device", "cpu"] if command == "plan" else []
+    result = run_cli(command, write_recipe(changes), *flags)
+    assert result.code == 2, (result.out, result.err)
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.err, result.err
+    assert all(word in lines[0] for word in words), lines[0]
+
+
+def _machines(count: int, **flags):
+    return make_cluster(2 * count, num_machines=count, main_process_ip="10.0.0.1", device="cuda", **flags)
+
+
+def test_tensor_parallel_checkpoints_across_machines_need_a_shared_output_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    plan = make_plan(recipe(tensor_parallel_size=2), _machines(2))
+    assert plan.shared_output_dir and "tp_state" in plan.shared_output_dir  # the machines' check-in tests it
+    assert any("output_dir must be on storage every machine shares" in note for note in plan.notes)
+    assert make_plan(recipe(tensor_parallel_size=2, save_only_model=True), _machines(2)).shared_output_dir is None
+    assert make_plan(recipe(tensor_parallel_size=2), _machines(1)).shared_output_dir is None
+    # launches that skip the check-in can't learn it before training: refused, naming what skips it
+    with pytest.raises(UserError) as err:
+        make_plan(recipe(tensor_parallel_size=2, rdzv_backend="c10d"), _machines(2))
+    assert "rdzv_backend: c10d starts them without that check" in err.value.one_line()
+    assert "remove rdzv_backend: c10d" in err.value.hint and "save_only_model: true" in err.value.hint
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("10.0.0.1 slots=2\n10.0.0.2 slots=2\n")
+    with pytest.raises(UserError, match="DeepSpeed's launcher over ssh starts them without that check"):
+        make_plan(
+            recipe(tensor_parallel_size=2), make_cluster(launcher="deepspeed", hostfile=str(hostfile), device="cuda")
+        )
+    no_ssh = make_cluster(launcher="deepspeed", hostfile=str(hostfile), device="cuda", no_ssh=True)
+    assert make_plan(recipe(tensor_parallel_size=2), no_ssh).shared_output_dir  # each machine checks in

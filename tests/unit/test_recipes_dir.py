@@ -32,8 +32,12 @@ def test_recipe_validates_and_plans(path, monkeypatch, tmp_path):
     assert text.startswith("#"), "a recipe opens with a comment"
     assert "llmtune " in text.split("\n\n")[0] or "llmtune " in "".join(text.splitlines(True)[:8])
     loaded = load_recipe(path)
-    world = max(2, loaded.recipe.pipeline_parallel_size * 2)
+    recipe = loaded.recipe
+    world = max(2, recipe.pipeline_parallel_size * 2)
+    # what each data-parallel rank takes per optimizer step: micro-batches (pipeline) or accumulation steps
+    per_step = recipe.pipeline_microbatches if recipe.pipeline_parallel_size > 1 else recipe.gradient_accumulation_steps
+    model_parallel = recipe.pipeline_parallel_size * recipe.tensor_parallel_size * recipe.context_parallel_size
     for device in ("cuda", "cpu"):
-        plan = make_plan(loaded.recipe, make_cluster(world, device=device))
-        assert plan.world_size == world
-        assert plan.global_batch_size >= plan.data_parallel_size
+        plan = make_plan(recipe, make_cluster(world, device=device))
+        assert plan.world_size == world and plan.data_parallel_size == world // model_parallel
+        assert plan.global_batch_size == recipe.micro_batch_size * per_step * plan.data_parallel_size

@@ -168,7 +168,8 @@ def test_a_large_dataset_is_sampled_checked_and_extrapolated(tmp_path):
     assert (source.rows_sampled, source.rows_total, source.stand_in) == (20, 50, None)
     assert len(open(source.spec["path"]).readlines()) == 20 and source.spec["type"] == "alpaca"
     checked = check_data(recipe, load_tokenizer(), [source], 20, tmp_path / "cache")
-    assert checked.sampled and checked.stats["rows"] == 20 and checked.stats["train_rows"] >= 1
+    assert checked.sampled and checked.stats["rows"] == checked.stats["train_examples"] == 20
+    assert 1 <= checked.stats["train_rows"] < 20  # the sample was packed (sample_packing), as the full run will be
     plan = SimpleNamespace(micro_batch_size=2, data_parallel_size=2, gradient_accumulation_steps=1, global_batch_size=4)
     full = full_scale_data(recipe, plan, checked)
     assert full["train_rows_full"] == round(checked.stats["train_rows"] * 50 / 20)

@@ -1,0 +1,743 @@
+"""Every private API and monkeypatch llmtune uses on another library, checked against the installed version.
+
+docs/private-api.md lists them; each row's id has a test here named after it (`trainer-save-checkpoint` ->
+test_trainer_save_checkpoint) that fails, naming the library, the symbol and the doc, when the library changes
+underneath: the symbol is gone, its signature no longer takes what llmtune passes, or the library's public path no
+longer calls the method llmtune overrides. Two more tests keep the doc complete: a scan of llmtune/ for private
+uses (each must have a row), and a check that llmtune's own private names on subclasses of library classes don't
+shadow the library's.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "private-api.md"
+
+
+def expect(ok: bool, entry: str, library: str, symbol: str, detail: str) -> None:
+    """Fail in one readable paragraph: what changed in which library, and where llmtune's use is described."""
+    if not ok:
+        pytest.fail(f"{library} changed under llmtune: {symbol} {detail}. llmtune relies on it: see "
+                    f"docs/private-api.md, entry `{entry}`, for where and why, and what to change.", pytrace=False)  # fmt: skip
+
+
+def expect_params(entry: str, library: str, function, names: list[str]) -> None:
+    """`function` still takes these parameter names (the ones llmtune passes or receives), in this order."""
+    symbol = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', function)}"
+    try:
+        found = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        found = None
+    expect(found is not None and [n for n in found if n in names] == names, entry, library, symbol,
+           f"now takes {found}, where llmtune needs {names}")  # fmt: skip
+
+
+def source_of(entry: str, library: str, obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        expect(False, entry, library, str(obj), "has no readable source to check")
+        return ""
+
+
+def imported(entry: str, library: str, module: str, name: str | None = None):
+    try:
+        found = importlib.import_module(module)
+        return getattr(found, name) if name else found
+    except (ImportError, AttributeError) as err:
+        expect(False, entry, library, f"{module}.{name}" if name else module, f"can't be imported ({err})")
+
+
+# --- the doc: every inventoried row has a test here -------------------------------------------------------------
+
+
+def inventory_ids() -> list[str]:
+    """The ids of the rows of the doc's inventory tables: first cell `like-this`."""
+    return re.findall(r"^\| `([a-z0-9-]+)` \|", DOC.read_text(), flags=re.MULTILINE)
+
+
+def test_every_inventory_entry_has_a_test():
+    ids = inventory_ids()
+    assert len(ids) >= 20, f"docs/private-api.md lists only {len(ids)} entries; the table format may have changed"
+    tests = {name for name in globals() if name.startswith("test_")}
+    missing = [i for i in ids if "test_" + i.replace("-", "_") not in tests]
+    assert not missing, f"docs/private-api.md entries without a test in {Path(__file__).name}: {missing}"
+    assert len(set(ids)) == len(ids), "docs/private-api.md has duplicate entry ids"
+
+
+# --- the scan: a private use in llmtune/ without a row in the doc fails -------------------------------------------
+
+PRIVATE = re.compile(r"^_[A-Za-z0-9]")  # _name, not __dunder__
+CHECKERS = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def sources() -> list[tuple[str, ast.Module]]:
+    return [
+        (str(p.relative_to(ROOT)), ast.parse(p.read_text(), str(p))) for p in sorted((ROOT / "llmtune").rglob("*.py"))
+    ]
+
+
+def owned_names(trees) -> set[str]:
+    """Private names llmtune defines itself: functions, classes, assigned names, and attributes set on self/cls.
+    (A self attribute a library also uses is caught by the shadowing test below, not here.)"""
+    names = set()
+    for _, tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(target, ast.Name):
+                        names.add(target.id)
+                    elif isinstance(target, ast.Attribute) and ast.unparse(target.value) in ("self", "cls"):
+                        names.add(target.attr)
+    return {n for n in names if PRIVATE.match(n)}
+
+
+def private_uses(path: str, tree: ast.Module, owned: set[str]) -> set[tuple[str, str]]:
+    """(file, token) for each private import, private attribute, monkeypatching assignment and setattr."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] not in ("llmtune",
+                                                                                                      "__future__"):  # fmt: skip
+            found |= {(path, p) for p in node.module.split(".") if PRIVATE.match(p)}
+            found |= {(path, a.name) for a in node.names if PRIVATE.match(a.name)}
+        elif isinstance(node, ast.Import):
+            found |= {(path, p) for a in node.names for p in a.name.split(".") if PRIVATE.match(p)}
+        elif isinstance(node, ast.Attribute) and PRIVATE.match(node.attr) and node.attr not in owned:
+            found.add((path, node.attr))
+        elif isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if name in CHECKERS or name == "get":
+                found |= {(path, a.value) for a in node.args if isinstance(a, ast.Constant)
+                          and isinstance(a.value, str) and PRIVATE.match(a.value) and a.value not in owned}  # fmt: skip
+            if name == "setattr" and node.args and ast.unparse(node.args[0]) not in ("self", "cls"):
+                found.add((path, "setattr"))
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Subscript) and ast.unparse(target.value) == "sys.modules":
+                    found.add((path, "sys.modules"))
+                elif (
+                    isinstance(target, ast.Attribute)
+                    and ast.unparse(target.value) not in ("self", "cls")
+                    and (target.attr == "forward" or (target.attr.startswith("__") and target.attr.endswith("__")))
+                ):
+                    found.add((path, target.attr))  # a class's method, an instance's class or forward replaced
+    return found
+
+
+def table_rows(exclude: str) -> list[str]:
+    """The doc's table rows, except those under a heading that starts with `exclude`."""
+    rows, skipping = [], False
+    for line in DOC.read_text().splitlines():
+        if line.startswith("#"):
+            skipping = line.lstrip("# ").startswith(exclude)
+        elif line.startswith("|") and not skipping:
+            rows.append(line)
+    return rows
+
+
+def listed(path: str, token: str, rows: list[str]) -> bool:
+    word = re.compile(rf"(?<![\w]){re.escape(token)}(?![\w])")
+    return any(path in row and word.search(row) for row in rows)
+
+
+def test_every_private_use_in_llmtune_is_listed_in_the_doc():
+    trees = sources()
+    owned = owned_names(trees)
+    rows = table_rows(exclude="Replaced")  # a replaced use is no longer allowed back in without a row of its own
+    uses = set().union(*(private_uses(path, tree, owned) for path, tree in trees))
+    assert len(uses) >= 10, f"the scan found only {sorted(uses)}: it has stopped seeing what it should"
+    missing = sorted(f"{path}: {token}" for path, token in uses if not listed(path, token, rows))
+    assert not missing, ("private third-party uses (or monkeypatches) in llmtune/ with no row in docs/private-api.md "
+                         "naming both the file and the symbol; add one (where, what, why, versions, what breaks) and "
+                         f"a test here: {missing}")  # fmt: skip
+
+
+def test_the_scan_tells_llmtunes_own_private_names_from_a_librarys():
+    code = ("import torch\nfrom torch._x import y\nfrom llmtune.a import _mine\nclass C:\n    def _own(self):\n"
+            "        self._flag = 1\n        self._own(); torch._C._foo(); item._is_x = 0\n"
+            "        Klass.__init__ = f; sys.modules['a'] = None; setattr(obj, 'k', 1); hasattr(obj, '_probe')\n")  # fmt: skip
+    tree = ast.parse(code)
+    found = {t for _, t in private_uses("f.py", tree, owned_names([("f.py", tree)]))}
+    assert found == {"_x", "_C", "_foo", "_is_x", "__init__", "sys.modules", "setattr", "_probe"}
+
+
+# --- llmtune's own private names must not shadow a library's ------------------------------------------------------
+
+# The overrides and flags that do so on purpose; each has a row in the doc.
+MEANT = {"_save_checkpoint", "_get_output_dir", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
+         "_created_lr_scheduler"}  # fmt: skip
+
+
+def subclass_private_names(tree: ast.ClassDef) -> set[str]:
+    """The private names a class's own source defines: methods, class attributes, attributes set on self."""
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for node in tree.body:
+        for target in node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]:
+            if isinstance(target, ast.Name):
+                names.add(target.id)
+    names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+              and isinstance(node.ctx, ast.Store) and ast.unparse(node.value) == "self"}  # fmt: skip
+    return {n for n in names if PRIVATE.match(n)}
+
+
+def test_llmtune_private_names_on_library_subclasses_do_not_shadow_the_librarys():
+    """A subclass's `_name` that its library base also defines (or sets on self) silently replaces the library's."""
+    from llmtune.train.qat import _pausable_mx
+
+    classes = [_pausable_mx()]  # built inside a function (torchao is imported only when MX QAT is asked for)
+    for path, tree in sources():
+        module = path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+        defined = [node.name for node in tree.body if isinstance(node, ast.ClassDef) and node.bases]
+        if defined and not module.endswith("__main__"):
+            classes += [getattr(importlib.import_module(module), name) for name in defined]
+    clashes, checked = [], 0
+    for cls in classes:
+        bases = [b for b in cls.__mro__[1:] if not b.__module__.startswith(("llmtune", "builtins"))]
+        if not bases:
+            continue
+        names = subclass_private_names(ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0])
+        base_sources = "\n".join(inspect.getsource(sys.modules[b.__module__]) for b in bases)
+        for name in sorted(names - MEANT):
+            checked += 1
+            if any(name in vars(b) for b in bases) or re.search(rf"self\.{name}\b", base_sources):
+                clashes.append(f"{cls.__qualname__}.{name} (also in {bases[0].__module__}.{bases[0].__qualname__})")
+    assert checked >= 10, f"only {checked} private names checked: the class list is stale"
+    rows = table_rows(exclude="Replaced")
+    assert all(any(listed("llmtune/", name, [row]) for row in rows) for name in MEANT), "MEANT names need doc rows"
+    assert not clashes, ("llmtune defines private names its library base class also uses: rename them, or, if the "
+                         f"override is meant, add a row to docs/private-api.md and a test here: {clashes}")  # fmt: skip
+
+
+# --- transformers: the Trainer's private methods llmtune overrides or calls ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trainer_calls(tmp_path_factory):
+    """A tiny Trainer run through the public train(): two steps with a checkpoint each, train() again on the same
+    Trainer, then a resume from checkpoint-1. Records which private methods the Trainer called, with what."""
+    import torch
+    from torch import nn
+    from transformers import Trainer, TrainingArguments
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 1)
+
+        def forward(self, x, labels):
+            return {"loss": nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
+
+    calls: list[tuple] = []
+
+    class Recording(Trainer):  # each override records and defers to the Trainer, as llmtune's do
+        def _get_output_dir(self, trial):
+            folder = super()._get_output_dir(trial)
+            calls.append(("_get_output_dir", folder))
+            return folder
+
+        def _save_checkpoint(self, model, trial):
+            calls.append(("_save_checkpoint", self.state.global_step))
+            return super()._save_checkpoint(model, trial)
+
+        def _save_rng_state(self, output_dir):
+            calls.append(("_save_rng_state", output_dir))
+            return super()._save_rng_state(output_dir)
+
+        def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            calls.append(("_load_from_checkpoint", resume_from_checkpoint))
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            calls.append(("_load_optimizer_and_scheduler", checkpoint))
+            return super()._load_optimizer_and_scheduler(checkpoint)
+
+        def create_scheduler(self, num_training_steps, optimizer=None):  # as LlmtuneTrainer's quadratic warmup
+            if self.lr_scheduler is None:
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, lambda _: 1.0)
+                self._created_lr_scheduler = True
+                calls.append(("own_scheduler", self.lr_scheduler))
+            return super().create_scheduler(num_training_steps, optimizer)
+
+    torch.manual_seed(0)
+    rows = [{"x": torch.randn(4), "labels": torch.tensor(0.5)} for _ in range(8)]
+    out = tmp_path_factory.mktemp("trainer")
+
+    def trainer(steps: int) -> Trainer:
+        args = TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=1, save_strategy="steps",
+                                 per_device_train_batch_size=2, report_to=[], use_cpu=True, disable_tqdm=True,
+                                 logging_strategy="no")  # fmt: skip
+        return Recording(model=Tiny(), args=args, train_dataset=rows)
+
+    first = trainer(2)
+    first.train()
+    first_run = list(calls)
+    first.train()  # a second train() (auto_find_batch_size retries the inner loop the same way)
+    again = calls[len(first_run) :]
+    calls.clear()
+    trainer(3).train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    return {"out": out, "first": first_run, "again": again, "resume": list(calls)}
+
+
+def test_trainer_save_checkpoint(trainer_calls):
+    from transformers import Trainer
+
+    expect_params("trainer-save-checkpoint", "transformers", Trainer._save_checkpoint, ["self", "model", "trial"])
+    saved = [step for name, step in trainer_calls["first"] if name == "_save_checkpoint"]
+    expect(saved == [1, 2], "trainer-save-checkpoint", "transformers", "Trainer._save_checkpoint",
+           f"is no longer called by Trainer.train() at each save step (called at steps {saved}, expected [1, 2])")  # fmt: skip
+
+
+def test_trainer_get_output_dir(trainer_calls):
+    from transformers import Trainer
+
+    expect_params("trainer-get-output-dir", "transformers", Trainer._get_output_dir, ["self", "trial"])
+    order = [name for name, _ in trainer_calls["first"] if name != "own_scheduler"]
+    inside = (
+        order[order.index("_save_checkpoint") + 1 : order.index("_save_rng_state")]
+        if "_save_rng_state" in order
+        else []
+    )
+    expect("_get_output_dir" in inside, "trainer-get-output-dir", "transformers", "Trainer._get_output_dir",
+           f"is no longer asked for the run folder by Trainer._save_checkpoint (calls: {order}); llmtune's staging "
+           "folder would be ignored and checkpoints written in place")  # fmt: skip
+
+
+def test_trainer_save_rng_state(trainer_calls):
+    from transformers import Trainer
+
+    expect_params("trainer-save-rng-state", "transformers", Trainer._save_rng_state, ["self", "output_dir"])
+    folders = [Path(f) for name, f in trainer_calls["first"] if name == "_save_rng_state"]
+    runs = {Path(f) for name, f in trainer_calls["first"] if name == "_get_output_dir"}
+    ok = bool(folders) and all(f.parent in runs and (f / "rng_state.pth").is_file() for f in folders)
+    expect(ok, "trainer-save-rng-state", "transformers", "Trainer._save_rng_state",
+           f"no longer writes rng_state.pth into <_get_output_dir()>/checkpoint-N (wrote {folders})")  # fmt: skip
+    source = source_of("trainer-save-rng-state", "transformers", Trainer._load_rng_state)
+    expect("rng_state" in source, "trainer-save-rng-state", "transformers", "Trainer._load_rng_state",
+           "no longer reads the rng_state files _save_rng_state writes")  # fmt: skip
+
+
+def test_trainer_load_from_checkpoint(trainer_calls):
+    from transformers import Trainer
+
+    expect_params("trainer-load-from-checkpoint", "transformers", Trainer._load_from_checkpoint,
+                  ["self", "resume_from_checkpoint", "model"])  # fmt: skip
+    loaded = [f for name, f in trainer_calls["resume"] if name == "_load_from_checkpoint"]
+    expect(loaded == [str(trainer_calls["out"] / "checkpoint-1")], "trainer-load-from-checkpoint", "transformers",
+           "Trainer._load_from_checkpoint", f"is not called by train(resume_from_checkpoint=...) (calls: {loaded})")  # fmt: skip
+    source = source_of("trainer-load-from-checkpoint", "transformers", Trainer)
+    expect(source.count("self._load_from_checkpoint(") >= 2, "trainer-load-from-checkpoint", "transformers",
+           "Trainer._load_from_checkpoint", "is no longer called on the FSDP/DeepSpeed resume path as well")  # fmt: skip
+
+
+def test_trainer_load_optimizer_and_scheduler(trainer_calls):
+    from transformers import Trainer
+
+    expect_params("trainer-load-optimizer-and-scheduler", "transformers", Trainer._load_optimizer_and_scheduler,
+                  ["self", "checkpoint"])  # fmt: skip
+    loaded = [f for name, f in trainer_calls["resume"] if name == "_load_optimizer_and_scheduler"]
+    expect(loaded == [str(trainer_calls["out"] / "checkpoint-1")], "trainer-load-optimizer-and-scheduler",
+           "transformers", "Trainer._load_optimizer_and_scheduler",
+           f"is not called by train(resume_from_checkpoint=...) (calls: {loaded})")  # fmt: skip
+
+
+def test_trainer_created_lr_scheduler(trainer_calls):
+    first = [s for name, s in trainer_calls["first"] if name == "own_scheduler"]
+    again = [s for name, s in trainer_calls["again"] if name == "own_scheduler"]
+    expect(len(first) == 1 and len(again) == 1 and again[0] is not first[0], "trainer-created-lr-scheduler",
+           "transformers", "Trainer._created_lr_scheduler",
+           "no longer makes the Trainer drop a scheduler its create_scheduler made when train() runs the inner loop "
+           "again: llmtune's own schedule would stay bound to the old optimizer")  # fmt: skip
+
+
+# --- transformers: model loading ----------------------------------------------------------------------------------
+
+
+def test_model_is_hf_initialized(tmp_path):
+    import torch
+    from tiny import make_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from llmtune.train.model import reinitialise
+
+    model = AutoModelForCausalLM.from_pretrained(str(make_tiny_model(tmp_path / "m", layers=1, hidden=32)))
+    flagged = [n for n, p in model.named_parameters() if getattr(p, "_is_hf_initialized", False)]
+    expect(bool(flagged), "model-is-hf-initialized", "transformers", "`_is_hf_initialized`",
+           "is no longer set on loaded parameters by from_pretrained")  # fmt: skip
+    loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.manual_seed(1)
+    model.init_weights()
+    kept = all(torch.equal(loaded[n], p) for n, p in model.named_parameters())
+    expect(kept, "model-is-hf-initialized", "transformers", "PreTrainedModel.init_weights",
+           "now re-draws loaded weights by itself; llmtune's reset of `_is_hf_initialized` may be unneeded")  # fmt: skip
+    reinitialise(model, lambda _line: None)
+    changed = [n for n, p in model.named_parameters() if p.dim() > 1 and not torch.equal(loaded[n], p)]
+    expect(len(changed) == sum(p.dim() > 1 for p in model.parameters()), "model-is-hf-initialized", "transformers",
+           "`_is_hf_initialized`", f"no longer gates init_weights: reinit_weights left weights as loaded "
+           f"(re-drawn: {changed})")  # fmt: skip
+
+
+def tiny_llama4_config():
+    from transformers import Llama4TextConfig
+
+    return Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=16, intermediate_size_mlp=32,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=1)  # fmt: skip
+
+
+def test_llama4_moe_init():
+    modeling = imported("llama4-moe-init", "transformers", "transformers.models.llama4.modeling_llama4")
+    moe = getattr(modeling, "Llama4TextMoe", None)
+    expect(moe is not None, "llama4-moe-init", "transformers", "modeling_llama4.Llama4TextMoe", "is gone")
+    expect_params("llama4-moe-init", "transformers", moe.__init__, ["self", "config"])
+    expect(re.search(r"self\.experts\(\s*routed_in", source_of("llama4-moe-init", "transformers", moe.forward))
+           is not None, "llama4-moe-init", "transformers", "Llama4TextMoe.forward",
+           "no longer hands the router-scaled tokens [E*T, H] to self.experts, the layout LinearizedExperts takes")  # fmt: skip
+    from llmtune.train.linearize import LinearizedExperts, linear_experts
+
+    config = tiny_llama4_config()
+    original = moe.__init__
+    with linear_experts(config):
+        built = moe(config)
+    expect(isinstance(built.experts, LinearizedExperts) and moe.__init__ is original, "llama4-moe-init",
+           "transformers", "Llama4TextMoe.__init__", "replaced for a load no longer gives LinearizedExperts (or isn't "
+           "restored)")  # fmt: skip
+
+
+# --- transformers, accelerate, peft: which optional libraries a rank may hide ---------------------------------------
+
+
+def test_optimizer_library_tables():
+    module = imported("optimizer-library-tables", "transformers", "transformers.trainer_optimizer")
+    from llmtune.train import libraries
+
+    for name, ours in (("_BITSANDBYTES_OPTIMIZERS", libraries.BITSANDBYTES_OPTIMIZERS),
+                       ("_TORCHAO_OPTIMIZERS", libraries.TORCHAO_OPTIMIZERS)):  # fmt: skip
+        theirs = getattr(module, name, None)
+        values = {getattr(o, "value", o) for o in theirs} if theirs is not None else None
+        expect(values == ours, "optimizer-library-tables", "transformers", f"trainer_optimizer.{name}",
+               f"is {sorted(values) if values is not None else 'gone'}, llmtune's copy is {sorted(ours)}")  # fmt: skip
+
+
+def test_hide_unused_libraries():
+    from llmtune.train.libraries import OPTIONAL
+
+    checks = {
+        "transformers.utils": ["is_torchao_available", "is_bitsandbytes_available", "is_liger_kernel_available",
+                               "is_datasets_available"],
+        "transformers.integrations": ["is_deepspeed_available"],
+        "accelerate.utils": ["is_deepspeed_available", "is_bnb_available", "is_torchao_available",
+                             "is_datasets_available"],
+        "peft.import_utils": ["is_bnb_available", "is_torchao_available"],
+    }  # fmt: skip
+    code = (f"import sys, importlib\nfor n in {OPTIONAL!r}: sys.modules[n] = None\n"
+            f"for m, fs in {checks!r}.items():\n    mod = importlib.import_module(m)\n"
+            "    for f in fs: print(f'{m}.{f}', bool(getattr(mod, f)()) if hasattr(mod, f) else 'gone')\n")  # fmt: skip
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    answers = dict(line.rsplit(" ", 1) for line in shown.stdout.splitlines())
+    wrong = {k: v for k, v in answers.items() if v != "False"}
+    expect(len(answers) == 11 and not wrong, "hide-unused-libraries", "transformers/accelerate/peft",
+           "is_*_available", f"no longer answers False for a library set to None in sys.modules: {wrong}")  # fmt: skip
+
+
+# --- torch: context parallel on CPU (rehearsal only) ----------------------------------------------------------------
+
+
+def test_cp_op_handlers():
+    from torch.distributed.tensor import DTensor
+
+    dispatcher = getattr(DTensor, "_op_dispatcher", None)
+    handlers = getattr(dispatcher, "_custom_op_handlers", None)
+    expect(isinstance(handlers, dict), "cp-op-handlers", "torch", "DTensor._op_dispatcher._custom_op_handlers",
+           "is no longer a dict of op -> handler")  # fmt: skip
+    for method in ("unwrap_to_op_info", "wrap"):
+        expect(callable(getattr(dispatcher, method, None)), "cp-op-handlers", "torch",
+               f"DTensor._op_dispatcher.{method}", "is gone")  # fmt: skip
+    expect(callable(getattr(getattr(dispatcher, "sharding_propagator", None), "propagate", None)), "cp-op-handlers",
+           "torch", "DTensor._op_dispatcher.sharding_propagator.propagate", "is gone")  # fmt: skip
+    ring = imported("cp-op-handlers", "torch", "torch.distributed.tensor.experimental._context_parallel._attention")
+    # torch's own CP swaps the handler dict in and out; llmtune's entries survive only because they go into the
+    # dict torch captured at import (see the doc)
+    expect(getattr(ring, "existing_custom_ops", None) is handlers, "cp-op-handlers", "torch",
+           "_context_parallel._attention.existing_custom_ops",
+           "is no longer the dispatcher's own handler dict, so torch's context_parallel() may drop llmtune's handlers")  # fmt: skip
+
+
+def test_cp_ring_attention():
+    ring = imported("cp-ring-attention", "torch", "torch.distributed.tensor.experimental._context_parallel._attention")
+    forward = getattr(ring, "_templated_ring_attention", None)
+    backward = getattr(ring, "_templated_ring_attention_backward", None)
+    expect(forward is not None and backward is not None, "cp-ring-attention", "torch",
+           "_context_parallel._attention._templated_ring_attention(_backward)", "is gone")  # fmt: skip
+    expect_params("cp-ring-attention", "torch", forward, ["group", "seq_dim", "op", "query", "key", "value",
+                                                          "is_causal", "kwargs"])  # fmt: skip
+    expect_params("cp-ring-attention", "torch", backward, ["group", "seq_dim", "op", "grad_out", "grad_out_name",
+                                                           "query", "key", "value", "out", "logsumexp", "is_causal",
+                                                           "kwargs"])  # fmt: skip
+
+
+def test_cp_cpu_flash_op():
+    import torch
+
+    for name, arguments, returns in (
+        ("_scaled_dot_product_flash_attention_for_cpu",
+         ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"], 2),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward",
+         ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"], 3),
+    ):  # fmt: skip
+        op = getattr(getattr(torch.ops.aten, name, None), "default", None)
+        expect(op is not None, "cp-cpu-flash-op", "torch", f"aten.{name}", "is gone")
+        schema = op._schema
+        found = [a.name for a in schema.arguments]
+        expect(found == arguments and len(schema.returns) == returns, "cp-cpu-flash-op", "torch", f"aten.{name}",
+               f"now takes {found} and returns {len(schema.returns)} values; llmtune passes {arguments} by position "
+               f"and takes {returns}")  # fmt: skip
+
+
+CP_PROBE = """
+import os, sys, torch, torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor, Shard
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from llmtune.train.rehearsal import context_parallel_on_cpu
+context_parallel_on_cpu()
+mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    reference.sum().backward()
+    shards = [distribute_tensor(t.detach(), mesh, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*shards, is_causal=True)
+    out.sum().backward()
+print(out.placements == (Shard(2),), torch.allclose(out.full_tensor(), reference, atol=1e-6),
+      all(torch.allclose(s.grad.full_tensor(), t.grad, atol=1e-6) for s, t in zip(shards, (q, k, v))))
+dist.destroy_process_group()
+"""
+
+
+def test_context_parallel_on_cpu_runs_ring_attention_end_to_end(tmp_path):
+    """All three cp-* entries at once, and the public register_sharding that replaced torch's private strategy
+    registration: one CPU rank, q/k/v sharded along the sequence, forward and backward as without DTensors."""
+    shown = subprocess.run([sys.executable, "-c", CP_PROBE, str(tmp_path / "store")], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    expect(shown.returncode == 0 and shown.stdout.split() == ["True"] * 3, "cp-op-handlers", "torch",
+           "context parallel on CPU (DTensor dispatcher, ring attention, aten CPU flash op, register_sharding)",
+           f"no longer computes sharded SDPA as the unsharded one: {shown.stdout.strip()} {shown.stderr[-1500:]}")  # fmt: skip
+
+
+# --- torchao: QAT ---------------------------------------------------------------------------------------------------
+
+
+def test_qat_mx_autograd():
+    import torch
+
+    mx = imported("qat-mx-autograd", "torchao", "torchao.prototype.qat.mx")
+    function = getattr(mx, "_MXQuantizedForwardFakeQuantizedBackward", None)
+    expect(function is not None and hasattr(function, "apply"), "qat-mx-autograd", "torchao",
+           "torchao.prototype.qat.mx._MXQuantizedForwardFakeQuantizedBackward", "is gone")  # fmt: skip
+    expect_params("qat-mx-autograd", "torchao", function.forward,
+                  ["ctx", "_input", "weight", "bias", "activation_config", "weight_config"])  # fmt: skip
+    config = mx.MXFakeQuantizeConfig(dtype=torch.float4_e2m1fn_x2, block_size=32)
+    linear = mx.MXFakeQuantizedLinear(32, 8, bias=True, activation_config=config, weight_config=config)
+    linear(torch.randn(2, 32)).sum().backward()
+    expect(linear.bias.grad is None, "qat-mx-autograd", "torchao", "MXFakeQuantizedLinear",
+           "now trains its bias: PausableMXLinear's bias-outside-the-function workaround can go")  # fmt: skip
+
+
+def test_qat_int4_config():
+    config = imported("qat-int4-config", "torchao", "torchao.quantization.qat.fake_quantize_config",
+                      "Int4WeightFakeQuantizeConfig")  # fmt: skip
+    expect_params("qat-int4-config", "torchao", config, ["group_size", "activation_dtype"])
+    exported = importlib.import_module("torchao.quantization.qat")
+    expect(not hasattr(exported, "Int4WeightFakeQuantizeConfig"), "qat-int4-config", "torchao",
+           "torchao.quantization.qat.Int4WeightFakeQuantizeConfig",
+           "is now exported: import it from there (llmtune/train/qat.py) and move this row to 'Replaced'")  # fmt: skip
+
+
+def test_qat_nvfp4_prototype():
+    import torch
+
+    module = "torchao.prototype.mx_formats.nvfp4_tensor"
+    tensor = imported("qat-nvfp4-prototype", "torchao", module, "NVFP4Tensor")
+    to_scale = imported("qat-nvfp4-prototype", "torchao", module, "per_tensor_amax_to_scale")
+    expect_params("qat-nvfp4-prototype", "torchao", tensor.to_nvfp4, ["data_hp", "block_size", "per_tensor_scale"])
+    expect_params("qat-nvfp4-prototype", "torchao", tensor.dequantize, ["self", "output_dtype"])
+    expect_params("qat-nvfp4-prototype", "torchao", to_scale, ["amax"])
+    from llmtune.train.qat import nvfp4_round_trip
+
+    x = torch.randn(4, 32)
+    rounded = nvfp4_round_trip(x)
+    expect(rounded.shape == x.shape and 0 < (rounded - x).abs().max() < x.abs().max(), "qat-nvfp4-prototype",
+           "torchao", "NVFP4Tensor.to_nvfp4 / dequantize", "no longer round-trips a tensor to NVFP4 values")  # fmt: skip
+
+
+def test_qat_class_swap():
+    import torch
+    from torch import nn
+
+    from llmtune.recipe.qat import Qat
+    from llmtune.train.qat import EmulatedNVFP4Linear, prepare
+
+    linear = nn.Linear(32, 8)
+    names = set(linear.state_dict())
+    swapped = EmulatedNVFP4Linear.from_linear(linear, quantize_inputs=False)
+    expect(type(swapped) is EmulatedNVFP4Linear and set(swapped.state_dict()) == names, "qat-class-swap", "torch",
+           "nn.Linear.__class__", "can no longer be swapped in place for a subclass with the same parameters")  # fmt: skip
+    model = nn.Sequential(nn.Linear(32, 32))
+    report = prepare(model, Qat.model_validate({"weight_dtype": "mxfp4", "activation_dtype": "mxfp4"}))
+    swapped = model[0]
+    expect(report["modules"] == {"PausableMXLinear": 1} and hasattr(swapped, "activation_config")
+           and hasattr(swapped, "weight_config"), "qat-class-swap", "torchao", "MXFakeQuantizedLinear",
+           f"is no longer what quantize_ makes for MX QAT (by that name, with activation_config and weight_config): "
+           f"{report['modules']}")  # fmt: skip
+    swapped(torch.randn(2, 32)).sum().backward()
+    expect(swapped.bias.grad is not None, "qat-class-swap", "torchao", "PausableMXLinear",
+           "leaves the bias without a gradient")  # fmt: skip
+
+
+# --- accelerate: the CPU rehearsal's process state ------------------------------------------------------------------
+
+
+def test_accelerate_state_relabel():
+    import dataclasses
+
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    expect("use_configured_state" in {f.name for f in dataclasses.fields(AcceleratorConfig)},
+           "accelerate-state-relabel", "transformers", "TrainingArguments.accelerator_config.use_configured_state",
+           "is gone: the Trainer would build its own process state instead of the rehearsal's gloo one")  # fmt: skip
+    source = source_of("accelerate-state-relabel", "accelerate", AcceleratorState.__init__)
+    # the branch that keeps the Trainer's FSDP plugin: its list of process-state types, then its body
+    branch = re.search(r"elif self\.distributed_type in \[([^\]]*)\]:(.*?)\n            if ", source, re.DOTALL)
+    ok = branch is not None and "DistributedType.MULTI_GPU" in branch.group(1) and "MULTI_CPU" not in branch.group(1)
+    expect(ok and "self.fsdp_plugin = fsdp_plugin" in branch.group(2), "accelerate-state-relabel", "accelerate",
+           "AcceleratorState.__init__", "no longer keeps the FSDP plugin for a MULTI_GPU process state only (not "
+           "MULTI_CPU): the CPU rehearsal's relabelled state may run DDP instead of FSDP, or the relabel is unneeded")  # fmt: skip
+    expect(hasattr(DistributedType, "MULTI_GPU") and "_shared_state" in vars(PartialState),
+           "accelerate-state-relabel", "accelerate", "PartialState._shared_state / DistributedType.MULTI_GPU",
+           "is gone: llmtune writes distributed_type and device into the shared process state")  # fmt: skip
+
+
+# --- DeepSpeed: ZeRO internals read for the memory check and the rank report ----------------------------------------
+
+
+def deepspeed_file(relative: str) -> str:
+    """A DeepSpeed source file's text, without importing DeepSpeed (slow, and it prints)."""
+    spec = importlib.util.find_spec("deepspeed")
+    assert spec is not None, "deepspeed is a dependency of llmtune and must be installed"
+    return (Path(spec.submodule_search_locations[0]) / relative).read_text()
+
+
+def test_deepspeed_zero_internals():
+    wanted = {
+        "runtime/zero/stage3.py": ["class DeepSpeedZeroOptimizer_Stage3", "self.grad_partitions_flat_buffer",
+                                   "self.offload_optimizer =", "self.offload_param ="],
+        "runtime/zero/stage_1_and_2.py": ["class DeepSpeedZeroOptimizer(", "self.grads_in_partition",
+                                          "self.averaged_gradients", "self.partition_gradients =",
+                                          "self.cpu_offload ="],
+        "runtime/engine.py": ["class DeepSpeedEngine(", "self.basic_optimizer", "def zero_offload_optimizer(",
+                              "def zero_offload_param("],
+    }  # fmt: skip
+    for relative, tokens in wanted.items():
+        text = deepspeed_file(relative)
+        for token in tokens:
+            expect(token in text, "deepspeed-zero-internals", "deepspeed", f"{relative}: {token}",
+                   "is gone (renamed or moved)")  # fmt: skip
+
+
+def test_deepspeed_param_attributes():
+    text = deepspeed_file("runtime/zero/partition_parameters.py")
+    for attribute in ("ds_tensor", "ds_id", "ds_shape"):
+        expect(re.search(rf"\.{attribute} =", text) is not None, "deepspeed-param-attributes", "deepspeed",
+               f"a ZeRO-3 parameter's .{attribute}", "is no longer set by zero.Init")  # fmt: skip
+
+
+# --- liger-kernel, flash attention kwargs, tensor subclasses ---------------------------------------------------------
+
+
+def test_liger_model_table():
+    if importlib.util.find_spec("liger_kernel") is None:
+        pytest.skip("liger-kernel is not installed here (GPU runs used 0.8.5)")
+    table = imported("liger-model-table", "liger-kernel", "liger_kernel.transformers.monkey_patch",
+                     "MODEL_TYPE_TO_APPLY_LIGER_FN")  # fmt: skip
+    apply = table.get("llama") if isinstance(table, dict) else None
+    expect(apply is not None, "liger-model-table", "liger-kernel", "MODEL_TYPE_TO_APPLY_LIGER_FN['llama']", "is gone")
+    parameters = inspect.signature(apply).parameters
+    flags = [n for n, p in parameters.items() if isinstance(p.default, bool)]
+    expect("model" in parameters and {"rms_norm", "fused_linear_cross_entropy"} <= set(flags), "liger-model-table",
+           "liger-kernel", "apply_liger_kernel_to_llama", f"no longer takes model= and boolean kernel flags: {flags}")  # fmt: skip
+
+
+def test_flash_varlen_kwargs():
+    kwargs = imported("flash-varlen-kwargs", "transformers", "transformers.modeling_flash_attention_utils",
+                      "FlashAttentionKwargs")  # fmt: skip
+    names = ["cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"]
+    expect(set(names) <= set(getattr(kwargs, "__annotations__", {})), "flash-varlen-kwargs", "transformers",
+           "FlashAttentionKwargs", f"no longer declares {names}")  # fmt: skip
+    forward = imported("flash-varlen-kwargs", "transformers", "transformers.modeling_flash_attention_utils",
+                       "_flash_attention_forward")  # fmt: skip
+    expect_params("flash-varlen-kwargs", "transformers", forward, names)
+    from transformers import LlamaModel
+
+    expect(any(p.kind is p.VAR_KEYWORD for p in inspect.signature(LlamaModel.forward).parameters.values()),
+           "flash-varlen-kwargs", "transformers", "LlamaModel.forward",
+           "no longer passes **kwargs on to attention: the packed rows' boundaries would not reach flash attention")  # fmt: skip
+
+
+def test_tensor_flatten():
+    import torch
+    from torch import nn
+
+    optim = imported("tensor-flatten", "torchao", "torchao.optim", "AdamW8bit")
+    from llmtune.train.memory import model_state_bytes
+
+    model = nn.Linear(256, 256, bias=False)
+    optimizer = optim(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    optimizer.step()
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    expect(all(hasattr(type(v), "__tensor_flatten__") for v in states), "tensor-flatten", "torchao",
+           "AdamW8bit's state tensors' __tensor_flatten__", "is gone: llmtune counts their bytes through it")  # fmt: skip
+    counted, n = model_state_bytes(model, optimizer)["optimizer"], 256 * 256
+    expect(2 * n <= counted < 2.2 * n, "tensor-flatten", "torchao", "__tensor_flatten__ of OptimState8bit",
+           f"no longer yields the 8-bit codes and scales: counted {counted} bytes for two 8-bit states of {n}")  # fmt: skip
+
+
+# --- replaced by public APIs: the replacements do the job ----------------------------------------------------------
+
+
+def test_sharded_fsdp_checkpoint_loads_through_public_dcp(tmp_path):
+    """post/consolidate.load_dcp_model, which replaced DCP's private _load_state_dict_from_keys."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from llmtune.post.consolidate import RunWeights, consolidate
+
+    state = {"model.layers.0.mlp.up_proj.weight": torch.randn(3, 4), "lm_head.weight": torch.randn(5, 2).bfloat16()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": dict(state)}, checkpoint_id=str(tmp_path / "pytorch_model_fsdp_0"), no_dist=True)
+    loaded = consolidate(RunWeights("fsdp", tmp_path, ""))
+    assert set(loaded) == set(state)
+    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in state.items())
