@@ -75,7 +75,7 @@ class AdapterKeys(Section):
         "unfrozen_parameters", "qat", mode="before",
     )  # fmt: skip
     @classmethod
-    def _empty(cls, value):
+    def _adapter_empty(cls, value):
         value = empty_to_none(value)
         return None if isinstance(value, (list, dict)) and not value else value
 

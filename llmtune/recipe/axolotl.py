@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtune.errors import UserError
+from llmtune.recipe.axolotl_history import DEPRECATED, KEYS, RELEASES
 from llmtune.recipe.axolotl_keys import (
     ANY,
     AXOLOTL_DATASET_KEYS,
@@ -20,6 +21,8 @@ from llmtune.recipe.axolotl_keys import (
     INTENDED,
     RENAMED,
     RENAMED_DATASET_KEYS,
+    SUCCESSORS,
+    TRANSLATED,
     AxolotlKey,
     attention_alias,
     is_inert,
@@ -30,8 +33,10 @@ from llmtune.recipe.data import DatasetSpec
 from llmtune.recipe.distributed import FsdpConfig
 from llmtune.recipe.model import SPECIAL_TOKEN_NAMES
 from llmtune.recipe.schema import Recipe
+from llmtune.recipe.training import OFFLOADED_CHECKPOINTING
 
 REFERENCE_HINT = "see docs/recipe-reference.md for every key"
+OLDER_NAME = "Axolotl's older name"
 DATASET_GROUPS = ("datasets", "test_datasets", "pretraining_dataset")
 
 
@@ -57,6 +62,23 @@ class Notes:
         return lines + self.lines
 
 
+def history(key: str) -> str:
+    """For a key Axolotl has dropped, deprecated or renamed: 'a key of Axolotl <releases>[; today's spelling: ...]',
+    from the history table; '' for the keys of today's Axolotl."""
+    span = KEYS.get(key)
+    if span is None:
+        return ""
+    first, last = span[0], span[1]
+    today = SUCCESSORS.get(key) or RENAMED.get(key)
+    spelling = f"; today's spelling: {today}" if today else ""
+    if last != RELEASES[-1]:
+        releases = f"{first} only" if first == last else f"{first} to {last}"
+        return f"a key of Axolotl {releases}" + (spelling or f", dropped after {last}")
+    if key in DEPRECATED:
+        return f"a key of Axolotl since {first}, deprecated since {DEPRECATED[key]}{spelling}"
+    return f"a key of Axolotl since {first}{spelling}" if today else ""
+
+
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -64,10 +86,14 @@ def _shown(value: Any) -> str:
 
 def _screen_key(where: str, key: str, value: Any, entry: AxolotlKey, notes: Notes, path: Path) -> None:
     """Accept (with a note) or refuse one Axolotl-only key."""
+    old = "" if where else history(key)
     if not is_inert(entry, value):
-        raise UserError(f"{path}: {entry.reason} is not supported ({where}{key}: {_shown(value)})", entry.hint or None)
+        then = f"; {key} is {old}" if old else ""
+        raise UserError(f"{path}: {entry.reason} is not supported ({where}{key}: {_shown(value)}){then}",
+                        entry.hint or None)  # fmt: skip
     asked = entry.accepted is ANY and not is_inert(AxolotlKey((), ""), value)
-    notes.unused(where + key, entry.reason if asked else "")
+    # a key left empty is only listed; one given a value is told where it comes from
+    notes.unused(where + key + (f" ({old})" if old and asked else ""), entry.reason if asked else "")
 
 
 def _cloud_config(raw: dict, path: Path) -> None:
@@ -91,16 +117,63 @@ def _top_level(raw: dict, path: Path, notes: Notes) -> dict:
                 raise UserError(f"{path}: {key} (Axolotl's older name of {new}) and {new} disagree; keep {new}")
             if value is not None:
                 data.setdefault(new, value)
-                notes.add(f"{key}: read as {new} (Axolotl's older name)")
+                notes.add(f"{key}: read as {new} ({history(key) or OLDER_NAME})")
         elif key in Recipe.model_fields:
             data[key] = value
         elif key in AXOLOTL_ONLY_KEYS:
             _screen_key("", key, value, AXOLOTL_ONLY_KEYS[key], notes, path)
         elif key in INTENDED:
             _intended(key, value, raw, data, path, notes)
+        elif key in TRANSLATED:
+            continue  # rewritten below, once every key it interacts with is in
+        elif key in KEYS:  # a release defined it but no table here says what to do: never "unknown"
+            raise UserError(f"{path}: {key} is not supported by llmtune ({history(key) or 'a key of Axolotl'})",
+                            REFERENCE_HINT)  # fmt: skip
         else:
             raise UserError(f"{path}: {unknown_key_message(key, known)}", REFERENCE_HINT)
+    for key in TRANSLATED:
+        if key in raw:
+            _translated(key, raw[key], data, path, notes)
     return data
+
+
+def _translated(key: str, value: Any, data: dict, path: Path, notes: Notes) -> None:
+    """Keys of Axolotl's earlier releases rewritten into today's form (TRANSLATED), said once with their release."""
+    old = history(key)
+    if value is None or value is False:
+        notes.unused(key, "")
+        return
+    if key == "max_packed_sequence_len":
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UserError(f"{path}: max_packed_sequence_len: {_shown(value)} must be a whole number of tokens",
+                            "e.g. max_packed_sequence_len: 2048")  # fmt: skip
+        sequence_len = data.get("sequence_len")
+        # Axolotl packed to the smaller of the two (its data.py: min(max_packed_sequence_len, sequence_len))
+        length = min(value, sequence_len) if isinstance(sequence_len, int) else value
+        data["sample_packing"], data["sequence_len"] = True, length
+        notes.add(f"max_packed_sequence_len: {value}: read as sample_packing: true at sequence_len: {length} ({old})")
+    elif key == "rope_scaling":
+        if not isinstance(value, dict):
+            raise UserError(
+                f"{path}: rope_scaling: {_shown(value)} must be a mapping, e.g. {{type: linear, factor: 2}}"
+            )
+        overrides = data.get("overrides_of_model_config")
+        overrides = dict(overrides) if isinstance(overrides, dict) else {}
+        if overrides.get("rope_scaling") not in (None, value):
+            raise UserError(f"{path}: rope_scaling and overrides_of_model_config.rope_scaling disagree; keep one")
+        data["overrides_of_model_config"] = {**overrides, "rope_scaling": value}
+        notes.add(f"rope_scaling: read as overrides_of_model_config: {{rope_scaling: {value}}} ({old})")
+    elif key == "xformers_attention":
+        if value is not True:
+            raise UserError(f"{path}: xformers_attention: {_shown(value)} must be true or false")
+        clash = "flash_attention: true" if data.get("flash_attention") else None
+        if data.get("attn_implementation") not in (None, "sdpa", "xformers"):
+            clash = f"attn_implementation: {data['attn_implementation']}"
+        if clash:
+            raise UserError(f"{path}: xformers_attention: true and {clash} ask for different attention; keep one")
+        data["attn_implementation"] = "sdpa"
+        notes.add("xformers_attention: true: read as attn_implementation: sdpa (torch's fused attention, with its "
+                  f"memory-efficient kernel: the same maths as xformers'; {old})")  # fmt: skip
 
 
 def _intended(key: str, value: Any, raw: dict, data: dict, path: Path, notes: Notes) -> None:
@@ -212,9 +285,13 @@ def _values(data: dict, notes: Notes) -> None:
     if attention:
         notes.add(f"attn_implementation: {data['attn_implementation']} runs as {attention} (the same attention maths)")
         data["attn_implementation"] = attention
-    if data.get("gradient_checkpointing") in ("offload", "offload_disk"):
-        notes.add(f"gradient_checkpointing: {data['gradient_checkpointing']}: activations are recomputed, "
-                  "not offloaded (the same maths, more GPU memory)")  # fmt: skip
+    if data.get("gradient_checkpointing") in OFFLOADED_CHECKPOINTING:
+        notes.add(f"gradient_checkpointing: {data['gradient_checkpointing']}: read as gradient_checkpointing: true; "
+                  "activations are recomputed, not offloaded to CPU (the same maths, more GPU memory; the estimate "
+                  "counts them on the GPU)")  # fmt: skip
+    if data.get("bf16") == "full":
+        notes.add("bf16: full (Axolotl v0.3.0-v0.4.0: bf16 with bf16_full_eval): read as bf16: true; evaluation runs "
+                  "under the same bf16 autocast as training")  # fmt: skip
     tokens = data.get("tokens")
     if isinstance(tokens, dict) and all(name in SPECIAL_TOKEN_NAMES for name in tokens):
         # Axolotl's early releases gave special tokens under `tokens`
@@ -229,6 +306,32 @@ def _values(data: dict, notes: Notes) -> None:
                   "hub sources are streamed up to what max_steps needs")  # fmt: skip
     if data.get("batch_size") and data.get("gradient_accumulation_steps"):
         notes.add("batch_size: ignored, gradient_accumulation_steps is set (as Axolotl does)")
+
+
+def action(key: str, kind: str = "top") -> str:
+    """What llmtune does with an Axolotl key today (top-level, or of a dataset entry), in the history table's words:
+    'llmtune' (its own key), 'alias of K', 'translated: how', 'no effect', 'refused: capability', or 'unknown'."""
+    if kind == "dataset":
+        if key in DatasetSpec.model_fields:
+            return "llmtune"
+        if key in RENAMED_DATASET_KEYS:
+            return f"alias of {RENAMED_DATASET_KEYS[key]}"
+        entry = AXOLOTL_DATASET_KEYS.get(key)
+    else:
+        if key in Recipe.model_fields:
+            return "llmtune"
+        if key in RENAMED:
+            return f"alias of {RENAMED[key]}"
+        if key in TRANSLATED:
+            return f"translated: {TRANSLATED[key]}"
+        if key in INTENDED:
+            return f"translated to {INTENDED[key]}"
+        if key == "bnb_config_kwargs":
+            return "translated: its entries read as bnb_4bit_quant_type / bnb_4bit_use_double_quant"
+        entry = AXOLOTL_ONLY_KEYS.get(key)
+    if entry is None:
+        return "unknown"
+    return "no effect" if entry.accepted is ANY else f"refused: {entry.reason}"
 
 
 def screen(raw: dict, path: Path) -> tuple[dict, list[str]]:

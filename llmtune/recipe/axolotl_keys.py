@@ -70,7 +70,7 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         gradio_server_name gradio_server_port gradio_share gradio_temperature gradio_title use_swanlab
         swanlab_api_host swanlab_completion_log_interval swanlab_completion_max_buffer swanlab_description
         swanlab_experiment_name swanlab_lark_webhook_url swanlab_log_completions swanlab_log_model
-        swanlab_mode swanlab_project swanlab_web_host swanlab_workspace use_wandb
+        swanlab_mode swanlab_project swanlab_web_host swanlab_workspace use_wandb eval_table_max_new_tokens
     """,
     ),
     **_no_effect(
@@ -102,7 +102,7 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     ),
     **_no_effect(
         "the weights' dtype follows bf16/fp16 and the adapter (full fine-tunes keep fp32 master weights under mixed precision)",
-        "bfloat16 float16 float32",
+        "bfloat16 float16 float32 bloat16 torch_dtype",
     ),
     **_no_effect("new embedding rows get transformers' mean resizing", "mean_resizing_embeddings"),
     **_no_effect(
@@ -125,12 +125,13 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         base_model_ignore_patterns
     """,
     ),
-    **_no_effect(PUSH, "hub_model_id hub_strategy hub_revision"),
+    **_no_effect(PUSH, "hub_model_id hub_strategy hub_revision push_to_hub_model_id"),
+    **_no_effect("the adapter is saved in output_dir", "lora_out_dir"),
     **_refused(
         "preference and RL training (DPO, KTO, ORPO, GRPO, ...)",
         "llmtune does supervised fine-tuning",
         """
-        rl trl vllm ebft dpo_beta dpo_generate_during_eval dpo_label_smoothing dpo_loss_type
+        rl trl vllm ebft rl_adapter_ref_model dpo_beta dpo_generate_during_eval dpo_label_smoothing dpo_loss_type
         dpo_loss_weights dpo_norm_loss dpo_padding_free dpo_use_liger_kernel dpo_use_logits_to_keep
         dpo_use_weighting kto_desirable_weight kto_undesirable_weight orpo_alpha rl_beta cpo_alpha
         simpo_gamma rpo_alpha precompute_ref_log_probs max_prompt_len hatchery nemo_gym_enabled nemo_gym_dir
@@ -193,7 +194,8 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "remove it",
         """
         kd_trainer kd_ce_alpha kd_alpha kd_temperature kd_beta kd_normalize_topk kd_online_server_base_url
-        kd_online_topk kd_online_server kd_online_timeout kd_temperature_min
+        kd_online_topk kd_online_server kd_online_timeout kd_temperature_min kd_top_k_before_softmax
+        kd_zscore_base_temp
     """,
     ),
     **_refused("diffusion language-model training", "remove it", "diffusion"),
@@ -239,14 +241,8 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "overrides_of_model_kwargs model_kwargs",
     ),
     **_refused(
-        "rope_scaling as its own key",
-        "put it in overrides_of_model_config (model_config: {rope_scaling: ...})",
-        "rope_scaling",
-    ),
-    **_refused(
         "chat template arguments", "write the template you want with chat_template: jinja", "chat_template_kwargs"
     ),
-    **_refused("a default system message", "put the system message in the data", "default_system_message"),
     **_refused("searching for a batch size", "use llmtune estimate to choose micro_batch_size", "auto_find_batch_size"),
     **_refused("dropping the last partial batch", "remove it", "dataloader_drop_last"),
     **_refused("sharding the merged dataset", "use datasets[].shards", "dataset_shard_num dataset_shard_idx"),
@@ -267,7 +263,7 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     **_refused(
         "Axolotl's deprecated attention switches",
         "use attn_implementation: sdpa (or xformers/sage, which run as sdpa)",
-        "xformers_attention s2_attention sage_attention",
+        "s2_attention sage_attention",
     ),
     **_refused("Axolotl's deprecated attention switches", "use attn_implementation", "eager_attention flex_attention"),
     **_refused("Liger's token scaling of the loss", "remove it", "liger_use_token_scaling"),
@@ -275,15 +271,19 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "unsloth kernels",
         "use the liger_* keys",
         """
-        unsloth_cross_entropy_loss unsloth_lora_mlp unsloth_lora_qkv unsloth_lora_o
+        unsloth_cross_entropy_loss unsloth_lora_mlp unsloth_lora_qkv unsloth_lora_o unsloth_rms_norm unsloth_rope
     """,
     ),
-    **_refused("padding-free batch flattening", "use sample_packing: true", "batch_flattening"),
+    **_refused("landmark attention", "remove it", "landmark_attention"),
+    **_refused("xPos rotary embeddings", "remove it", "xpos_rope"),
+    **_refused("the log-sweep learning-rate schedule", "use lr_scheduler", "log_sweep_min_lr log_sweep_max_lr"),
+    **_refused("LLaMA-Adapter (adapter: llama-adapter)", "use adapter: lora", "peft_adapter"),
     **_refused(
-        "max_packed_sequence_len (removed from Axolotl)",
-        "use sequence_len with sample_packing: true",
-        "max_packed_sequence_len",
+        "GPTQ 4-bit loading through load_4bit (Axolotl refused it too)",
+        "use load_in_4bit with adapter: qlora",
+        "load_4bit",
     ),
+    **_refused("padding-free batch flattening", "use sample_packing: true", "batch_flattening"),
 }
 
 # bnb_config_kwargs entries: llmtune's key for each, or None where llmtune decides (from the precision).
@@ -305,6 +305,35 @@ RENAMED = {
     "type_of_model": "model_type",
 }
 
+# Keys of Axolotl's earlier releases that llmtune rewrites into today's form (axolotl.py does it): key -> how.
+TRANSLATED = {
+    "max_packed_sequence_len": "sample_packing: true at sequence_len: the smaller of its value and sequence_len",
+    "xformers_attention": "true: attn_implementation: sdpa (torch's memory-efficient kernel; the same maths)",
+    "rope_scaling": "overrides_of_model_config: {rope_scaling: <its value>} (the model config's own key)",
+}
+
+# Today's spelling of keys that Axolotl has since dropped or deprecated, where it has one (llmtune's, where llmtune
+# spells it otherwise); messages about an old key name it beside the releases that defined the key.
+_GPTQ = "gptq: true (the quantization settings come from the model's own config)"
+SUCCESSORS = {
+    "push_to_hub_model_id": "hub_model_id",
+    "eval_table_max_new_tokens": "eval_max_new_tokens",
+    "bloat16": "bfloat16",
+    "torch_dtype": "bf16 / fp16",
+    "load_4bit": "load_in_4bit with adapter: qlora",
+    "gptq_groupsize": _GPTQ,
+    "gptq_model_v1": _GPTQ,
+    "gptq_disable_exllama": _GPTQ,
+    "max_packed_sequence_len": "sequence_len with sample_packing: true",
+    "xformers_attention": "attn_implementation: xformers (llmtune runs it as sdpa)",
+    "rope_scaling": "overrides_of_model_config: {rope_scaling: ...}",
+    "dpo_beta": "rl_beta",
+    "evaluation_strategy": "eval_strategy",
+    "noisy_embedding_alpha": "neftune_noise_alpha",
+    "lora_out_dir": "output_dir",
+    "peft_adapter": "adapter: lora",
+}
+
 # Keys that neither llmtune nor Axolotl defines but that recipes carry (Axolotl's own examples among them), whose
 # intent is plain: Axolotl drops them without a word, llmtune honours them as the key named here and says so.
 # eta_min and min_lr are absolute learning-rate floors (torch's and Megatron's names), read as a fraction of the peak.
@@ -318,7 +347,6 @@ INTENDED = {
 AXOLOTL_DATASET_KEYS: dict[str, AxolotlKey] = {
     **_no_effect(DECIDED, "preprocess_shards input_format"),
     **_refused("per-row input transforms", "transform the data beforehand", "input_transform"),
-    **_refused("sharegpt-era conversation settings", "use type: chat_template", "conversation field_human field_model"),
     **_refused("tool definitions in chat data", "render tools into the messages beforehand", "field_tools"),
     **_refused(
         "per-message partial training",
@@ -334,7 +362,6 @@ AXOLOTL_DATASET_KEYS: dict[str, AxolotlKey] = {
         chosen_key rejected_key
     """,
     ),
-    **_refused("a shard index", "use shards alone (the first shard of each)", "shards_idx", accepted=(0,)),
 }
 RENAMED_DATASET_KEYS = {"text_column": "field"}
 

@@ -25,22 +25,66 @@ DATASET_TYPES = {
 }
 # Formats whose rows train a reward head rather than the language model: the recipe key each one needs.
 REWARD_TYPES = {"bradley_terry.chat_template": "reward_model", "stepwise_supervised": "process_reward_model"}
+# Axolotl's older formats (2023-2024), each as its releases tokenized it (llmtune/train/data/instruct.py,
+# sharegpt.py). A `name:style` suffix picks the prompt style of the STYLED ones: instruct (default), chat, chatml,
+# phi.
+LEGACY_TYPES = {
+    "sharegpt": "conversations [{from: human|gpt|system, value}] in a FastChat template (`conversation:`, default "
+    "vicuna_v1.1); gpt turns are trained",
+    "sharegpt.load_role": "sharegpt rows whose messages say role instead of from",
+    "sharegpt.load_guanaco": "sharegpt rows of {role: prompter|assistant, text}",
+    "sharegpt.load_ultrachat": "messages [{role: user|assistant, content}] in a FastChat template",
+    "sharegpt.load_glaive": "Glaive function-calling rows (system, chat) in chatml_glaive; ASSISTANT turns trained",
+    "sharegpt_jokes": "title / text / explanation as a two-turn joke chat",
+    "oasst": "INSTRUCTION / RESPONSE in the Alpaca prompt",
+    "gpteacher": "instruction / input / response in the Alpaca prompt",
+    "reflection": "instruction / input / output / reflection / corrected; thought, reflection and answer trained",
+    "explainchoice": "question / choices / solution (or explanation), explaining the choice",
+    "concisechoice": "question / choices / solution (or explanation), concisely, in USER:/ASSISTANT: turns",
+    "summarizetldr": "article / summary, asked for a TL;DR",
+    "alpaca_instruct": "alpaca in the instruct style", "alpaca_instruct.load_no_prompt": "alpaca without a system prompt",
+    "alpaca_chat": "alpaca in USER:/ASSISTANT: turns (`conversation:` picks the style)",
+    "alpaca_chat.load_qa": "question / answer in USER:/ASSISTANT: turns",
+    "alpaca_chat.load_concise": "alpaca in USER:/ASSISTANT: turns, asked for concise answers",
+    "alpaca_chat.load_camel_ai": "message_1 / message_2 in USER:/ASSISTANT: turns",
+    "alpaca_chat.load_no_prompt": "alpaca in USER:/ASSISTANT: turns without a system prompt",
+    "alpaca_w_system": "alpaca with the row's `system` (chat style)", "alpaca_w_system.load_chat": "the same",
+    "alpaca_w_system.load_instruct": "alpaca with the row's `system` (instruct style)",
+    "alpaca_w_system.load_open_orca": "OpenOrca rows: system_prompt / question / response",
+    "alpaca_w_system.load_open_orca_chatml": "OpenOrca rows in ChatML",
+    "orcamini": "OpenOrca rows in Orca Mini's '### System:' prompt",
+    "context_qa": "article / question / answer", "context_qa.load_v2": "context / question / answer",
+    "context_qa.load_404": "article / unanswerable_question, answered with a fixed refusal",
+    "llama2_chat": "sharegpt conversations in Llama 2 chat's [INST] format; answers and </s> trained",
+    "metharme": "prompt / generation; the generation and three EOS tokens trained",
+    "pygmalion": "conversations [{role: system|human|bot, value}]; bot turns trained",
+    "creative_acr.load_answer": "instruction / revision", "creative_acr.load_critique": "instruction / answer / "
+    "scores / critiques; the YAML evaluation trained", "creative_acr.load_revise": "instruction / answer / scores / "
+    "critiques / revision; the revision trained",
+}  # fmt: skip
+STYLED = ("alpaca", "oasst", "gpteacher", "reflection", "explainchoice")
+PROMPT_STYLES = ("instruct", "chat", "chatml", "phi")
+# FastChat conversation templates `conversation:` takes (sharegpt); train/data/sharegpt.py holds their text.
+CONVERSATIONS = (
+    "vicuna_v1.1", "chatml", "chatml_glaive", "llama3", "llama-3", "llama-2", "airoboros_v3", "mistral", "zephyr",
+    "TinyLlama", "alpaca", "airoboros_v1", "airoboros_v2", "koala_v1", "dolly_v2", "oasst_pythia", "oasst_llama",
+    "openchat_3.5", "tulu", "orca-2", "Yi-34b-chat", "qwen-7b-chat", "starchat", "metharme", "gemma", "solar",
+    "phind", "stable-vicuna",
+)  # fmt: skip
 TYPE_ALIASES = {
-    "alpaca_chat": "alpaca", "text": "completion", "pretrain": "completion", "tokenized": "pretokenized",
+    "text": "completion", "pretrain": "completion", "tokenized": "pretokenized",
     "chat_template.default": "chat_template", "chat_template.load": "chat_template",
     "bradley_terry": "bradley_terry.chat_template",
+    # Axolotl 0.4 rewrote these (and sharegpt:chat, whose suffix drops below) to sharegpt
+    "sharegpt_simple": "sharegpt", "sharegpt_simple.load_role": "sharegpt.load_role",
+    "sharegpt_simple.load_guanaco": "sharegpt.load_guanaco",
 }  # fmt: skip
 # Axolotl's other prompt formats: kept apart from typos, so the error names what isn't supported.
 AXOLOTL_TYPES = (
-    "oasst", "gpteacher", "reflection", "explainchoice", "concisechoice", "summarizetldr",
-    "alpaca_w_system", "alpaca_instruct", "context_qa", "creative_acr", "llama2_chat", "metharme", "orcamini",
-    "pygmalion", "user_defined", "messages", "stepwise_supervised", "bradley_terry", "dpo", "kto", "orpo", "ebft",
-    "chatml", "llama3", "zephyr", "passthrough", "rwd", "_synthetic",
+    "creative_acr", "user_defined", "messages", "stepwise_supervised",
+    "bradley_terry", "dpo", "kto", "orpo", "ebft", "chatml", "llama3", "zephyr", "passthrough", "rwd", "_synthetic",
+    "sharegpt", "alpaca_w_system", "alpaca_chat", "context_qa",
 )  # fmt: skip
-REMOVED_TYPES = {
-    "sharegpt": "use type: chat_template with field_messages: conversations and "
-    "message_property_mappings: {role: from, content: value}",
-}
 DS_TYPES = ("json", "csv", "parquet", "arrow", "text")
 
 
@@ -50,34 +94,43 @@ class CustomFormat(Section):
     field_instruction: str = "instruction"
     field_input: str = "input"
     field_output: str = "output"
-    field_system: str | None = None
+    field_system: str = Field("system", description="Row field with a system prompt (else system_prompt).")
     system_prompt: str = ""
-    system_format: str = "{system}"
-    format: str = Field(description="Prompt template with {instruction} and {input}.")
-    no_input_format: str | None = Field(None, description="Prompt template when the input is empty.")
+    system_format: str = Field("{system}", description="How a non-empty system prompt is written before the turn.")
+    # Axolotl's defaults, so that a mapping that leaves them out renders as it did there
+    format: str = Field("{instruction} {input} ", description="Prompt template with {instruction} and {input}.")
+    no_input_format: str = Field("{instruction} ", description="Prompt template when the input is empty.")
+    field: str | None = Field(None, description="Accepted for Axolotl's schema; unused.")
 
 
 class DatasetSpec(Section):
     path: str = Field(description="Local file or folder, a `datasets` saved folder, or a hub dataset id.")
     type: str | CustomFormat | None = Field(
-        None, description="Format: " + ", ".join(DATASET_TYPES) + " (or a custom format mapping)."
+        None,
+        description="Format: " + ", ".join(DATASET_TYPES) + " (or a custom format mapping); also Axolotl's "
+        "older ones: " + ", ".join(LEGACY_TYPES) + ", and name:style (alpaca:chat, alpaca:chatml, alpaca:phi).",
     )
     ds_type: Literal[DS_TYPES] | None = Field(None, description="File format when the extension doesn't say.")  # type: ignore[valid-type]
     split: str = Field("train", description="Split to read.")
     data_files: str | list[str] | None = Field(None, description="Files inside `path` to read.")
-    name: str | None = Field(None, description="Dataset configuration name (hub datasets).")
+    name: str | list[str] | None = Field(
+        None, description="Dataset configuration name (hub datasets); a list reads each and mixes them."
+    )
     revision: str | None = Field(None, description="Hub revision of the dataset.")
     trust_remote_code: bool = Field(False, description="Allow the dataset's loading script to run.")
     field: str | None = Field(None, description="Text field for completion data (default 'text').")
-    field_messages: str = Field("messages", description="Field holding the list of messages (chat_template).")
+    field_messages: str = Field(
+        "messages", description="Field holding the list of messages (chat_template; sharegpt: default conversations)."
+    )
     message_property_mappings: dict[str, str] | None = Field(
         None, description="Where each message keeps its role and content, e.g. {role: from, content: value}."
     )
     message_field_role: str | None = Field(None, description="Deprecated Axolotl spelling of mappings.role.")
     message_field_content: str | None = Field(None, description="Deprecated Axolotl spelling of mappings.content.")
     roles: dict[str, list[str]] | None = Field(
-        None, description="Role aliases, e.g. {user: [human], assistant: [gpt]}."
-    )
+        None, description="Role aliases, e.g. {user: [human], assistant: [gpt]}; sharegpt: {input: [...], "
+        "output: [...]}, the senders read as the user's and as the model's.",
+    )  # fmt: skip
     roles_to_train: list[str] = Field(["assistant"], description="Roles whose content gets labels.")
     train_on_eos: Literal["turn", "last", "all", "none"] = Field(
         "turn", description="Which end-of-turn tokens get labels: each trained turn's, the last, all, none."
@@ -97,6 +150,13 @@ class DatasetSpec(Section):
     chat_template_jinja: str | None = Field(None, description="Per-dataset Jinja template (chat_template: jinja).")
     drop_system_message: bool = Field(False, description="Drop system messages before templating.")
     shards: int | None = Field(None, gt=0, description="Keep only one of this many shards (quick trials).")
+    shards_idx: int = Field(0, ge=0, description="Which shard `shards` keeps (rows shards_idx, +shards, ...).")
+    conversation: str | None = Field(
+        None, description="sharegpt: the FastChat template (default vicuna_v1.1); alpaca_chat: the prompt style."
+    )
+    field_human: str | None = Field(None, description="sharegpt: the `from` value of the user's messages.")
+    field_model: str | None = Field(None, description="sharegpt: the `from` value of the model's messages.")
+    strict: bool = Field(False, description="sharegpt (Axolotl 0.4): accepted; message keys are always detected.")
     skip: int | None = Field(None, ge=0, description="Skip this many rows at the start of the source.")
     step_separator: str = Field("\n", description="stepwise_supervised: text after each step (its last token is "
                                 "labelled).")  # fmt: skip
@@ -107,24 +167,52 @@ class DatasetSpec(Section):
 
     @field_validator("type", "data_files", "name", "field", "chat_template", "chat_template_jinja", mode="before")
     @classmethod
-    def _empty(cls, value):
+    def _dataset_empty(cls, value):
         return empty_to_none(value)
 
     @field_validator("type")
     @classmethod
     def _known_type(cls, value):
         if isinstance(value, str):
-            base = value.split(":", 1)[0]  # Axolotl's 'alpaca:chatml' prompt-style suffix
-            if base in REMOVED_TYPES:
-                raise ValueError(f"type '{base}' was removed from Axolotl; {REMOVED_TYPES[base]}")
+            value = TYPE_ALIASES.get(value, value)
+            base, _, style = value.partition(":")  # Axolotl's 'alpaca:chatml' prompt-style suffix
             base = TYPE_ALIASES.get(base, base)
-            if base not in DATASET_TYPES and base.split(".")[0] in AXOLOTL_TYPES:
+            known = (*DATASET_TYPES, *LEGACY_TYPES)
+            if base not in known and base.split(".")[0] in AXOLOTL_TYPES:
                 raise ValueError(f"Axolotl's dataset type '{value}' is not supported; use one of "
                                  f"{', '.join(DATASET_TYPES)} (or a custom format mapping)")  # fmt: skip
-            if base not in DATASET_TYPES:
-                raise ValueError(f"unknown dataset type '{value}'; use one of {', '.join(DATASET_TYPES)}")
-            return base
+            if base not in known:
+                raise ValueError(f"unknown dataset type '{value}'; use one of {', '.join(DATASET_TYPES)}, or one "
+                                 "of Axolotl's older formats (sharegpt, alpaca_chat, oasst, ...)")  # fmt: skip
+            if base in STYLED and style and style not in PROMPT_STYLES:
+                raise ValueError(f"type '{value}': the prompt style is one of {', '.join(PROMPT_STYLES)}")
+            return f"{base}:{style}" if base in STYLED and style not in ("", "instruct") else base
         return value
+
+    @field_validator("conversation")
+    @classmethod
+    def _conversation(cls, value, info):
+        """`conversation:` names a FastChat template for sharegpt, a prompt style for alpaca_chat."""
+        kind = info.data.get("type")
+        kind = kind if isinstance(kind, str) else ""
+        if value and kind.startswith("sharegpt") and value not in CONVERSATIONS:
+            raise ValueError(
+                f"'{value}' is not one of the FastChat templates llmtune writes: {', '.join(CONVERSATIONS)}"
+            )
+        if value and kind == "alpaca_chat" and value not in PROMPT_STYLES:
+            raise ValueError(f"'{value}' for alpaca_chat is a prompt style: {', '.join(PROMPT_STYLES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _shard(self):
+        kind = self.type if isinstance(self.type, str) else ""
+        if kind.startswith("sharegpt") and "field_messages" not in self.model_fields_set:
+            # ShareGPT rows keep their messages under `conversations` (ultrachat's under `messages`); set here, not
+            # at read time, so that the recipe the ranks reload from plan.json says the same
+            self.field_messages = "messages" if kind == "sharegpt.load_ultrachat" else "conversations"
+        if self.shards_idx and (not self.shards or self.shards_idx >= self.shards):
+            raise ValueError(f"shards_idx {self.shards_idx} needs shards above it")
+        return self
 
     @model_validator(mode="after")
     def _mappings(self):
@@ -170,10 +258,14 @@ class DataKeys(Section):
     eval_sample_packing: bool | None = Field(None, description="Pack eval rows too (default: as sample_packing).")
     pad_to_sequence_len: bool = Field(False, description="Pad every row to sequence_len (fixed shapes).")
     train_on_inputs: bool = Field(False, description="Also train on prompt tokens (no -100 labels).")
+    default_system_message: str | None = Field(
+        None, description="sharegpt with conversation chatml or llama3, when chat_template names the same template: "
+        "the system message of conversations that have none (instead of 'You are a helpful assistant.').",
+    )  # fmt: skip
 
     @field_validator("test_datasets", "dataset_prepared_path", "pretraining_dataset", "eot_tokens", mode="before")
     @classmethod
-    def _empty(cls, value):
+    def _data_empty(cls, value):
         value = empty_to_none(value)
         return [value] if isinstance(value, dict) else value  # Axolotl accepts one mapping for a list
 

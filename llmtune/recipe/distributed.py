@@ -126,9 +126,9 @@ class DistributedKeys(Section):
 
     @field_validator("deepspeed", "fsdp", "fsdp_config", "offload_nvme_path", mode="before")
     @classmethod
-    def _empty(cls, value):
+    def _distributed_empty(cls, value):
         value = empty_to_none(value)
-        if isinstance(value, (list, dict)) and not value:
+        if value is False or isinstance(value, (list, dict)) and not value:  # `deepspeed: false` in old recipes
             return None
         if isinstance(value, str) and value.strip().lower() in ("false", "no"):
             return None
@@ -138,6 +138,8 @@ class DistributedKeys(Section):
     @classmethod
     def _fsdp_words(cls, value):
         value = value.split() if isinstance(value, str) else value  # accelerate's "full_shard auto_wrap"
+        if value is False:
+            return None
         if value is not None and not isinstance(value, list):
             raise ValueError("must be a list of FSDP options, e.g. [full_shard, auto_wrap]")
         for word in value or []:

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from llmtune.errors import UserError
 from llmtune.recipe.axolotl import screen
+from llmtune.recipe.axolotl_keys import INTENDED, RENAMED
 from llmtune.recipe.paths import check_local_paths
 from llmtune.recipe.schema import Recipe
 
@@ -67,7 +68,7 @@ def recipe_from_mapping(raw: dict, path: Path, check_files: bool = True) -> Load
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as err:
-        raise UserError(f"{path}: {_first_error(err)}", REFERENCE_HINT) from None
+        raise UserError(f"{path}: {_as_written(_first_error(err), raw)}", REFERENCE_HINT) from None
     except RecursionError:
         raise UserError(f"{path}: a value is nested too deeply", REFERENCE_HINT) from None
     if check_files:
@@ -81,6 +82,14 @@ def recipe_from_mapping(raw: dict, path: Path, check_files: bool = True) -> Load
                 f"WARNING datasets[{index}].trust_remote_code: true: the loading script of {spec.path} will run"
             )
     return LoadedRecipe(recipe=recipe, path=path, notes=notes)
+
+
+def _as_written(line: str, raw: dict) -> str:
+    """A schema error about a key the recipe spelt the Axolotl way names it as written too."""
+    for old, new in {**RENAMED, **INTENDED}.items():
+        if old in raw and new not in raw and line.startswith((f"{new}:", f"{new}.", f"{new}[")):
+            return f"{new} (written as {old}){line[len(new) :]}"
+    return line
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}

@@ -133,7 +133,7 @@ class ModelKeys(Section):
         "torch_compile_backend", mode="before",
     )  # fmt: skip
     @classmethod
-    def _empty(cls, value):
+    def _model_empty(cls, value):
         return empty_to_none(value)
 
     @field_validator("base_model")

@@ -18,6 +18,7 @@ from llmtune.recipe.axolotl_keys import (
     PLUGINS,
     RENAMED,
     RENAMED_DATASET_KEYS,
+    TRANSLATED,
 )
 from llmtune.recipe.data import CustomFormat, DataKeys, DatasetSpec
 from llmtune.recipe.distributed import DistributedKeys, FsdpConfig
@@ -100,6 +101,7 @@ def _axolotl_sections() -> list[str]:
         "| --- | --- |",
     ]
     lines += [f"| `{old}` | `{new}` |" for old, new in sorted({**RENAMED, **RENAMED_DATASET_KEYS}.items())]
+    lines += [f"| `{old}` | {how} |" for old, how in sorted(TRANSLATED.items())]
     lines += [f"| `bnb_config_kwargs.{name}` | {f'`{key}`' if key else 'no effect (from the precision)'} |"
               for name, key in BNB_CONFIG_KWARGS.items()]  # fmt: skip
     lines += ["", "### Keys Axolotl drops, honoured", "",

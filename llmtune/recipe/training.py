@@ -27,6 +27,9 @@ LR_SCHEDULERS = (
     "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay",
 )  # fmt: skip
 REPORT_TARGETS = ("none", "tensorboard", "wandb", "mlflow")
+# gradient_checkpointing values of Axolotl's releases that ask for checkpoints offloaded to CPU ("unsloth": v0.5-v0.7;
+# "offload", "offload_disk": since). llmtune recomputes them and keeps them on the GPU (axolotl.py says so).
+OFFLOADED_CHECKPOINTING = ("unsloth", "offload", "offload_disk")
 
 
 class TrainingKeys(Section):
@@ -71,7 +74,7 @@ class TrainingKeys(Section):
     )
     gradient_checkpointing_kwargs: dict | None = Field(None, description="e.g. {use_reentrant: false}.")
     seed: int = Field(42, ge=0, description="Seed for weights of new layers, data order and dropout.")
-    logging_steps: int = Field(1, gt=0, description="Log every this many steps.")
+    logging_steps: float = Field(1, gt=0, description="Log every N steps (or a fraction of all steps, below 1).")
     save_strategy: Literal["steps", "epoch", "no"] | None = Field(None, description="When to checkpoint.")
     save_steps: float | None = Field(None, gt=0, description="Checkpoint every N steps (or a fraction of all steps).")
     saves_per_epoch: int | None = Field(None, gt=0, description="Checkpoints per epoch.")
@@ -128,14 +131,34 @@ class TrainingKeys(Section):
         mode="before",
     )  # fmt: skip
     @classmethod
-    def _empty(cls, value):
+    def _training_empty(cls, value):
         value = empty_to_none(value)
         return "false" if value is False else value
+
+    @field_validator("save_strategy", "eval_strategy", mode="before")
+    @classmethod
+    def _yaml_no(cls, value):
+        return "no" if value is False else value  # YAML 1.1 reads a bare `no` as false
+
+    @field_validator("bf16", mode="before")
+    @classmethod
+    def _bf16_full(cls, value):
+        return True if value == "full" else value  # Axolotl v0.3-v0.4: bf16 with bf16_full_eval (axolotl.py says so)
 
     @field_validator("report_to", mode="before")
     @classmethod
     def _report_list(cls, value):
         return [value] if isinstance(value, str) else value
+
+    @field_validator("logging_steps", "save_steps", "eval_steps")
+    @classmethod
+    def _steps_or_fraction(cls, value):
+        """As transformers reads them: below 1, a fraction of the total steps; from 1, a whole number of steps."""
+        if value is None or value < 1:
+            return value
+        if value != int(value):
+            raise ValueError(f"{value} is neither a whole number of steps nor a fraction of all steps below 1")
+        return int(value)
 
     @field_validator("optimizer", mode="before")
     @classmethod
@@ -148,7 +171,7 @@ class TrainingKeys(Section):
     @field_validator("gradient_checkpointing", mode="before")
     @classmethod
     def _offloaded_checkpointing(cls, value):
-        return True if value in ("offload", "offload_disk") else value
+        return True if value in OFFLOADED_CHECKPOINTING else value
 
     @model_validator(mode="before")
     @classmethod

@@ -287,3 +287,95 @@ def test_fallback_template_prefers_the_tokenizers_own(tok):
         chat_template = None
 
     assert resolve_chat_template("tokenizer_default_fallback_llama4", None, NoTemplate()) == FAMILY_TEMPLATES["llama4"]
+
+
+# --- value forms of Axolotl's earlier releases ------------------------------------------------------------------
+
+FORMS = [
+    ({"gradient_checkpointing": "unsloth"}, {"gradient_checkpointing": True}),
+    ({"gradient_checkpointing": "offload"}, {"gradient_checkpointing": True}),
+    (
+        {"logging_steps": 0.05, "save_steps": 0.25, "eval_steps": 0.1},
+        {"logging_steps": 0.05, "save_steps": 0.25, "eval_steps": 0.1},
+    ),  # fmt: skip
+    ({"logging_steps": 10.0, "save_steps": 100.0}, {"logging_steps": 10, "save_steps": 100}),
+    (
+        {"wandb_project": "p", "wandb_watch": False, "wandb_log_model": False},
+        {"wandb_watch": "false", "wandb_log_model": "false"},
+    ),  # fmt: skip
+    ({"save_strategy": False, "eval_strategy": False}, {"save_strategy": "no", "eval_strategy": "no"}),
+    ({"deepspeed": False, "fsdp": False}, {"deepspeed": None, "fsdp": None}),
+    ({"bf16": "full"}, {"bf16": True}),
+    ({"max_packed_sequence_len": 1024}, {"sample_packing": True, "sequence_len": 1024}),
+    ({"max_packed_sequence_len": 4096, "sequence_len": 2048}, {"sample_packing": True, "sequence_len": 2048}),
+    ({"xformers_attention": True}, {"attn_implementation": "sdpa"}),
+    ({"xformers_attention": False}, {"attn_implementation": None}),
+    (
+        {"rope_scaling": {"type": "linear", "factor": 2.0}, "model_config": {"max_position_embeddings": 8192}},
+        {
+            "overrides_of_model_config": {
+                "max_position_embeddings": 8192,
+                "rope_scaling": {"type": "linear", "factor": 2.0},
+            }
+        },
+    ),
+    ({"eval_table_size": 5, "eval_table_max_new_tokens": 128}, {}),
+    ({"fsdp": "full_shard auto_wrap"}, {"fsdp": ["full_shard", "auto_wrap"]}),
+    ({"fsdp": ["full_shard", "auto_wrap"]}, {"fsdp": ["full_shard", "auto_wrap"]}),
+    ({"flash_attention": True}, {"attn_implementation": "flash_attention_2"}),
+    ({"sdp_attention": True}, {"attn_implementation": "sdpa"}),
+    ({"load_in_4bit": True, "adapter": "qlora"}, {"load_in_4bit": True, "adapter": "qlora"}),
+]
+
+
+@pytest.mark.parametrize(("written", "resolved"), FORMS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v))
+def test_older_value_forms_resolve_as_axolotl_meant(written, resolved):
+    r = recipe(**written)
+    assert {key: getattr(r, key) for key in resolved} == resolved
+
+
+def test_older_value_forms_are_said_once():
+    base = {"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}], "output_dir": "/r"}
+    written = {"gradient_checkpointing": "unsloth", "max_packed_sequence_len": 1024, "xformers_attention": True,
+               "bf16": "full"}  # fmt: skip
+    notes = recipe_from_mapping({**base, **written}, Path("r.yaml"), check_files=False).notes
+    for said in ("gradient_checkpointing: unsloth: read as gradient_checkpointing: true; activations are recomputed, "
+                 "not offloaded to CPU", "max_packed_sequence_len: 1024: read as sample_packing: true at sequence_len: "
+                 "1024 (a key of Axolotl since v0.3.0, deprecated since v0.5.0", "xformers_attention: true: read as "
+                 "attn_implementation: sdpa", "bf16: full"):  # fmt: skip
+        assert sum(note.startswith(said) for note in notes) == 1, (said, notes)
+
+
+@pytest.mark.parametrize(
+    ("written", "named"),
+    [
+        ({"logging_steps": 2.5}, "logging_steps: 2.5 is neither a whole number"),
+        ({"max_packed_sequence_len": "long"}, "max_packed_sequence_len: 'long' must be a whole number"),
+        ({"xformers_attention": True, "flash_attention": True}, "xformers_attention: true and flash_attention: true"),
+        ({"xformers_attention": True, "attn_implementation": "eager"}, "attn_implementation: eager ask for"),
+        ({"rope_scaling": "linear"}, "rope_scaling: 'linear' must be a mapping"),
+    ],
+)
+def test_older_value_forms_that_cannot_be_honoured_are_refused_by_name(written, named):
+    with pytest.raises(UserError, match=named):
+        recipe(**written)
+
+
+def test_older_value_forms_plan_and_reach_training_arguments(tmp_path):
+    from llmtune.plan import make_cluster, make_plan
+    from llmtune.train.arguments import training_arguments
+
+    plan = make_plan(recipe(fsdp="full_shard auto_wrap", fsdp_config={"fsdp_transformer_layer_cls_to_wrap": "X"}),
+                     make_cluster(2, device="cuda"))  # fmt: skip
+    assert plan.strategy == "fsdp1"
+    plan = make_plan(
+        recipe(xformers_attention=True, load_in_4bit=True, adapter="qlora"), make_cluster(1, device="cuda")
+    )
+    assert plan.kernels["attention"] == "sdpa"
+    cpu = {"precision": "no", "cluster": {"device": "cpu"}, "strategy": "single", "micro_batch_size": 1,
+           "data_parallel_size": 1, "gradient_accumulation_steps": 1}  # fmt: skip
+    r = recipe(output_dir=str(tmp_path), logging_steps=0.05, save_steps=0.25, gradient_checkpointing="unsloth")
+    args = training_arguments(r, cpu, 8, False)
+    assert (args.logging_steps, args.save_steps) == (0.05, 0.25)
+    checkpointing = getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing
+    assert checkpointing is True

@@ -131,3 +131,16 @@ def test_resolve_errors(tok):
     with pytest.raises(UserError, match="unknown") as caught:
         resolve_chat_template("lama3", None, tok)
     assert "llama3" in caught.value.hint
+
+
+@pytest.mark.parametrize(("conversation", "template"), [("chatml", "chatml"), ("llama3", "llama3")])
+def test_sharegpt_conversations_write_what_the_named_template_writes(tok, conversation, template):
+    """sharegpt's FastChat chatml and llama3 (Axolotl's own registrations) render a conversation with a system
+    message exactly as the named chat template does (llama3: less the BOS, which the tokenizer adds)."""
+    from llmtune.train.data.sharegpt import CONVERSATIONS as FASTCHAT
+    from llmtune.train.data.sharegpt import turns
+
+    messages = [(m["role"], m["content"], None) for m in CHAT[:4]]
+    text = "".join(role + body for _, role, body, _ in turns(FASTCHAT[conversation], SYSTEM["content"], messages))
+    rendered = render(NAMED_TEMPLATES[template], [SYSTEM, *CHAT[:4]], tok)
+    assert text == rendered.removeprefix(tok.bos_token if template == "llama3" else "")

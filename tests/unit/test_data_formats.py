@@ -6,7 +6,7 @@ import pytest
 from tiny import load_tokenizer, write_jsonl
 
 from llmtune.errors import UserError
-from llmtune.recipe.data import DatasetSpec
+from llmtune.recipe.data import CONVERSATIONS, LEGACY_TYPES, DatasetSpec
 from llmtune.train.data.formats import ALPACA_NO_INPUT, IGNORE, FormatContext, RowError, format_for
 
 
@@ -47,7 +47,13 @@ def test_completion_trains_every_token_and_splits_long_text(tok):
 
 
 def test_input_output_segments(tok):
-    row = {"segments": [{"text": "Q: 2+2?\n", "label": False}, {"text": "A: 4", "label": True}, {"text": "<|im_end|>", "label": True}]}
+    row = {
+        "segments": [
+            {"text": "Q: 2+2?\n", "label": False},
+            {"text": "A: 4", "label": True},
+            {"text": "<|im_end|>", "label": True},
+        ]
+    }
     [(ids, labels)] = run(tok, row, type="input_output")
     q = tok("Q: 2+2?\n", add_special_tokens=False)["input_ids"]
     a = tok("A: 4", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
@@ -172,3 +178,435 @@ def test_jeopardy_prompts_as_axolotl_does_and_trains_what_is_the_answer(tok):
     assert "### Input:" not in tok.decode(ids) and "describes a task" in tok.decode(ids)
     with pytest.raises(RowError, match="missing field 'answer'"):
         run(tok, {"question": "q", "category": "c"}, type="jeopardy")
+
+
+# --- Axolotl's older formats: every era's dataset types, checked by decoding exactly what is labelled ---
+
+
+def pieces(tok, ids, labels) -> list[str]:
+    """The labelled tokens, decoded run by run."""
+    runs, current = [], []
+    for token, label in zip(ids, labels, strict=True):
+        if label != IGNORE:
+            current.append(token)
+        elif current:
+            runs.append(tok.decode(current))
+            current = []
+    return runs + ([tok.decode(current)] if current else [])
+
+
+def sharegpt_row(rows=CONVERSATION):
+    return {"conversations": [dict(m) for m in rows]}
+
+
+# The whole rendering and the labelled runs, per FastChat template (the fixture's EOS is <|im_end|>). As in
+# Axolotl: the role prefix (less trailing whitespace) is masked, the rest of an assistant turn trains, then EOS.
+SHAREGPT_EXPECTED = {
+    "chatml": ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCapital of France?<|im_end|>\n"
+               "<|im_start|>assistant\nParis.<|im_end|>\n<|im_start|>user\nAnd Italy?<|im_end|>\n"
+               "<|im_start|>assistant\nRome.<|im_end|>\n", ["\nParis.<|im_end|>\n", "\nRome.<|im_end|>\n"]),
+    "vicuna_v1.1": ("Be brief. USER: Capital of France? ASSISTANT: Paris.</s><|im_end|>USER: And Italy? "
+                    "ASSISTANT: Rome.</s><|im_end|>", [" Paris.</s><|im_end|>", " Rome.</s><|im_end|>"]),
+    "llama-2": ("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nCapital of France?[/INST] Paris.<|im_end|>"
+                "<s> [INST] And Italy?[/INST] Rome.<|im_end|>", [" Paris.<|im_end|>", " Rome.<|im_end|>"]),
+    "llama3": ("<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user"
+               "<|end_header_id|>\n\nCapital of France?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+               "Paris.<|eot_id|><|im_end|><|start_header_id|>user<|end_header_id|>\n\nAnd Italy?<|eot_id|>"
+               "<|start_header_id|>assistant<|end_header_id|>\n\nRome.<|eot_id|><|im_end|>",
+               ["\n\nParis.<|eot_id|><|im_end|>", "\n\nRome.<|eot_id|><|im_end|>"]),
+    "mistral": ("[INST]  Be brief.\nCapital of France?[/INST] Paris.<|im_end|>[INST] And Italy?[/INST] "
+                "Rome.<|im_end|>", [" Paris.<|im_end|>", " Rome.<|im_end|>"]),
+    "zephyr": ("<|system|>\nBe brief.</s>\n<|user|>\nCapital of France?</s>\n<|assistant|>\nParis.</s>\n<|im_end|>"
+               "<|user|>\nAnd Italy?</s>\n<|assistant|>\nRome.</s>\n<|im_end|>",
+               ["\nParis.</s>\n<|im_end|>", "\nRome.</s>\n<|im_end|>"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("conversation", sorted(SHAREGPT_EXPECTED))
+def test_sharegpt_conversation_renders_and_labels_only_gpt_turns(tok, conversation):
+    [(ids, labels)] = run(tok, sharegpt_row(), type="sharegpt", conversation=conversation, sequence_len=512)
+    text, trained = SHAREGPT_EXPECTED[conversation]
+    assert tok.decode(ids) == text
+    assert pieces(tok, ids, labels) == trained
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+def test_every_conversation_trains_the_answers_and_nothing_the_user_wrote(tok, conversation):
+    rows = CONVERSATION[1:] if conversation == "gemma" else CONVERSATION  # gemma's template has no system turn
+    [(ids, labels)] = run(tok, sharegpt_row(rows), type="sharegpt", conversation=conversation, sequence_len=512)
+    trained = "".join(pieces(tok, ids, labels))
+    assert "Paris." in trained and "Rome." in trained and trained.count(tok.eos_token) >= 2  # each answer ends
+    for prompt in [m["value"] for m in rows if m["from"] != "gpt"]:
+        assert prompt in tok.decode(ids) and prompt not in trained
+
+
+def test_conversation_names_match_the_recipe_schema():
+    from llmtune.train.data.sharegpt import CONVERSATIONS as TEMPLATES
+
+    assert set(CONVERSATIONS) == set(TEMPLATES)
+
+
+def test_sharegpt_default_is_vicuna_and_the_old_spellings_are_the_same_format(tok):
+    expected = run(tok, sharegpt_row(), type="sharegpt", conversation="vicuna_v1.1", sequence_len=512)
+    for kind in ("sharegpt", "sharegpt:chat", "sharegpt_simple"):
+        assert run(tok, sharegpt_row(), type=kind, sequence_len=512) == expected, kind
+    # no system message: vicuna's own system prompt, masked
+    [(ids, labels)] = run(tok, sharegpt_row(CONVERSATION[1:]), type="sharegpt", sequence_len=512)
+    assert (
+        tok.decode(ids).startswith("A chat between a curious user")
+        and pieces(tok, ids, labels)[0] == " Paris.</s><|im_end|>"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "row"),
+    [
+        (
+            "sharegpt.load_role",
+            {"conversations": [{"role": "human", "value": "Capital of France?"}, {"role": "gpt", "value": "Paris."}]},
+        ),
+        (
+            "sharegpt.load_guanaco",
+            {
+                "conversations": [
+                    {"role": "prompter", "text": "Capital of France?"},
+                    {"role": "assistant", "text": "Paris."},
+                ]
+            },
+        ),
+        (
+            "sharegpt.load_ultrachat",
+            {
+                "messages": [
+                    {"role": "user", "content": "Capital of France?"},
+                    {"role": "assistant", "content": "Paris."},
+                ]
+            },
+        ),
+        (
+            "sharegpt",
+            {
+                "conversations": [
+                    {"role": "user", "content": "Capital of France?"},
+                    {"role": "assistant", "content": "Paris."},
+                ]
+            },
+        ),
+    ],
+)
+def test_sharegpt_loaders_read_their_row_shapes(tok, kind, row):
+    [(ids, labels)] = run(tok, row, type=kind, conversation="chatml", sequence_len=512)
+    assert pieces(tok, ids, labels) == ["\nParis.<|im_end|>\n"]
+    assert "<|im_start|>user\nCapital of France?<|im_end|>" in tok.decode(ids)
+
+
+def test_sharegpt_jokes(tok):
+    [(ids, labels)] = run(tok, {"title": "Cats", "text": "A cat walks in.", "explanation": "Because."}, type="sharegpt_jokes",
+                          conversation="chatml", sequence_len=512)  # fmt: skip
+    assert pieces(tok, ids, labels) == ["\nCats A cat walks in.<|im_end|>\n", "\nBecause.<|im_end|>\n"]
+    assert "Tell me a joke." in tok.decode(ids)
+
+
+def test_sharegpt_field_human_field_model_roles_and_weight(tok):
+    row = {"conversations": [{"from": "asker", "value": "Capital of France?"}, {"from": "bot", "value": "Paris."},
+                             {"from": "asker", "value": "And Italy?"}, {"from": "bot", "value": "Rome.", "weight": 0}]}  # fmt: skip
+    [(ids, labels)] = run(tok, row, type="sharegpt", conversation="chatml", field_human="asker", field_model="bot",
+                          sequence_len=512)  # fmt: skip
+    assert pieces(tok, ids, labels) == ["\nParis.<|im_end|>\n"]  # weight 0: Rome. is masked
+    row = {
+        "conversations": [
+            {"from": "human", "value": "Hi"},
+            {"from": "tool", "value": "42"},
+            {"from": "gpt", "value": "It is 42."},
+        ]
+    }
+    [(ids, labels)] = run(tok, row, type="sharegpt", conversation="chatml", sequence_len=512)
+    assert "<|im_start|>tool\n42<|im_end|>" in tok.decode(ids) and pieces(tok, ids, labels) == [
+        "\nIt is 42.<|im_end|>\n"
+    ]
+    [(ids, labels)] = run(
+        tok, row, type="sharegpt", conversation="chatml", roles={"output": ["tool"]}, sequence_len=512
+    )
+    assert pieces(tok, ids, labels) == ["\n42<|im_end|>\n", "\nIt is 42.<|im_end|>\n"]
+    with pytest.raises(RowError, match="neither human nor gpt"):
+        run(tok, row, type="sharegpt", conversation="llama-2", sequence_len=512)
+    with pytest.raises(RowError, match="at least two messages"):
+        run(tok, {"conversations": [{"from": "human", "value": "Hi"}]}, type="sharegpt")
+
+
+def test_sharegpt_train_on_inputs_trains_everything(tok):
+    [(ids, labels)] = run(tok, sharegpt_row(), train_on_inputs=True, type="sharegpt", conversation="chatml",
+                          sequence_len=512)  # fmt: skip
+    assert labels == ids
+
+
+# type, row, the full text (EOS is <|im_end|>), the labelled text
+ALPACA_ROW = {"instruction": "Add the numbers", "input": "2 3", "output": "5"}
+SYS = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+SYS_IN = ("Below is an instruction that describes a task, paired with an input that provides further context. Write a "
+          "response that appropriately completes the request.")  # fmt: skip
+CHAT_SYS = ("Below is an instruction from a USER that describes a task. The ASSISTANT writes a response that "
+            "appropriately and concisely completes the request.\n\n")  # fmt: skip
+CONTEXT = "Use the following contextual information to concisely answer the question.\n"
+LEGACY_CASES = [
+    ("alpaca:chat", ALPACA_ROW, f"SYSTEM: {SYS_IN}\nUSER: Add the numbers\n2 3\nASSISTANT:5", "5"),
+    ("alpaca:chatml", {"instruction": "Hi", "output": "Yo"},
+     f"<|im_start|>system\n{SYS}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nYo", "Yo"),
+    ("alpaca:phi", {"instruction": "Hi", "output": "Yo"}, f"<|system|>\n{SYS}<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nYo", "Yo"),
+    ("alpaca_chat", {"instruction": "Hi", "output": "Yo"}, f"SYSTEM: {SYS}\nUSER: Hi\nASSISTANT:Yo", "Yo"),
+    ("alpaca_chat.load_qa", {"question": "Why?", "answer": "Because"}, f"SYSTEM: {CHAT_SYS}\nUSER: Why?\nASSISTANT:Because",
+     "Because"),
+    ("alpaca_chat.load_concise", {"instruction": "Hi", "output": "Yo"}, f"SYSTEM: {CHAT_SYS}\nUSER: Hi\nASSISTANT:Yo", "Yo"),
+    ("alpaca_chat.load_camel_ai", {"message_1": "Hi", "message_2": "Yo"}, f"SYSTEM: {CHAT_SYS}\nUSER: Hi\nASSISTANT:Yo", "Yo"),
+    ("alpaca_chat.load_no_prompt", {"instruction": "Hi", "output": "Yo"}, "USER: Hi\nASSISTANT:Yo", "Yo"),
+    ("alpaca_instruct", {"instruction": "Hi", "output": "Yo"}, f"{SYS}\n\n### Instruction:\nHi\n\n### Response:\nYo", "Yo"),
+    ("alpaca_instruct.load_no_prompt", {"instruction": "Hi", "output": "Yo"}, "### Instruction:\nHi\n\n### Response:\nYo", "Yo"),
+    ("alpaca_w_system", {"system": "Be kind.", "instruction": "Hi", "output": "Yo"}, "SYSTEM: Be kind.\nUSER: Hi\nASSISTANT:Yo", "Yo"),
+    ("alpaca_w_system.load_instruct", {"system": "Be kind.", "instruction": "Hi", "input": "x", "output": "Yo"},
+     "Be kind.\n\n### Instruction:\nHi\n\n### Input:\nx\n\n### Response:\nYo", "Yo"),
+    ("alpaca_w_system.load_open_orca", {"system_prompt": "Be kind.", "question": "Hi", "response": "Yo"},
+     "### System:\nBe kind.\n### Human:\nHi\n### Assistant:\nYo", "Yo"),
+    ("alpaca_w_system.load_open_orca_chatml", {"system_prompt": "Be kind.", "question": "Hi", "response": "Yo"},
+     "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nYo", "Yo"),
+    ("orcamini", {"system_prompt": "Be kind.", "question": "Hi", "response": "Yo"},
+     "### System:\nBe kind.\n\n### User:\nHi\n\n### Response:\nYo", "Yo"),
+    ("oasst", {"INSTRUCTION": "Hi", "RESPONSE": "Yo"}, f"{SYS}\n\n### Instruction:\nHi\n\n### Response:\nYo", "Yo"),
+    ("oasst:chat", {"INSTRUCTION": "Hi", "RESPONSE": "Yo"}, f"SYSTEM: {SYS}\nUSER: Hi\nASSISTANT:Yo", "Yo"),
+    ("gpteacher", {"instruction": "Hi", "input": "x", "response": "Yo"},
+     f"{SYS_IN}\n\n### Instruction:\nHi\n\n### Input:\nx\n\n### Response:\nYo", "Yo"),
+    ("explainchoice", {"question": "Pick", "choices": ["a", "b"], "explanation": "a, since"},
+     'Choose the answer that best answers the question. Explain your reasoning.\n\n\n### Instruction:\nPick\n\n'
+     '### Input:\n- "a"\n- "b"\n\n### Response:\na, since', "a, since"),
+    ("concisechoice", {"question": "Pick", "choices": ["a", "b"], "solution": "a"},
+     'Choose the answer that best answers the question. Be concise in your response.\n\nUSER: Pick\n- "a"\n- "b"\n'
+     "ASSISTANT:a", "a"),
+    ("summarizetldr", {"article": "Long text.", "summary": "Short."},
+     "USER: Summarize the following article as a TL;DR.\nLong text.\nASSISTANT:Short.", "Short."),
+    ("context_qa", {"article": "Sky is blue.", "question": "Colour?", "answer": "Blue"},
+     f"SYSTEM: {CONTEXT}\nUSER: Sky is blue.\n===\nColour?\nASSISTANT:Blue", "Blue"),
+    ("context_qa.load_v2", {"context": "Sky is blue.", "question": "Colour?", "answer": "Blue"},
+     "Context: Sky is blue.\nQuestion: Colour?\nAnswer: Blue", "Answer: Blue"),
+    ("context_qa.load_404", {"article": "Sky is blue.", "unanswerable_question": "Price?"},
+     f"SYSTEM: {CONTEXT}\nUSER: Sky is blue.\n===\nPrice?\nASSISTANT:The context provided does not contain any "
+     "information about your inquiry. Therefore, I'm unable to answer your question based on the given context.",
+     "The context provided does not contain any information about your inquiry. Therefore, I'm unable to answer "
+     "your question based on the given context."),
+    ("reflection:chat", {"instruction": "Hi", "output": "O", "reflection": "R", "corrected": "C"},
+     None, "\nTHOUGHT: O\nASSISTANT REFLECTION: R\nASSISTANT:"),
+    ("reflection", {"instruction": "Hi", "output": "O", "reflection": "R", "corrected": "C"},
+     None, "### Thought:\nO\n\n### Agent Reflection:\nR\n\n### Final Response:\nC"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "row", "text", "answer"), LEGACY_CASES, ids=[c[0] for c in LEGACY_CASES])
+def test_legacy_instruction_formats_label_only_the_answer_and_eos(tok, kind, row, text, answer):
+    [(ids, labels)] = run(tok, row, type=kind, sequence_len=1024)
+    if text is not None:
+        assert tok.decode(ids) == text + tok.eos_token
+    assert pieces(tok, ids, labels) == [answer + tok.eos_token]
+
+
+def test_alpaca_chat_conversation_picks_the_prompt_style(tok):
+    [(ids, _)] = run(tok, {"instruction": "Hi", "output": "Yo"}, type="alpaca_chat", conversation="chatml")
+    assert tok.decode(ids).startswith("<|im_start|>system\n")
+
+
+def test_user_defined_format_as_axolotl_read_it(tok):
+    form = {"field_instruction": "q", "field_output": "a", "format": "[INST] {instruction} {input} [/INST]",
+            "no_input_format": "[INST] {instruction} [/INST]", "system_prompt": "Be kind.",
+            "system_format": "<<SYS>>{system}<</SYS>>"}  # fmt: skip
+    [(ids, labels)] = run(tok, {"q": "Hi", "a": "Yo"}, type=form)
+    assert tok.decode(ids) == "<<SYS>>Be kind.<</SYS>>[INST] Hi [/INST]Yo" + tok.eos_token
+    assert pieces(tok, ids, labels) == ["Yo" + tok.eos_token]
+    # the row's `system` field wins over system_prompt; with an input, `format` is used
+    [(ids, _)] = run(tok, {"q": "Hi", "input": "x", "a": "Yo", "system": "Row says."}, type=form)
+    assert tok.decode(ids).startswith("<<SYS>>Row says.<</SYS>>[INST] Hi x [/INST]Yo")
+    # Axolotl's defaults for what the mapping leaves out
+    [(ids, labels)] = run(tok, {"instruction": "Hi", "output": "Yo"}, type={"field_system": "none"})
+    assert tok.decode(ids) == "Hi Yo" + tok.eos_token and pieces(tok, ids, labels) == ["Yo" + tok.eos_token]
+
+
+def test_chat_template_with_the_older_field_names(tok):
+    row = {"dialog": [{"speaker": "system", "text": "Be brief."}, {"speaker": "asker", "text": "Capital of France?"},
+                      {"speaker": "bot", "text": "Paris."}, {"speaker": "asker", "text": "And Italy?"},
+                      {"speaker": "bot", "text": "Rome."}]}  # fmt: skip
+    spec = {"type": "chat_template", "field_messages": "dialog", "message_field_role": "speaker",
+            "message_field_content": "text", "roles": {"user": ["asker"], "assistant": ["bot"]}}  # fmt: skip
+    [(ids, labels)] = run(tok, row, template=tok.chat_template, sequence_len=256, **spec)
+    assert pieces(tok, ids, labels) == ["Paris.<|im_end|>", "Rome.<|im_end|>"]
+    [(ids, labels)] = run(tok, row, template=tok.chat_template, sequence_len=256, roles_to_train=["user"],
+                          train_on_eos="none", **spec)  # fmt: skip
+    assert pieces(tok, ids, labels) == ["Capital of France?", "And Italy?"]
+
+
+@pytest.mark.parametrize("kind", [*LEGACY_TYPES, "sharegpt:chat", "sharegpt_simple", "sharegpt_simple.load_role",
+                                  "alpaca:chat", "alpaca:chatml", "alpaca:phi", "alpaca:instruct", "oasst:chat", "gpteacher:chatml",
+                                  "reflection:chat", "explainchoice:chat"])  # fmt: skip
+def test_every_legacy_type_validates_and_has_a_converter(kind):
+    spec = DatasetSpec(path="x", type=kind)
+    assert format_for(spec) is not None
+    assert spec.type == {"sharegpt:chat": "sharegpt", "sharegpt_simple": "sharegpt", "alpaca:instruct": "alpaca",
+                         "sharegpt_simple.load_role": "sharegpt.load_role"}.get(kind, kind)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"type": "sharegpt", "conversation": "vicuna_v9"}, "conversation\n.*'vicuna_v9' is not one of"),
+        ({"type": "alpaca_chat", "conversation": "vicuna_v1.1"}, "prompt style"),
+        ({"type": "alpaca:bogus"}, "prompt style is one of"),
+        ({"type": "sharegpt.load_multirole"}, "Axolotl's dataset type 'sharegpt.load_multirole' is not supported"),
+        ({"type": "sharegtp"}, "unknown dataset type 'sharegtp'"),
+        ({"type": "sharegpt", "shards": 2, "shards_idx": 2}, "shards_idx 2 needs shards above it"),
+    ],
+)
+def test_legacy_settings_are_checked(spec, message):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=message):
+        DatasetSpec(path="x", **spec)
+
+
+def test_malformed_sharegpt_row_names_file_and_line(tmp_path, tok):
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.data.prepare import tokenize_with_cache
+
+    path = write_jsonl(tmp_path / "chats.jsonl", [sharegpt_row(), {"conversations": [{"from": "human"}]}])
+    recipe = recipe_from_mapping({"base_model": "m", "datasets": [{"path": str(path), "type": "sharegpt",
+                                  "conversation": "chatml"}], "dataset_prepared_path": None}, tmp_path / "r.yaml",
+                                 check_files=False).recipe  # fmt: skip
+    with pytest.raises(UserError, match=r"chats.jsonl line 2: conversations\[0\] needs 'from' and a 'value' string"):
+        tokenize_with_cache(recipe, tok)
+
+
+def test_builder_path_with_local_data_files_and_shards_idx(tmp_path):
+    from llmtune.train.data.sources import read_rows, reads_with_datasets
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"n": i} for i in range(6)])
+    spec = DatasetSpec(path="json", data_files=[str(path)], type="completion", shards=3, shards_idx=1)
+    assert not reads_with_datasets(spec)  # local JSON lines: read here, line by line, without `datasets`
+    rows = list(read_rows(spec, "datasets[0]"))
+    assert [row["n"] for row, _ in rows] == [1, 4] and rows[0][1].endswith("d.jsonl line 2")
+    assert reads_with_datasets(DatasetSpec(path="csv", data_files=[str(path)], type="completion"))
+    assert reads_with_datasets(DatasetSpec(path="json", data_files=["missing.jsonl"], type="completion"))
+
+
+def test_sharegpt_chatml_default_system_and_default_system_message(tmp_path, tok):
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.data.prepare import tokenize_with_cache
+
+    [(ids, labels)] = run(tok, sharegpt_row(CONVERSATION[1:3]), type="sharegpt", conversation="chatml")
+    assert tok.decode(ids).startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user")
+    assert pieces(tok, ids, labels) == ["\nParis.<|im_end|>\n"]
+
+    path = write_jsonl(tmp_path / "d.jsonl", [sharegpt_row(CONVERSATION[1:3])])
+
+    def first_text(**keys):
+        recipe = recipe_from_mapping({"base_model": "m", "datasets": [{"path": str(path), "type": "sharegpt",
+                                      "conversation": "chatml"}], "dataset_prepared_path": None, **keys},
+                                     tmp_path / "r.yaml", check_files=False).recipe  # fmt: skip
+        groups, _ = tokenize_with_cache(recipe, tok)
+        return tok.decode(groups["train"][0]["input_ids"])
+
+    # Axolotl re-registered its chatml template with default_system_message when chat_template was chatml
+    assert first_text(chat_template="chatml", default_system_message="Answer in French.").startswith(
+        "<|im_start|>system\nAnswer in French.<|im_end|>\n"
+    )
+    assert "You are a helpful assistant." in first_text(default_system_message="Answer in French.")
+
+
+def test_a_list_of_names_reads_each_configuration(monkeypatch):
+    import datasets
+
+    from llmtune.train.data.sources import read_rows
+
+    calls = []
+
+    def fake_load(path, name=None, **kwargs):
+        calls.append((path, name, kwargs["split"]))
+        return [{"text": f"{name}-{i}"} for i in range(2)]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    spec = DatasetSpec(path="org/code", name=["ruby", "python"], split="train", type="completion")
+    rows = list(read_rows(spec, "datasets[0]"))
+    assert calls == [("org/code", "ruby", "train"), ("org/code", "python", "train")]
+    assert [row["text"] for row, _ in rows] == ["ruby-0", "ruby-1", "python-0", "python-1"]
+    assert rows[2][1] == "org/code python (train) row 0"
+
+
+def test_llama2_chat_trains_each_answer_and_its_eos_text(tok):
+    [(ids, labels)] = run(tok, sharegpt_row(), type="llama2_chat", sequence_len=512)
+    assert tok.decode(ids) == ("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nCapital of France?[/INST] Paris. </s><s>"
+                               "[INST] And Italy? [/INST] Rome. </s><s>")  # fmt: skip
+    assert [p.strip() for p in pieces(tok, ids, labels)] == ["Paris. </s>", "Rome. </s>"]
+    [(ids, _)] = run(tok, sharegpt_row(CONVERSATION[1:4]), type="llama2_chat", sequence_len=512)
+    assert "You are a helpful, respectful and honest assistant." in tok.decode(ids)  # Llama 2's default system
+    assert "And Italy?" not in tok.decode(ids)  # a trailing question has no answer to train
+
+
+def test_metharme_trains_the_generation_and_three_eos(tok):
+    [(ids, labels)] = run(tok, {"prompt": "<|user|>Hi<|model|>", "generation": "Hello"}, type="metharme")
+    assert pieces(tok, ids, labels) == ["Hello" + tok.eos_token * 3]
+
+
+def test_pygmalion_trains_bot_turns(tok):
+    row = {"conversations": [{"role": "system", "value": "A cat.\n<START>"}, {"role": "human", "value": "Hi"},
+                             {"role": "bot", "value": "Meow"}]}  # fmt: skip
+    [(ids, labels)] = run(tok, row, type="pygmalion")
+    assert tok.decode(ids) == "<|system|>Persona: A cat.<|user|> Hi<|model|> Meow" + tok.eos_token
+    assert pieces(tok, ids, labels) == [" Meow" + tok.eos_token]
+
+
+def test_creative_acr_loaders(tok):
+    row = {"instruction": "Why is the sky blue?", "answer": "Dunno", "revision": "Rayleigh scattering.",
+           "scores": {"refusal": 2}, "critiques": {"refusal": {"explanation": "refused"}}}  # fmt: skip
+    [(ids, labels)] = run(tok, row, type="creative_acr.load_answer", sequence_len=1024)
+    assert tok.decode(ids).startswith("Answer the following question in a comprehensive")
+    assert pieces(tok, ids, labels) == ["Rayleigh scattering." + tok.eos_token]
+    [(ids, labels)] = run(tok, row, type="creative_acr.load_critique", sequence_len=1024)
+    assert pieces(tok, ids, labels) == ["refusal: 2\nrefusal:\n  explanation: refused\n" + tok.eos_token]
+    assert tok.decode(ids).endswith(
+        "Question: Why is the sky blue?\nAnswer: Dunno\n\nASSISTANT:" + pieces(tok, ids, labels)[0]
+    )
+    [(ids, labels)] = run(tok, row, type="creative_acr.load_revise", sequence_len=1024)
+    assert pieces(tok, ids, labels) == ["Rayleigh scattering." + tok.eos_token]
+    assert "Evaluation:\nrefusal: 2\n" in tok.decode(ids)
+
+
+def test_sharegpt_glaive_rows(tok):
+    row = {"system": "SYSTEM: You can call get_time.", "chat": "USER: What time is it? ASSISTANT: <functioncall> "
+           "get_time <|endoftext|> FUNCTION RESPONSE: 12:00 ASSISTANT: It is noon. <|endoftext|>"}  # fmt: skip
+    [(ids, labels)] = run(tok, row, type="sharegpt.load_glaive", sequence_len=512)
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system\nYou can call get_time.<|im_end|>\n<|im_start|>user\nWhat time is it?")
+    assert "<|im_start|>tool\n12:00<|im_end|>" in text  # the function's answer is rendered and masked
+    trained = pieces(tok, ids, labels)
+    assert trained == ["\n<functioncall> get_time <|endoftext|><|im_end|>\n" + tok.eos_token,
+                       "\nIt is noon. <|endoftext|><|im_end|>\n" + tok.eos_token]  # fmt: skip
+
+
+def test_sharegpt_roles_with_chat_template_keys(tok):
+    row = {"conversations": [{"from": "asker", "value": "Hi"}, {"from": "bot", "value": "Yo"}]}
+    [(ids, labels)] = run(
+        tok, row, type="sharegpt", conversation="chatml", roles={"user": ["asker"], "assistant": ["bot"]}
+    )
+    assert pieces(tok, ids, labels) == ["\nYo<|im_end|>\n"] and "<|im_start|>user\nHi" in tok.decode(ids)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"type": "sharegpt", "conversation": "chatml"},
+        {"type": "sharegpt.load_ultrachat"},
+        {"type": "sharegpt", "field_messages": "dialog", "roles": {"output": ["tool"]}},
+        {"type": "alpaca:chat"},
+        {"type": "alpaca_chat", "conversation": "chatml"},
+        {"type": {"field_instruction": "q", "format": "[INST] {instruction} [/INST]"}},
+    ],
+)
+def test_a_dataset_entry_reloads_from_the_plan_as_it_was(spec):
+    """The ranks read the recipe back from plan.json (every key, defaults included): the entry must not change."""
+    first = DatasetSpec(path="x", **spec)
+    again = DatasetSpec.model_validate(first.model_dump(mode="json"))
+    assert again == first
+    assert again.field_messages == first.field_messages != ("messages" if spec["type"] == "sharegpt" else None)

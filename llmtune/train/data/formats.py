@@ -7,9 +7,21 @@ trained. A row that doesn't fit its format raises RowError; the caller adds the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-IGNORE = -100
+from llmtune.train.data.base import (  # noqa: F401  (re-exported: formats.IGNORE etc. are imported elsewhere)
+    IGNORE,
+    Example,
+    FormatContext,
+    RowError,
+    _eos,
+    _field,
+    _ids,
+    _prompt_answer,
+)
+from llmtune.train.data.instruct import INSTRUCT_FORMATS, custom
+from llmtune.train.data.model_formats import MODEL_FORMATS
+from llmtune.train.data.sharegpt import SHAREGPT_FORMATS
+
 ALPACA_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
     "Write a response that appropriately completes the request.\n\n"
@@ -27,50 +39,6 @@ JEOPARDY = (
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant"}
 
 
-class RowError(ValueError):
-    """A row that doesn't match its dataset type."""
-
-
-@dataclass
-class FormatContext:
-    tokenizer: object
-    spec: object  # DatasetSpec
-    train_on_inputs: bool
-    sequence_len: int
-    template: str | None = None  # the resolved chat template, for chat_template rows
-    eot_ids: frozenset[int] = frozenset()  # the recipe's eot_tokens; empty: the first special token ends a turn
-    num_labels: int = 2  # process_reward_model: the step labels the head has
-
-
-Example = tuple[list[int], list[int]]  # input_ids, labels
-
-
-def _field(row: dict, name: str, kind=str, required: bool = True):
-    if name not in row or row[name] is None:
-        if required:
-            raise RowError(f"missing field '{name}' (row has: {', '.join(map(str, row)) or 'nothing'})")
-        return kind()
-    value = row[name]
-    if not isinstance(value, kind):
-        raise RowError(f"field '{name}' should be {kind.__name__}, not {type(value).__name__}")
-    return value
-
-
-def _ids(tokenizer, text: str, special: bool = False) -> list[int]:
-    return tokenizer(text, add_special_tokens=special)["input_ids"] if text else []
-
-
-def _eos(tokenizer) -> list[int]:
-    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-
-
-def _prompt_answer(ctx: FormatContext, prompt: str, answer: str) -> list[Example]:
-    prompt_ids = _ids(ctx.tokenizer, prompt, special=True)
-    answer_ids = _ids(ctx.tokenizer, answer) + _eos(ctx.tokenizer)
-    labels = (prompt_ids if ctx.train_on_inputs else [IGNORE] * len(prompt_ids)) + answer_ids
-    return [(prompt_ids + answer_ids, labels)]
-
-
 def alpaca(row: dict, ctx: FormatContext) -> list[Example]:
     instruction = _field(row, "instruction")
     extra = _field(row, "input", required=False)
@@ -83,18 +51,6 @@ def jeopardy(row: dict, ctx: FormatContext) -> list[Example]:
     question, category = _field(row, "question"), _field(row, "category", required=False)
     prompt = (JEOPARDY if category.strip() else ALPACA_NO_INPUT).format(instruction=question, input=category)
     return _prompt_answer(ctx, prompt, "what is " + _field(row, "answer"))
-
-
-def custom(row: dict, ctx: FormatContext) -> list[Example]:
-    form = ctx.spec.type
-    instruction = _field(row, form.field_instruction)
-    extra = _field(row, form.field_input, required=False)
-    system = _field(row, form.field_system, required=False) if form.field_system else form.system_prompt
-    template = form.format if extra.strip() or not form.no_input_format else form.no_input_format
-    prompt = (form.system_format.format(system=system) if system else "") + template.format(
-        instruction=instruction, input=extra
-    )
-    return _prompt_answer(ctx, prompt, _field(row, form.field_output))
 
 
 def completion(row: dict, ctx: FormatContext) -> list[Example]:
@@ -238,6 +194,14 @@ FORMATS: dict[str, Callable[[dict, FormatContext], list[Example]]] = {
 
 
 def format_for(spec) -> Callable[[dict, FormatContext], list[Example]]:
+    """The converter for a dataset entry's type: today's formats, Axolotl's older ones, or a user-defined mapping.
+
+    A `name:style` type (alpaca:chat) is one of the prompted formats in that prompt style."""
     if spec.type is None:
         return pretokenized
-    return custom if not isinstance(spec.type, str) else FORMATS[spec.type]
+    if not isinstance(spec.type, str):
+        return custom
+    name, _, style = spec.type.partition(":")
+    if name in FORMATS and not style:
+        return FORMATS[name]
+    return INSTRUCT_FORMATS.get(name) or MODEL_FORMATS.get(name) or SHAREGPT_FORMATS[name]

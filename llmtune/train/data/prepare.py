@@ -59,6 +59,7 @@ def cache_key(recipe, tokenizer) -> str:
                 "eot_tokens",
                 "min_sample_len",
                 "dataset_exact_deduplication",
+                "default_system_message",
             )
         },  # fmt: skip
         "streamed_rows": stream_budget(recipe),
@@ -75,6 +76,14 @@ def _template_for(spec, recipe, tokenizer) -> str | None:
         return resolve_chat_template(spec.chat_template, spec.chat_template_jinja or recipe.chat_template_jinja,
                                      tokenizer)  # fmt: skip
     return resolve_chat_template(recipe.chat_template, recipe.chat_template_jinja, tokenizer)
+
+
+def _default_system(recipe) -> tuple[str, str] | None:
+    """Axolotl applied default_system_message to sharegpt's chatml / llama3 conversation when chat_template named
+    the same template."""
+    if recipe.default_system_message and recipe.chat_template in ("chatml", "llama3"):
+        return recipe.chat_template, recipe.default_system_message
+    return None
 
 
 def eot_token_ids(recipe, tokenizer) -> frozenset[int]:
@@ -126,7 +135,8 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
     for index, spec in enumerate(specs):
         label = f"{group}[{index}]"
         ctx = FormatContext(tokenizer, spec, recipe.train_on_inputs, recipe.sequence_len,
-                            _template_for(spec, recipe, tokenizer), eot_ids, recipe.num_labels or 2)  # fmt: skip
+                            _template_for(spec, recipe, tokenizer), eot_ids, recipe.num_labels or 2,
+                            _default_system(recipe))  # fmt: skip
         to_examples = converter(spec)
         taken = 0
         for row, where in progress(read_rows(spec, label, recipe.streaming), f"tokenizing {label}"):

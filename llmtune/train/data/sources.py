@@ -72,7 +72,7 @@ def _files_in(folder: Path, data_files) -> list[Path]:
 
 
 def _file_rows(path: Path, ds_type: str | None, label: str) -> Iterator[tuple[dict, str]]:
-    kind = ds_type or {".jsonl": "jsonl", ".json": "json"}.get(path.suffix) or BUILDERS.get(path.suffix)
+    kind = _kind(path, ds_type)
     if kind in ("json", "jsonl"):
         yield from (_json(path) if path.suffix == ".json" else _jsonl(path))
     elif kind:
@@ -84,20 +84,33 @@ def _file_rows(path: Path, ds_type: str | None, label: str) -> Iterator[tuple[di
 
 
 def _hub_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict, str]]:
+    """A hub dataset's rows; `name` may list several configurations (Axolotl read each and mixed them)."""
     from datasets import load_dataset
 
-    try:
-        table = load_dataset(
-            spec.path, name=spec.name, split=spec.split, data_files=spec.data_files, revision=spec.revision,
-            trust_remote_code=spec.trust_remote_code or None, streaming=streaming,
-        )  # fmt: skip
-    except Exception as err:
-        raise UserError(
-            f"{label}: could not load hub dataset '{spec.path}' ({type(err).__name__}: {str(err).splitlines()[0][:200]})",
-            "check the id and split, your network or HF_TOKEN; or point path at a local file",
-        ) from None
-    for index, row in enumerate(table):
-        yield row, f"{spec.path} ({spec.split}) row {index}"
+    for name in spec.name if isinstance(spec.name, list) else [spec.name]:
+        try:
+            table = load_dataset(
+                spec.path, name=name, split=spec.split, data_files=spec.data_files, revision=spec.revision,
+                trust_remote_code=spec.trust_remote_code or None, streaming=streaming,
+            )  # fmt: skip
+        except Exception as err:
+            raise UserError(
+                f"{label}: could not load hub dataset '{spec.path}'{f' ({name})' if name else ''} "
+                f"({type(err).__name__}: {str(err).splitlines()[0][:200]})",
+                "check the id and split, your network or HF_TOKEN; or point path at a local file",
+            ) from None
+        where = f"{spec.path}{f' {name}' if name else ''} ({spec.split})"
+        for index, row in enumerate(table):
+            yield row, f"{where} row {index}"
+
+
+def _builder_files(spec) -> list[Path]:
+    """`path: json` (a `datasets` builder name) with `data_files` that are all local: those files, read here."""
+    if spec.path not in ("json", "jsonl", "csv", "parquet", "arrow", "text") or Path(spec.path).exists():
+        return []
+    names = [spec.data_files] if isinstance(spec.data_files, str) else spec.data_files or []
+    files = [Path(name) for name in names]
+    return files if files and all(f.is_file() for f in files) else []
 
 
 def _saved_dataset_rows(folder: Path, spec, label: str) -> Iterator[tuple[dict, str]]:
@@ -116,13 +129,19 @@ def reads_with_datasets(spec) -> bool:
     """Whether read_rows needs the `datasets` library for this source: every source but local JSON files (a
     missing path is a hub id)."""
     path = Path(spec.path)
-    files = [path] if path.is_file() else _files_in(path, spec.data_files) if path.is_dir() else []
+    files = [path] if path.is_file() else _files_in(path, spec.data_files) if path.is_dir() else _builder_files(spec)
+    if _builder_files(spec):
+        return any(_kind(f, spec.path) not in ("json", "jsonl") for f in files)
     if not files or (
         path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
     ):
         return True
-    return any((spec.ds_type or {".jsonl": "jsonl", ".json": "json"}.get(f.suffix)) not in ("json", "jsonl")
-               for f in files)  # fmt: skip
+    return any(_kind(f, spec.ds_type) not in ("json", "jsonl") for f in files)
+
+
+def _kind(path: Path, ds_type: str | None) -> str | None:
+    """How a file is read: ds_type when given, else by its extension."""
+    return ds_type or {".jsonl": "jsonl", ".json": "json"}.get(path.suffix) or BUILDERS.get(path.suffix)
 
 
 def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict, str]]:
@@ -140,12 +159,14 @@ def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict,
             if not files:
                 raise UserError(f"{label}: no data files in {path}", f"put {', '.join(READABLE)} files there")
             rows = (item for f in files for item in _file_rows(f, spec.ds_type, label))
+    elif _builder_files(spec):
+        rows = (item for f in _builder_files(spec) for item in _file_rows(f, spec.path, label))
     else:
         rows = _hub_rows(spec, label, streaming)
     if spec.skip:
         rows = itertools.islice(rows, spec.skip, None)
     if spec.shards:
-        rows = (item for index, item in enumerate(rows) if index % spec.shards == 0)
+        rows = (item for index, item in enumerate(rows) if index % spec.shards == spec.shards_idx)
     return rows
 
 
@@ -154,7 +175,7 @@ def fingerprint_source(spec) -> str:
     import hashlib
 
     path = Path(spec.path)
-    files = [path] if path.is_file() else _files_in(path, spec.data_files) if path.is_dir() else []
+    files = [path] if path.is_file() else _files_in(path, spec.data_files) if path.is_dir() else _builder_files(spec)
     if path.is_dir() and not files:
         files = sorted(p for p in path.rglob("*") if p.is_file())
     digest = hashlib.sha256()

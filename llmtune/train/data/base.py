@@ -1,0 +1,57 @@
+"""What every dataset format shares: the ignore label, row errors, the format context and small helpers.
+
+Kept apart from formats.py so that the format modules (formats, instruct, sharegpt) import it without a circle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+IGNORE = -100
+
+
+class RowError(ValueError):
+    """A row that doesn't match its dataset type."""
+
+
+@dataclass
+class FormatContext:
+    tokenizer: object
+    spec: object  # DatasetSpec
+    train_on_inputs: bool
+    sequence_len: int
+    template: str | None = None  # the resolved chat template, for chat_template rows
+    eot_ids: frozenset[int] = frozenset()  # the recipe's eot_tokens; empty: the first special token ends a turn
+    num_labels: int = 2  # process_reward_model: the step labels the head has
+    # the recipe's (chat_template, default_system_message) when both are set: sharegpt's chatml or llama3
+    # conversation of that name uses the message as its default system prompt (as Axolotl did)
+    default_system: tuple[str, str] | None = None
+
+
+Example = tuple[list[int], list[int]]  # input_ids, labels
+
+
+def _field(row: dict, name: str, kind=str, required: bool = True):
+    if name not in row or row[name] is None:
+        if required:
+            raise RowError(f"missing field '{name}' (row has: {', '.join(map(str, row)) or 'nothing'})")
+        return kind()
+    value = row[name]
+    if not isinstance(value, kind):
+        raise RowError(f"field '{name}' should be {kind.__name__}, not {type(value).__name__}")
+    return value
+
+
+def _ids(tokenizer, text: str, special: bool = False) -> list[int]:
+    return tokenizer(text, add_special_tokens=special)["input_ids"] if text else []
+
+
+def _eos(tokenizer) -> list[int]:
+    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+
+def _prompt_answer(ctx: FormatContext, prompt: str, answer: str) -> list[Example]:
+    prompt_ids = _ids(ctx.tokenizer, prompt, special=True)
+    answer_ids = _ids(ctx.tokenizer, answer) + _eos(ctx.tokenizer)
+    labels = (prompt_ids if ctx.train_on_inputs else [IGNORE] * len(prompt_ids)) + answer_ids
+    return [(prompt_ids + answer_ids, labels)]
