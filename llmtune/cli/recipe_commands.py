@@ -40,12 +40,36 @@ def validate(
     launcher: Launcher = "accelerate",
     hostfile: Hostfile = None,
     no_ssh: NoSsh = False,
+    upgrade: Annotated[
+        bool,
+        typer.Option(
+            "--upgrade",
+            help="Write <recipe>.upgraded.yaml beside it in today's vocabulary (each changed "
+            "line commented), then check that one.",
+        ),
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="With --upgrade: overwrite an existing .upgraded.yaml.")
+    ] = False,
 ) -> None:
     """Check a recipe (keys, values, local files); with cluster flags, also that it plans for that cluster."""
     from llmtune.plan import make_plan
     from llmtune.plan.smallest_cluster import smallest_cluster
     from llmtune.recipe import load_recipe
 
+    if force and not upgrade:
+        raise UserError("--force goes with --upgrade (it overwrites an existing .upgraded.yaml)")
+    if upgrade:
+        from llmtune.recipe.upgrade import upgrade_recipe
+
+        done = upgrade_recipe(recipe, force)
+        for line in done.changes:
+            typer.echo(f"upgraded {line}")
+        if done.written is None:
+            typer.echo(f"{recipe}: already in today's vocabulary; nothing written")
+        else:
+            typer.echo(f"wrote {done.written} ({len(done.changes)} changes; {recipe} is unchanged)")
+            recipe = done.written
     loaded = load_recipe(recipe)
     if cluster_flags_given(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, hostfile):
         cluster = cluster_from_flags(num_processes, num_machines, machine_rank, main_process_ip, main_process_port,

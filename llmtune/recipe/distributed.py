@@ -137,6 +137,8 @@ class DistributedKeys(Section):
     @field_validator("fsdp", mode="before")
     @classmethod
     def _fsdp_words(cls, value):
+        if isinstance(value, str) and value.strip().lower() in ("false", "no", ""):  # `fsdp: "false"` in old recipes
+            return None
         value = value.split() if isinstance(value, str) else value  # accelerate's "full_shard auto_wrap"
         if value is False:
             return None
