@@ -179,6 +179,16 @@ def _states(recipe, facts: ModelFacts, mixed: bool, deepspeed: bool) -> tuple[fl
     return frozen + adapter.params * trainable, adapter.grads * trainable, adapter.optimizer * trainable
 
 
+def quantization_state_bytes(recipe, facts: ModelFacts) -> float:
+    """The absmax blocks of a 4-bit base (part of gpu.quantized_base_bytes). They are attributes beside the packed
+    weights, not parameters: ZeRO-3 and FSDP shard the packed weights (stored in the compute dtype) and leave
+    these whole on every rank."""
+    if not recipe.load_in_4bit:
+        return 0.0
+    double = recipe.bnb_4bit_use_double_quant
+    return facts.linear_params() * ((1 + 4 / gpu.NESTED_BLOCK) / gpu.NF4_BLOCK if double else 4 / gpu.NF4_BLOCK)
+
+
 @dataclass(frozen=True)
 class _Layout:
     """The GPU-only terms of one way of holding the weights: as llmtune loads them, or as a 16-bit model."""
@@ -236,18 +246,24 @@ def estimate(
     # the "4_grads_32bit" of its own estimate functions); with offload that copy lives on the CPU.
     trainable = trainable_parameters(recipe, facts)
     fp32_grads = 4.0 * trainable
+    # parameters over the ranks that shard them; a 4-bit base's quantization state stays whole on each
+    kept = quantization_state_bytes(recipe, facts)
+
+    def sharded(held: float, ranks: int) -> float:
+        return (held - kept) / ranks + kept
+
     #      name                        params  grads    optimizer cpu (per machine)                   nvme  gathered  step copy
     rows = [
         ("single / DDP",               params, grads,   optimizer, 0.0, 0.0, 0.0, 0.0),
         ("ZeRO-1",                     zp,     zg,      zo / n,    0.0, 0.0, 0.0, fp32_grads / n),
         ("ZeRO-2",                     zp,     zg / n,  zo / n,    0.0, 0.0, 0.0, fp32_grads / n),
-        ("ZeRO-3",                     zp / n, zg / n,  zo / n,    0.0, 0.0, gathered_zero3, fp32_grads / n),
+        ("ZeRO-3",                     sharded(zp, n), zg / n, zo / n, 0.0, 0.0, gathered_zero3, fp32_grads / n),
         ("ZeRO-2 + CPU offload",       zp,     0.0,     0.0,       (zg + fp32_grads + zo) / n * per_machine, 0.0, 0.0, 0.0),
-        ("ZeRO-3 + CPU offload",       0.0,    0.0,     0.0,       (zp + zg + fp32_grads + zo) / n * per_machine, 0.0, gathered_offload, 0.0),
-        ("ZeRO-3 + NVMe offload",      0.0,    0.0,     0.0,       (zg + fp32_grads) / n * per_machine, (zp + zo) / n * per_machine, gathered_offload, 0.0),
-        ("FSDP full shard",            params / n, grads / n, optimizer / n, 0.0, 0.0, largest, 0.0),
+        ("ZeRO-3 + CPU offload",       kept,   0.0,     0.0,       (zp - kept + zg + fp32_grads + zo) / n * per_machine, 0.0, gathered_offload, 0.0),
+        ("ZeRO-3 + NVMe offload",      kept,   0.0,     0.0,       (zg + fp32_grads) / n * per_machine, (zp - kept + zo) / n * per_machine, gathered_offload, 0.0),
+        ("FSDP full shard",            sharded(params, n), grads / n, optimizer / n, 0.0, 0.0, largest, 0.0),
         ("FSDP shard grad op",         params, grads / n, optimizer / n, 0.0, 0.0, 0.0, 0.0),
-        ("FSDP hybrid shard",          params / per_machine, grads / per_machine, optimizer / per_machine, 0.0, 0.0, largest, 0.0),
+        ("FSDP hybrid shard",          sharded(params, per_machine), grads / per_machine, optimizer / per_machine, 0.0, 0.0, largest, 0.0),
     ]  # fmt: skip
     loaded = _layout(recipe, facts, mixed, False, trainable)
     sixteen = _layout(recipe, facts, mixed, True, trainable)  # DeepSpeed's bf16 engine, FSDP's bf16 parameters

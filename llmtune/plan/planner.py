@@ -204,8 +204,9 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         devices = {(zero.get(k) or {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
         offload = "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
         if recipe.adapter == "qlora" and stage == 3:
-            raise UserError("adapter: qlora with ZeRO-3 is not supported (4-bit weights can't be partitioned)",
-                            "use deepspeed: zero2, or fsdp")  # fmt: skip
+            notes.append("QLoRA under ZeRO-3: each rank loads the 4-bit model whole (transformers builds quantized "
+                         "models without zero.Init), then DeepSpeed partitions the 4-bit weights, stored in the "
+                         "compute dtype")  # fmt: skip
         ds_path = str(Path(config_dir) / "deepspeed.json")
     elif strategy.startswith("fsdp"):
         version, settings = recipe.resolved_fsdp()

@@ -10,20 +10,12 @@ from llmtune.recipe.distributed import DistributedKeys
 from llmtune.recipe.model import ModelKeys
 from llmtune.recipe.training import TrainingKeys
 
-# Presets and Axolotl config files whose ZeRO stage is known from the name alone.
-_ZERO3_NAMES = ("zero3",)
-
 
 class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
     """A validated, normalised recipe. Nothing downstream re-reads YAML or re-checks keys."""
 
     @model_validator(mode="after")
     def _cross_concern_rules(self):
-        if self.adapter == "qlora" and isinstance(self.deepspeed, str) and self.deepspeed.startswith(_ZERO3_NAMES):
-            raise ValueError(
-                "adapter: qlora with deepspeed ZeRO-3 is not supported (4-bit weights can't be partitioned); "
-                "use deepspeed: zero2 or fsdp"
-            )
         if self.pipeline_parallel_size > 1 and self.adapter == "qlora":
             raise ValueError("pipeline_parallel_size > 1 with adapter: qlora is not supported; use lora")
         if self.tensor_parallel_size > 1 and (self.adapter or self.qat):

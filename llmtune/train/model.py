@@ -83,13 +83,30 @@ def quantization_config(recipe, dtype):
 
     if recipe.load_in_8bit:
         return BitsAndBytesConfig(load_in_8bit=True)
+    # The packed 4-bit weights are stored in the compute dtype (8 weights per fp32 element, 4 per bf16), so they are
+    # floating-point tensors of the model's dtype like every other parameter: ZeRO-3 partitions them and FSDP2
+    # shards them (accelerate leaves uint8-stored ones out of FSDP2, whole on every rank).
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=recipe.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=recipe.bnb_4bit_use_double_quant,
         bnb_4bit_compute_dtype=dtype,
-        bnb_4bit_quant_storage=dtype,  # lets FSDP shard the packed 4-bit weights
+        bnb_4bit_quant_storage=dtype,
     )
+
+
+def quantized_device_map() -> dict | None:
+    """Where bitsandbytes quantizes the weights while they load (None: transformers picks).
+
+    On the CPU, whence the Trainer or FSDP moves them (a 4-bit weight's move takes its quantization state along).
+    Under ZeRO-3 transformers refuses any device_map, and loads a quantized model without zero.Init whatever
+    zero3_init_flag says: each rank quantizes the whole model on its current device (the GPU accelerate set, or
+    the CPU), then the engine partitions the packed weights, and their quantization state (absmax, not a
+    parameter) stays there, whole, where the forward pass runs.
+    """
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return None if is_deepspeed_zero3_enabled() else {"": "cpu"}
 
 
 def model_config(recipe, source: str, log):
@@ -182,7 +199,9 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
     quant = quantization_config(recipe, dtype)
     if quant is not None:
         kwargs["quantization_config"] = quant
-        kwargs["device_map"] = device_map or {"": "cpu"}
+        placement = device_map or quantized_device_map()
+        if placement is not None:
+            kwargs["device_map"] = placement
     if source == recipe.base_model:
         kwargs["revision"] = recipe.revision_of_model
     if mesh:
