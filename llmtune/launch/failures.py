@@ -17,8 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RANK_LINE = re.compile(r"^\[rank(\d+)\]:")
-# gloo, when the other end of a connection goes away: the address is the machine that was lost
-LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer \[([^\]]+)\]")
+RANK_PREFIXES = re.compile(r"^(?:\[rank\d+\]: ?)+")  # torchrun's prefix, and torch's own before a rank's traceback
+TRACEBACK_LINKS = ("During handling of the above exception", "The above exception was the direct cause")
+LOST_CONNECTION = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe")
+# gloo, when the other end of a connection goes away: the address is the machine that was lost. Both of gloo's
+# forms: "Connection closed by peer [10.0.0.2]:port" and "Read error [10.0.0.2]:port: Connection reset by peer"
+LOST_PEER = re.compile(
+    r"Connection (?:closed|reset) by peer \[([^\]]+)\]|\[([^\]]+)\]:\d+: Connection (?:closed|reset) by peer"
+)
 
 
 @dataclass
@@ -69,6 +75,7 @@ class StderrWatcher(threading.Thread):
         self.holding = False
         self.last_error: dict[int, str] = {}
         self.lost_peers: list[str] = []  # addresses gloo lost its connection to, first seen first
+        self.tracebacks: dict[int, list[str]] = {}  # a rank's traceback, held until its last line says what it is
 
     def run(self) -> None:
         for text, transient in records(self.stream):
@@ -82,8 +89,9 @@ class StderrWatcher(threading.Thread):
             match = RANK_LINE.match(line)
             user_error = bool(match) and line[match.end() :].startswith("error: ")
             lost = LOST_PEER.search(line)
-            if lost and lost.group(1) not in self.lost_peers:
-                self.lost_peers.append(lost.group(1))
+            peer = lost and (lost.group(1) or lost.group(2))
+            if peer and peer not in self.lost_peers:
+                self.lost_peers.append(peer)
             if user_error:
                 self.last_error[int(match.group(1))] = line[match.end() :].strip()
             if (
@@ -95,29 +103,72 @@ class StderrWatcher(threading.Thread):
                 self.holding = True
             if self.holding:
                 self.held.append(line)
-            else:
+            elif not (match and self.hold_tracebacks and self._rank_traceback(int(match.group(1)), line)):
                 self.console.feed(text)
             if user_error and self.hold_tracebacks:
                 # a rank stopped on a user error: what the other ranks print while the job goes down (broken
                 # connections, tracebacks) is a consequence; it is shown only if the error turns out not to be the cause
                 self.holding = True
+        for lines in self.tracebacks.values():  # cut short: the rank was stopped while printing it
+            self.held.extend(lines)
+        self.tracebacks.clear()
+
+    def _rank_traceback(self, rank: int, line: str) -> bool:
+        """Holds a rank's traceback until its last line. One that ends in a lost connection is a consequence of
+        another rank going away (the rank with a user error exited first, and ranks print in any order): it goes to
+        the failure report, which shows it only if nothing better explains the failure. Any other is shown."""
+        body = RANK_PREFIXES.sub("", line)
+        if body.lstrip().startswith("Traceback (most recent call last):"):
+            self.tracebacks.setdefault(rank, []).append(line)
+            return True
+        if rank not in self.tracebacks:
+            return False
+        self.tracebacks[rank].append(line)
+        if body[:1].isspace() or not body.strip() or body.startswith(TRACEBACK_LINKS):
+            return True  # inside the traceback: frames, source lines, chained-exception lines
+        lines = self.tracebacks.pop(rank)
+        if LOST_CONNECTION.search(body):
+            self.held.extend(lines)
+        else:
+            for held in lines:
+                self.console.feed(held.rstrip("\n"))
+        return True
 
     def root_cause(self) -> RootCause | None:
+        """The rank to blame. torchrun names the first failure it observed, but when one rank is killed (SIGKILL from
+        the OOM killer, a segfault) its peers see their gloo/NCCL connection reset and exit with code 1 within the
+        same poll; torchrun may then name a peer. A rank killed by a signal is the cause when the named rank exited
+        with an error after losing a connection."""
         text = "".join(self.held)
         section = text.split("Root Cause (first observed failure):", 1)
         if len(section) < 2:
             return None
-        block = section[1]
-        rank = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", block)
-        code = re.search(r"exitcode\s*:\s*(-?\d+)", block)
-        host = re.search(r"host\s*:\s*(\S+)", block)
-        if not (rank and code):
+        named = _failures(section[1])
+        if not named:
             return None
-        return RootCause(int(rank.group(1)), int(rank.group(2)), host.group(1) if host else "?", int(code.group(1)))
+        cause = named[0]
+        if cause.exitcode > 0 and self.lost_peers:
+            killed = [f for f in _failures(section[0].split("Failures:", 1)[-1]) if f.exitcode < 0]
+            if killed:
+                return killed[0]
+        return cause
 
     def flush_held(self) -> None:
         self.console.out.write("".join(self.held))
         self.console.out.flush()
+
+
+FAILURE = re.compile(
+    r"(?:host\s*:\s*(?P<host>\S+)\s*\n)?\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)\s*\n"
+    r"\s*exitcode\s*:\s*(?P<code>-?\d+)"
+)
+
+
+def _failures(block: str) -> list[RootCause]:
+    """Each failure torchrun's report lists in `block` (host, rank, local rank, exit code), in order."""
+    return [
+        RootCause(int(m["rank"]), int(m["local"]), m["host"] or "?", int(m["code"])) for m in FAILURE.finditer(block)
+    ]
 
 
 def describe_exit(code: int) -> str:

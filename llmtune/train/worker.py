@@ -367,10 +367,4 @@ def main(argv: list[str]) -> int:
         print(f"error: {err.one_line()}", file=sys.stderr)
         return EXIT_USER_ERROR
     collectives.teardown()
-    # The interpreter's last garbage collection walks every object torch and transformers made (1.5-2 s of a tiny
-    # single-process run, measured here); the run's files are written and closed, so leave them to the OS.
-    # Reference counting still releases what isn't in a cycle, and atexit handlers (trackers) still run.
-    import gc
-
-    gc.freeze()
-    return 0
+    return 0  # `python -m llmtune.train` then ends without finalizing the interpreter (see __main__.py)

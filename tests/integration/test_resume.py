@@ -66,7 +66,9 @@ def test_kill_9_after_a_checkpoint_then_rerun_is_bit_exact(workspace, straight, 
     crashed = train(path, {"LLMTUNE_TEST_EXIT_AFTER_STEP": "6"})  # rank 1 gets SIGKILL right after checkpoint 6
     assert crashed.returncode == 1
     # the launcher names the rank that died and shows its last lines, instead of torchrun's stack trace
-    assert "error: rank 1 (local rank 1 on" in crashed.stderr and "was killed by signal 9 (SIGKILL)" in crashed.stderr
+    assert (
+        "error: rank 1 (local rank 1 on" in crashed.stderr and "was killed by signal 9 (SIGKILL)" in crashed.stderr
+    ), crashed.stderr[-3000:]
     # and rank 1's own last lines (its last is the test hook's, just before the kill)
     assert re.search(r"last lines of rank 1 \(.*\n(    .*\n)*    test hook LLMTUNE_TEST_EXIT_AFTER_STEP: rank 1 kills "
                      r"itself at step 6\n", crashed.stderr), crashed.stderr[-2000:]  # fmt: skip

@@ -240,7 +240,9 @@ def test_a_crash_on_one_machine_is_not_reported_as_a_lost_machine(tmp_path):
 
 
 def test_the_failure_report_shows_what_the_rank_printed_or_says_it_printed_nothing(tmp_path):
-    cause = "Root Cause (first observed failure):\n  host : node-a\n  rank : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 9)\n"
+    cause = (
+        "Root Cause (first observed failure):\n  host : node-a\n  rank : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 9)\n"
+    )
     folder = tmp_path / "run_x" / "attempt_0" / "1"
     folder.mkdir(parents=True)
     (folder / "stderr.log").write_text("")
@@ -255,3 +257,80 @@ def test_the_failure_report_shows_what_the_rank_printed_or_says_it_printed_nothi
         (folder / "stdout.log").write_text("")
     assert f"last lines of rank 1 ({folder / 'stdout.log'}):\n    [llmtune] something\n    last words" in shown[0]
     assert f"rank 1 printed nothing before it stopped (its log: {folder})" in shown[1]
+
+
+def _report_of(failures: list[tuple[int, int]], root: tuple[int, int]) -> str:
+    """torchrun's failure report: the other failures, then the root cause, each as (rank, exit code)."""
+
+    def block(index, rank, code):
+        return (f"[{index}]:\n  time      : 2026-11-25_10:39:31\n  host      : node-a\n  rank      : {rank} (local_rank: "
+                f"{rank})\n  exitcode  : {code} (pid: 9{rank})\n  error_file: <N/A>\n")  # fmt: skip
+
+    others = "".join(block(i + 1, r, c) for i, (r, c) in enumerate(failures)) or "  <NO_OTHER_FAILURES>\n"
+    return (f"Traceback (most recent call last):\nChildFailedError:\n====\nrun FAILED\n----\nFailures:\n{others}----\n"
+            f"Root Cause (first observed failure):\n{block(0, *root)}====\n")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rank0_line", "failures", "blamed"),
+    [
+        # rank 1 was SIGKILLed; rank 0 lost its connection and exited in the same poll, and torchrun named it
+        ("[rank0]:RuntimeError: [pair.cc:537] Read error [127.0.0.1]:35240: Connection reset by peer.", [(1, -9)],
+         "error: rank 1 (local rank 1 on node-a) was killed by signal 9 (SIGKILL)"),
+        # the same, in gloo's other wording
+        ("[rank0]:RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4567", [(1, -6)],
+         "error: rank 1 (local rank 1 on node-a) was killed by signal 6 (SIGABRT)"),
+        # rank 0's own error, no lost connection: torchrun's root cause stands
+        ("[rank0]:ValueError: bad shape", [(1, -9)], "error: rank 0 (local rank 0 on node-a) exited with code 1"),
+        # a lost connection but nobody killed: rank 0 stands
+        ("[rank0]:RuntimeError: Read error [127.0.0.1]:35240: Connection reset by peer.", [(1, 1)],
+         "error: rank 0 (local rank 0 on node-a) exited with code 1"),
+    ],
+)  # fmt: skip
+def test_a_killed_rank_is_blamed_over_the_peer_that_lost_it(tmp_path, rank0_line, failures, blamed):
+    watcher = StderrWatcher(io.StringIO(rank0_line + "\n" + _report_of(failures, (0, 1))), out=io.StringIO())
+    watcher.run()
+    out = io.StringIO()
+    assert report(watcher, tmp_path, out) == 1
+    assert out.getvalue().startswith(blamed + "; the other ranks were stopped"), out.getvalue()
+
+
+def test_gloo_read_errors_name_the_lost_machine(tmp_path):
+    line = "[rank0]:RuntimeError: [pair.cc:537] Read error [10.1.2.3]:35240: Connection reset by peer."
+    watcher = StderrWatcher(io.StringIO(line + "\n" + _report_of([], (0, 1))), out=io.StringIO())
+    watcher.run()
+    out = io.StringIO()
+    assert report(watcher, tmp_path, out, local_addresses={"127.0.0.1", "10.1.2.1"}) == 1
+    assert out.getvalue().startswith("error: lost contact with 10.1.2.3: a rank there stopped answering")
+
+
+def _traceback(rank: int, last: str) -> str:
+    return (f"[rank{rank}]:[rank{rank}]: Traceback (most recent call last):\n"
+            f"[rank{rank}]:[rank{rank}]:   File \"x.py\", line 1, in <module>\n[rank{rank}]:[rank{rank}]:     f()\n"
+            f"[rank{rank}]:[rank{rank}]: {last}\n")  # fmt: skip
+
+
+def test_a_peer_traceback_printed_before_the_user_error_stays_out_of_the_console(tmp_path):
+    """Ranks print in any order: rank 1's broken-connection traceback can arrive before rank 0's one-line error."""
+    error = "error: bad.jsonl line 2: field 'output' should be str, not int (hint: fix the row)"
+    stream = (
+        "[rank0]:[llmtune] data: reading\n"
+        + _traceback(1, "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:35240: Connection reset by peer.")
+        + f"[rank0]:{error}\n" + _report_of([(1, 1)], (0, 2))
+    )  # fmt: skip
+    console = io.StringIO()
+    watcher = StderrWatcher(io.StringIO(stream), out=console)
+    watcher.run()
+    out = io.StringIO()
+    assert report(watcher, tmp_path, out) == 2
+    assert "Traceback" not in console.getvalue() and "[llmtune] data: reading" in console.getvalue()
+    assert out.getvalue() == error + "\n"
+
+
+def test_a_rank_traceback_of_its_own_error_is_shown_whole():
+    stream = "[rank0]:[llmtune] step 1\n" + _traceback(1, "ValueError: shapes differ") + "[rank0]:[llmtune] step 2\n"
+    console = io.StringIO()
+    StderrWatcher(io.StringIO(stream), out=console).run()
+    shown = console.getvalue()
+    assert "Traceback (most recent call last):" in shown and "ValueError: shapes differ" in shown
+    assert shown.index("ValueError: shapes differ") < shown.index("step 2")
