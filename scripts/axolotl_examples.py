@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the llmtune of this checkout, not an installed one
 
 import yaml  # noqa: E402
 
@@ -36,10 +37,11 @@ def kind(path: Path) -> str:
     return "rl" if raw.get("rl") else "text"
 
 
-def check(path: Path, processes: int, device: str) -> str | None:
-    """None when accepted, else the one-line refusal."""
+def check(path: Path, processes: int, device: str, check_files: bool = True) -> str | None:
+    """None when accepted, else the one-line refusal. check_files=False leaves local paths unchecked (a recipe
+    from elsewhere names its author's own data files; scripts/axolotl_corpus.py looks past them)."""
     try:
-        loaded = load_recipe(path)
+        loaded = load_recipe(path, check_files=check_files)
         recipe = loaded.recipe
         if recipe.lisa_n_layers:
             processes = 1  # LISA runs in one process (at more, llmtune says so)

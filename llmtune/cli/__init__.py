@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from llmtune import __version__
-from llmtune.cli import post_commands, recipe_commands, rehearse_cmd, train_commands
+from llmtune.cli import checkpoint_cmd, post_commands, recipe_commands, rehearse_cmd, train_commands
 from llmtune.errors import EXIT_USER_ERROR, UserError
 
 app = typer.Typer(
@@ -40,6 +40,7 @@ COMMANDS = [
     (post_commands.chat, "chat"),
     (post_commands.report, "report"),
     (train_commands.slurm, "slurm"),
+    (checkpoint_cmd.checkpoint, "checkpoint"),
 ]
 # train passes what follows `--` (and flags it doesn't know) to the launcher
 CONTEXT_SETTINGS = {

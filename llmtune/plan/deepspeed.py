@@ -113,6 +113,9 @@ def build_deepspeed_config(
         config[key] = _merge(key, config.get(key), value, recipe.deepspeed)
     if preset_name:
         config["zero_optimization"] = _preset_zero(PRESETS[preset_name], recipe, facts)
+        if preset_name != recipe.deepspeed:  # Axolotl's shipped file, named by its path in Axolotl's repository
+            notes.append(f"deepspeed: {recipe.deepspeed} is Axolotl's own file, not on disk here: llmtune's "
+                         f"{preset_name} preset stands for it (a file at that path would be read instead)")  # fmt: skip
     else:
         zero = dict(config.get("zero_optimization") or {"stage": 0})
         auto_zero = _preset_zero(ZeroPreset(int(zero.get("stage", 0)) or 1), recipe, facts)

@@ -173,7 +173,7 @@ def _states(recipe, facts: ModelFacts, mixed: bool, deepspeed: bool) -> tuple[fl
         return base.params * psi, base.grads * psi, base.optimizer * psi
     trainable = trainable_parameters(recipe, facts)
     width = 2.0 if mixed else 4.0  # the frozen base is kept in the compute dtype
-    kbit = recipe.load_in_4bit or recipe.load_in_8bit
+    kbit = recipe.load_in_4bit or recipe.load_in_8bit or recipe.gptq
     frozen = gpu.quantized_base_bytes(recipe, facts) if kbit else psi * width
     adapter = state_bytes(recipe.optimizer, False, master=deepspeed)  # adapters train in fp32
     return frozen + adapter.params * trainable, adapter.grads * trainable, adapter.optimizer * trainable
@@ -209,10 +209,11 @@ def _layout(recipe, facts: ModelFacts, mixed: bool, sixteen_bit: bool, trainable
 
 
 def _gpu_row(base: Estimate, layout: _Layout, held: float, comm: float, temporaries: float, idle_flat: float,
-             allocator: gpu.Allocator, share: float = 1.0) -> Estimate:  # fmt: skip
+             allocator: gpu.Allocator, share: float = 1.0, per_machine: int = 1) -> Estimate:  # fmt: skip
     acts = layout.acts
     row = replace(base, activations=acts.saved, logits=acts.logits, weight_copies=layout.copies * share,
-                  held_grads=held, comm=comm, temporaries=temporaries, recompute=acts.recompute)  # fmt: skip
+                  held_grads=held, comm=comm, temporaries=temporaries, recompute=acts.recompute,
+                  cpu=base.cpu + acts.offloaded * per_machine)  # fmt: skip
     return with_reserve(row, acts.idle_logits + acts.recompute + idle_flat, allocator)
 
 
@@ -298,7 +299,7 @@ def estimate(
     }  # fmt: skip
     expandable = gpu.expandable_segments(os.environ) if expandable is None else expandable
     estimates = [_gpu_row(Estimate(name, p, g, o, 0.0, CUDA_CONTEXT, cpu, nvme, gathered, step), *extras[name],
-                          gpu.allocator(recipe, expandable, fsdp=name.startswith("FSDP")))
+                          gpu.allocator(recipe, expandable, fsdp=name.startswith("FSDP")), per_machine=per_machine)
                  for name, p, g, o, cpu, nvme, gathered, step in rows]  # fmt: skip
     from llmtune.plan.estimate_parallel import (
         context_parallel_degree,
@@ -318,12 +319,13 @@ def estimate(
         layout = sixteen if split.fsdp else loaded
         acts = replace(layout.acts, saved=layout.acts.saved * split.saved, logits=layout.acts.logits * split.logits,
                        idle_logits=layout.acts.idle_logits * split.logits,
-                       recompute=layout.acts.recompute * split.recompute)  # fmt: skip
+                       recompute=layout.acts.recompute * split.recompute,
+                       offloaded=layout.acts.offloaded * split.saved)  # fmt: skip
         base = Estimate(split.name, params / split.states, grads / split.states, optimizer / split.states, 0.0,
                         CUDA_CONTEXT, 0.0, 0.0, largest if split.fsdp else 0.0)  # fmt: skip
         estimates.append(_gpu_row(base, _Layout(acts, layout.copies), held(grads) / split.states, 0.0,
                                   scratch / split.states, 0.0, gpu.allocator(recipe, expandable, fsdp=split.fsdp),
-                                  1 / split.states))  # fmt: skip
+                                  1 / split.states, per_machine))  # fmt: skip
     if stages > 1:
         # balanced stages, but a stage holds at least one whole layer (or the embeddings); its micro-batches'
         # gradients accumulate through the step. The first stage's in-flight activations and the last stage's

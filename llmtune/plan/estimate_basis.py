@@ -46,6 +46,8 @@ UNMEASURED_KEYS = {
     "flash_attention": "flash attention",
     "neftune_noise_alpha": "NEFTune",
     "lora_target_parameters": "LoRA on parameters (MoE experts)",
+    "activation_offloading": "activations offloaded to CPU",
+    "gptq": "a GPTQ base",
 }
 
 

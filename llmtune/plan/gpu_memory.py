@@ -116,7 +116,7 @@ def widths(recipe, mixed: bool, sixteen_bit_model: bool) -> Widths:
         return Widths(4, 4, False)
     if sixteen_bit_model:
         return Widths(2, 2, False)
-    fp32_embeddings = not recipe.adapter or recipe.load_in_4bit or recipe.load_in_8bit
+    fp32_embeddings = not recipe.adapter or recipe.load_in_4bit or recipe.load_in_8bit or recipe.gptq
     return Widths(2, 4 if fp32_embeddings else 2, True)
 
 
@@ -244,6 +244,7 @@ class Activations:
     idle_logits: float
     recompute: float  # under checkpointing: one layer's activations, rebuilt in backward (and made and freed by
     # every layer in forward)
+    offloaded: float = 0.0  # activation_offloading: the layers' inputs, in CPU memory instead
 
 
 def activations(recipe, facts: ModelFacts, w: Widths, k: Kernels, layers: int | None = None,
@@ -259,11 +260,20 @@ def activations(recipe, facts: ModelFacts, w: Widths, k: Kernels, layers: int | 
     # torch.utils.checkpoint keeps each layer's input (the residual stream) and recomputes the rest in backward
     kept = w.residual * facts.hidden_size * tokens if checkpointing else per_layer
     logits, idle = logits_bytes(facts, tokens, w, t, k)
-    saved = in_flight * layers * kept + head_bytes(facts, w, t, k) * tokens
+    head = head_bytes(facts, w, t, k) * tokens
+    if checkpointing and getattr(recipe, "activation_offloading", False):
+        # each layer's input goes to CPU memory as the forward passes it and comes back, one at a time, in
+        # backward; the head's tensors (moved too, except under hidden_states) are counted on the GPU
+        offloaded = in_flight * layers * kept
+        return Activations(in_flight * kept + head, logits, idle, per_layer, offloaded)
+    saved = in_flight * layers * kept + head
     return Activations(saved, logits, idle, per_layer if checkpointing else 0.0)
 
 
 # --- weights and optimizer ------------------------------------------------------------------------------------
+
+
+GPTQ_GROUP = 128
 
 
 def quantized_base_bytes(recipe, facts: ModelFacts) -> float:
@@ -272,7 +282,9 @@ def quantized_base_bytes(recipe, facts: ModelFacts) -> float:
     weight plus an fp32 scale per output row. The modules left unquantized (embeddings, lm_head, norms) are
     made fp32 by peft's prepare_model_for_kbit_training, which llmtune calls."""
     quantized = facts.linear_params()
-    if recipe.load_in_4bit:
+    if recipe.gptq:  # GPTQ's common form: 4-bit weights, an fp16 scale and a 4-bit zero point per 128 weights
+        per_weight = 0.5 + (2 + 0.5) / GPTQ_GROUP
+    elif recipe.load_in_4bit:
         double = recipe.bnb_4bit_use_double_quant
         absmax = (1 + 4 / NESTED_BLOCK) / NF4_BLOCK if double else 4 / NF4_BLOCK
         per_weight = 0.5 + absmax
@@ -288,7 +300,7 @@ def weight_copies(recipe, facts: ModelFacts, w: Widths, trainable: int) -> float
         return 0.0
     if not recipe.adapter:
         return w.compute * (facts.linear_params() + facts.embedding_params())
-    head = facts.embedding_params() if (recipe.load_in_4bit or recipe.load_in_8bit) else 0
+    head = facts.embedding_params() if (recipe.load_in_4bit or recipe.load_in_8bit or recipe.gptq) else 0
     return w.compute * (trainable + head)
 
 

@@ -23,6 +23,7 @@ from llmtune.plan.mesh import (
 )
 from llmtune.plan.model_facts import ModelFacts, read_model_facts
 from llmtune.plan.pipeline import bubble_fraction, split_layers
+from llmtune.plan.resume import resumed_accumulation
 from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import INSTALL_HINT, Kernels, liger_requested, resolve_kernels
 
@@ -84,6 +85,23 @@ class Plan:
         data["cluster"] = self.cluster.to_dict()
         data["title"] = self.title
         return data
+
+
+def gptq_check(recipe, strategy: str) -> str:
+    """A GPTQ base trains LoRA through transformers' GPTQ integration (optimum and gptqmodel), replicated: its
+    packed integer weights are buffers that ZeRO-3, FSDP and tensor parallelism don't shard."""
+    import importlib.util
+
+    if strategy in ("zero3", "tp", "pipeline") or strategy.startswith("fsdp"):
+        raise UserError(f"gptq: true under {STRATEGY_TITLES.get(strategy, strategy)} is not supported: GPTQ's packed "
+                        "weights are buffers the engine can't shard", "use DDP or ZeRO-1/2 (a GPTQ base is small "
+                        "already), or adapter: qlora on the 16-bit model")  # fmt: skip
+    missing = [name for name in ("optimum", "gptqmodel") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(f"gptq: true (a GPTQ base) is not supported here: it needs {' and '.join(missing)} "
+                        "(transformers loads GPTQ weights through them), not installed", f"pip install "
+                        f"{' '.join(missing)}, or use adapter: qlora on the 16-bit model")  # fmt: skip
+    return "GPTQ base: loaded as quantized (its quantization_config), LoRA trains over its dequantized weights"
 
 
 def choose_strategy(recipe: Recipe, world_size: int) -> str:
@@ -167,6 +185,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
                         "one process, DDP or FSDP2, as in Axolotl)", "use fsdp_version: 2, or adamw_torch")  # fmt: skip
     if recipe.optimizer == "muon" and strategy == "fsdp2":
         _check_muon_offload(recipe)
+    if recipe.relora:
+        notes.append(_check_relora(recipe, strategy))
     if pipeline and recipe.precision == "fp16":  # refused in rehearsal too: the GPU run would refuse it
         raise UserError("pipeline runs take bf16 or fp32: fp16 needs loss scaling, which the pipeline loop does not do",
                         "set bf16: true (or fp16: false)")  # fmt: skip
@@ -225,6 +245,12 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
             notes.append("gradient_checkpointing and fsdp_config.activation_checkpointing are both on: FSDP's "
                          "recomputes each wrapped layer (transformers refuses the two together)")  # fmt: skip
 
+    if recipe.gptq:
+        notes.append(gptq_check(recipe, strategy))
+    if recipe.activation_offloading:
+        notes.append("activation offloading: not on the CPU rehearsal (activations are in host memory already)"
+                     if cluster.rehearsal else "activation offloading: each checkpointed layer's input is held in "
+                     "pinned CPU memory (transformers' checkpoint offload); slower steps, less GPU memory")  # fmt: skip
     kernels = _kernels(recipe, cluster, precision, strategy)
     notes += kernels.notes
     if recipe.qat:
@@ -237,6 +263,11 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
     if recipe.rdzv_backend == "c10d" and cluster.num_machines == 1:
         raise UserError("rdzv_backend: c10d is for jobs on several machines (it gathers machines, not processes)",
                         "on one machine, max_restarts alone restarts the ranks after a crash")  # fmt: skip
+    resumed = resumed_accumulation(recipe, strategy, STRATEGY_TITLES.get(strategy, strategy), world, data_parallel)
+    if resumed:  # the checkpoint it resumes was saved on another world size: keep its global batch
+        accumulation, line = resumed
+        global_batch = recipe.micro_batch_size * accumulation * data_parallel
+        notes.append(line)
     _check_elastic_sizes(recipe, cluster, strategy, global_batch)
     if recipe.lisa_n_layers:
         if world > 1:
@@ -272,6 +303,28 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         recipe.min_machines if recipe.min_machines and recipe.min_machines < cluster.num_machines else None,
         kernels.to_dict(), mesh, shared_output,
     )  # fmt: skip
+
+
+def _check_relora(recipe: Recipe, strategy: str) -> str:
+    """ReLoRA's restarts change whole weights and the optimizer's state in place: one process or DDP, and an
+    optimizer whose state holds one plain number per parameter. Returns the plan's note."""
+    if strategy not in ("single", "ddp"):
+        what = "DeepSpeed" if strategy == "zero" else STRATEGY_TITLES[strategy]
+        raise UserError(f"relora under {what} is not supported: a restart merges each LoRA into its whole base weight "
+                        "and prunes the optimizer's state in place, which sharded or split weights don't allow "
+                        "(Axolotl refuses DeepSpeed and FSDP too)",
+                        "run ReLoRA in one process or with DDP")  # fmt: skip
+    if recipe.optimizer == "adafactor" or recipe.optimizer.endswith(("8bit", "4bit")):
+        kind = "factored" if recipe.optimizer == "adafactor" else "quantized"
+        raise UserError(f"relora with optimizer: {recipe.optimizer} is not supported: a restart prunes the optimizer's "
+                        f"state value by value, and this optimizer's state is {kind}",
+                        "use adamw_torch (or another 32-bit optimizer)")  # fmt: skip
+    method = recipe.relora_prune_method
+    ratio = recipe.relora_prune_ratio or (0.999 if method == "reset" else 0.9)
+    return (f"ReLoRA: every {recipe.jagged_restart_steps} steps the LoRA is merged into the base weights and "
+            f"restarted, {ratio:.1%} of its optimizer state zeroed ({method}); the LR falls over "
+            f"{recipe.jagged_restart_anneal_steps} steps before and warms up over {recipe.jagged_restart_warmup_steps} "
+            f"after each restart; the saved adapter holds every cycle (rank lora_r x cycles)")  # fmt: skip
 
 
 def _check_muon_offload(recipe: Recipe) -> None:

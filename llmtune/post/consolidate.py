@@ -42,6 +42,12 @@ def find_weights(run: Path) -> RunWeights:
     if kind in ("adapter", "full"):
         return RunWeights(kind, run, f"the final save in {run}")
     checkpoint = last_complete(run)
+    if checkpoint is not None and (run / "relora").is_dir():
+        # a checkpoint's adapter is ReLoRA's current cycle only; the earlier ones are merged into the base weights
+        # in memory, and only the final save stacks them all into one adapter
+        raise UserError(f"{run} is a ReLoRA run that stopped before its final save: {checkpoint.name}'s adapter is "
+                        "its last cycle only", "resume the run (llmtune train, same recipe) so it saves the adapter "
+                        "of every cycle, then merge")  # fmt: skip
     if checkpoint is not None and (kind := kind_of(checkpoint)):
         how = {"deepspeed": "consolidated from its DeepSpeed ZeRO partitions",
                "fsdp": "consolidated from its FSDP sharded state dict"}.get(kind, "its full weights")  # fmt: skip

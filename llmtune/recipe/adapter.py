@@ -63,12 +63,30 @@ class AdapterKeys(Section):
     )
     load_in_4bit: bool = Field(False, description="Load the base weights in 4-bit NF4 (bitsandbytes); for qlora.")
     load_in_8bit: bool = Field(False, description="Load the base weights in 8-bit (bitsandbytes); with lora.")
+    gptq: bool = Field(False, description="base_model is GPTQ-quantized: loaded as quantized; with lora.")
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
     bnb_4bit_use_double_quant: bool = Field(True, description="Quantize the quantization constants too.")
     qat: Qat | None = Field(
         None, description="Quantization-aware training (torchao): {activation_dtype, weight_dtype, group_size, "
         "quantize_embedding, fake_quant_after_n_steps}; a full fine-tune.",
     )  # fmt: skip
+    relora: bool = Field(False, description="ReLoRA: every jagged_restart_steps optimizer steps the LoRA is merged into "
+                         "the base weights, a fresh one starts and its optimizer state is pruned (adapter: lora; one "
+                         "process or DDP). The saved adapter holds every cycle: its rank is lora_r x cycles.")  # fmt: skip
+    relora_steps: int | None = Field(None, gt=0, description="Axolotl v0.3-v0.11's ReLoRA switch: ReLoRA every this "
+                                     "many steps (read as relora: true with jagged_restart_steps).")  # fmt: skip
+    relora_prune_ratio: float | None = Field(None, gt=0, le=1, description="ReLoRA: the fraction of each optimizer "
+                                             "state zeroed at a restart (default 0.9; 0.999 for reset).")  # fmt: skip
+    relora_prune_method: Literal["magnitude", "random", "reset"] = Field(
+        "magnitude", description="ReLoRA: zero the smallest values (magnitude), a random subset (random), or nearly "
+        "all of them at random (reset).",
+    )  # fmt: skip
+    jagged_restart_steps: int | None = Field(None, gt=0, description="Jagged LR: every this many optimizer steps the "
+                                             "LR falls and warms up again (with relora: the steps that merge).")  # fmt: skip
+    jagged_restart_warmup_steps: int = Field(10, gt=0, description="Jagged LR: steps of warm-up after each restart "
+                                             "(empty or 0: 10, as Axolotl reads it).")  # fmt: skip
+    jagged_restart_anneal_steps: int = Field(1, gt=0, description="Jagged LR: steps of decay before each restart "
+                                             "(empty or 0: 1).")  # fmt: skip
 
     @field_validator(
         "adapter", "lora_target_modules", "lora_modules_to_save", "lora_model_dir", "lora_target_parameters", "peft",
@@ -93,6 +111,10 @@ class AdapterKeys(Section):
     def _adapter_rules(self):
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("load_in_4bit and load_in_8bit are both true; choose one")
+        if self.gptq and (self.load_in_4bit or self.load_in_8bit):
+            raise ValueError("gptq: true loads the base as GPTQ quantized it; remove load_in_4bit/load_in_8bit")
+        if self.gptq and self.adapter != "lora":
+            raise ValueError("gptq: true: a GPTQ base's weights are frozen integers, train it with adapter: lora")
         if self.adapter == "qlora" and not self.load_in_4bit:
             raise ValueError("adapter: qlora needs load_in_4bit: true (QLoRA trains LoRA on a 4-bit base)")
         if self.adapter is None and (self.load_in_4bit or self.load_in_8bit):
@@ -110,4 +132,62 @@ class AdapterKeys(Section):
         if loftq and (self.load_in_4bit or self.load_in_8bit or self.lora_model_dir):
             raise ValueError("peft.loftq_config initialises a new adapter on the 16-bit weights; remove "
                              "load_in_4bit/load_in_8bit/lora_model_dir")  # fmt: skip
+        self._relora_rules()
         return self
+
+    @field_validator("jagged_restart_warmup_steps", "jagged_restart_anneal_steps", mode="before")
+    @classmethod
+    def _axolotl_default_steps(cls, value, info):
+        # Axolotl reads these as `value or default`: empty, false and 0 all mean the default
+        if empty_to_none(value) is None or value is False or value == 0:
+            return cls.model_fields[info.field_name].default
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _relora_steps(cls, data):
+        """Axolotl v0.3-v0.11 switched ReLoRA on with relora_steps (its cycle); v0.12 on, relora: true with the
+        cycle in jagged_restart_steps. Both read the same."""
+        if not isinstance(data, dict) or not data.get("relora_steps"):
+            return data
+        data = dict(data)
+        steps, cycle = data["relora_steps"], data.get("jagged_restart_steps")
+        if cycle not in (None, steps):
+            raise ValueError(f"relora_steps ({steps}) and jagged_restart_steps ({cycle}) disagree; keep "
+                             "jagged_restart_steps")  # fmt: skip
+        if data.get("relora") is False:
+            raise ValueError("relora_steps asks for ReLoRA and relora is false; keep one")
+        data["relora"], data["jagged_restart_steps"] = True, steps
+        return data
+
+    def _relora_rules(self) -> None:
+        if self.relora:
+            self._relora_adapter_rules()
+        elif self.relora_prune_ratio is not None or self.relora_prune_method != "magnitude":
+            key = "relora_prune_ratio" if self.relora_prune_ratio is not None else "relora_prune_method"
+            raise ValueError(f"{key} prunes the optimizer at ReLoRA restarts; set relora: true (or remove it)")
+        cycle = self.jagged_restart_steps
+        warmup, anneal = self.jagged_restart_warmup_steps, self.jagged_restart_anneal_steps
+        if cycle and warmup + anneal > cycle:
+            given = self.model_fields_set
+            shown = [f"{key} ({value}{'' if key in given else ', the default'})" for key, value in
+                     (("jagged_restart_warmup_steps", warmup), ("jagged_restart_anneal_steps", anneal))]  # fmt: skip
+            raise ValueError(f"{shown[0]} + {shown[1]} don't fit in one cycle of jagged_restart_steps ({cycle}); "
+                             "shorten them or lengthen the cycle")  # fmt: skip
+
+    def _relora_adapter_rules(self) -> None:
+        if not self.jagged_restart_steps:
+            raise ValueError("relora: true needs jagged_restart_steps: the optimizer steps between merges")
+        if self.adapter is None:
+            raise ValueError("relora: true needs adapter: lora (ReLoRA merges and restarts a LoRA adapter)")
+        quantized = next((key for key, on in (("adapter: qlora", self.adapter == "qlora"),
+                                              ("load_in_4bit", self.load_in_4bit), ("load_in_8bit", self.load_in_8bit),
+                                              ("gptq", getattr(self, "gptq", False))) if on), None)  # fmt: skip
+        if quantized:
+            raise ValueError(f"relora with {quantized} is not supported: a restart merges the LoRA into the base "
+                             "weights, which a quantized base would take only dequantized and requantized, its "
+                             "rounding compounding at every restart; use adapter: lora on the 16-bit model")  # fmt: skip
+        for key, on in (("peft_use_dora", self.peft_use_dora), ("lora_target_parameters", self.lora_target_parameters)):
+            if on:
+                raise ValueError(f"relora with {key} is not supported: a restart merges plain LoRA layers "
+                                 f"(B x A on a module's weight); remove {key}")  # fmt: skip

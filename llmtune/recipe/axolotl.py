@@ -285,10 +285,14 @@ def _values(data: dict, notes: Notes) -> None:
     if attention:
         notes.add(f"attn_implementation: {data['attn_implementation']} runs as {attention} (the same attention maths)")
         data["attn_implementation"] = attention
-    if data.get("gradient_checkpointing") in OFFLOADED_CHECKPOINTING:
-        notes.add(f"gradient_checkpointing: {data['gradient_checkpointing']}: read as gradient_checkpointing: true; "
-                  "activations are recomputed, not offloaded to CPU (the same maths, more GPU memory; the estimate "
-                  "counts them on the GPU)")  # fmt: skip
+    checkpointing = data.get("gradient_checkpointing")
+    if checkpointing in OFFLOADED_CHECKPOINTING:
+        moved = "activation_offloading: true" + (" (to CPU memory: llmtune has no disk offload)"
+                                                 if checkpointing == "offload_disk" else "")  # fmt: skip
+        notes.add(f"gradient_checkpointing: {checkpointing}: read as gradient_checkpointing: true with {moved}, "
+                  "as Axolotl reads it today")  # fmt: skip
+    elif data.get("activation_offloading") == "disk":
+        notes.add("activation_offloading: disk: offloads to CPU memory (llmtune has no disk offload)")
     if data.get("bf16") == "full":
         notes.add("bf16: full (Axolotl v0.3.0-v0.4.0: bf16 with bf16_full_eval): read as bf16: true; evaluation runs "
                   "under the same bf16 autocast as training")  # fmt: skip

@@ -90,7 +90,7 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         quantize_moe_experts liger_rms_norm_gated tiled_mlp tiled_mlp_num_shards tiled_mlp_use_original_mlp
         chunked_cross_entropy chunked_cross_entropy_num_chunks flash_attn_cross_entropy flash_attn_rms_norm
         flash_attn_fuse_mlp flash_attn_fuse_qkv flash_optimum flash_attn_d512 large_head_attention
-        gemma4_hybrid_attn_impl sdpa_varlen activation_offloading layer_offloading selective_checkpointing
+        gemma4_hybrid_attn_impl sdpa_varlen layer_offloading selective_checkpointing
         embeddings_skip_upcast lora_on_cpu qlora_sharded_model_loading low_cpu_mem_usage
         experimental_skip_move_to_device gc_steps gc_collect_steps torch_empty_cache_steps gpu_memory_limit
         max_memory deepcompile torch_compile_options fp8 fp8_enable_fsdp_float8_all_gather fp32_norms
@@ -152,25 +152,14 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "train the LoRA adapter without it, or a full fine-tune with qat: {weight_dtype: nvfp4}",
         "nvfp4_merge_aware nvfp4_merge_aware_start_step",
     ),
-    **_refused(
-        "GPTQ-quantized base models",
-        "use adapter: qlora on the 16-bit model",
-        "gptq gptq_disable_exllama gptq_groupsize gptq_model_v1",
+    **_no_effect(
+        "a GPTQ base's settings come from its own quantization_config (gptq: true loads it as it was quantized)",
+        "gptq_disable_exllama gptq_groupsize gptq_model_v1",
     ),
-    **_refused(
-        "ReLoRA",
-        "train one LoRA adapter",
-        """
-        relora relora_steps relora_warmup_steps relora_anneal_steps relora_prune_ratio relora_prune_method
-        relora_cpu_offload
-    """,
-    ),
-    **_refused(
-        "jagged learning-rate restarts",
-        "use lr_scheduler: cosine_with_restarts",
-        """
-        jagged_restart_steps jagged_restart_warmup_steps jagged_restart_anneal_steps
-    """,
+    **_no_effect(
+        "Axolotl moves only a quantized base's ReLoRA merge to the CPU; llmtune's ReLoRA merges a 16-bit base in "
+        "place, as Axolotl does for lora",
+        "relora_cpu_offload",
     ),
     **_refused("LoRA+ learning rates", "remove it (plain LoRA)", "loraplus_lr_ratio loraplus_lr_embedding"),
     **_refused("per-group learning rates", "use one learning_rate", "lr_groups embedding_lr embedding_lr_scale"),
@@ -265,7 +254,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "use attn_implementation: sdpa (or xformers/sage, which run as sdpa)",
         "s2_attention sage_attention",
     ),
-    **_refused("Axolotl's deprecated attention switches", "use attn_implementation", "eager_attention flex_attention"),
     **_refused("Liger's token scaling of the loss", "remove it", "liger_use_token_scaling"),
     **_refused(
         "unsloth kernels",
@@ -303,6 +291,9 @@ RENAMED = {
     "model_config": "overrides_of_model_config",
     "model_revision": "revision_of_model",
     "type_of_model": "model_type",
+    # ReLoRA's cycle shape before v0.12 (relora_steps itself is a schema key: it also switches ReLoRA on)
+    "relora_warmup_steps": "jagged_restart_warmup_steps",
+    "relora_anneal_steps": "jagged_restart_anneal_steps",
 }
 
 # Keys of Axolotl's earlier releases that llmtune rewrites into today's form (axolotl.py does it): key -> how.
@@ -341,6 +332,11 @@ INTENDED = {
     "eta_min": "cosine_min_lr_ratio",
     "min_lr": "cosine_min_lr_ratio",
     "adam_eps": "adam_epsilon",
+    # spellings public recipes carry (the corpus of scripts/axolotl_corpus.tsv) that Axolotl's loader ignored
+    "epochs": "num_epochs",
+    "wandb_run_name": "wandb_name",
+    "tokenizer_path": "tokenizer_config",
+    "deepspeed_config": "deepspeed",
 }
 
 # Keys of one `datasets[]` / `pretraining_dataset[]` entry.
@@ -363,7 +359,8 @@ AXOLOTL_DATASET_KEYS: dict[str, AxolotlKey] = {
     """,
     ),
 }
-RENAMED_DATASET_KEYS = {"text_column": "field"}
+# train_on_split: v0.4.0's README documents it as "name of dataset split to load from" (v0.8.0's schema kept it)
+RENAMED_DATASET_KEYS = {"text_column": "field", "train_on_split": "split"}
 
 # Keys of `fsdp_config` (with or without the fsdp_ prefix).
 AXOLOTL_FSDP_KEYS: dict[str, AxolotlKey] = {

@@ -82,6 +82,8 @@ class ModelKeys(Section):
     )
     flash_attention: bool = Field(False, description="Axolotl's switch for attn_implementation: flash_attention_2.")
     sdp_attention: bool = Field(False, description="Axolotl's switch for attn_implementation: sdpa.")
+    flex_attention: bool = Field(False, description="Axolotl's switch for attn_implementation: flex_attention.")
+    eager_attention: bool = Field(False, description="Axolotl's switch for attn_implementation: eager.")
     # The fast path on GPUs (see llmtune/recipe/kernels.py); in CPU rehearsal these are off, said once.
     plugins: list[str] | None = Field(
         None,
@@ -178,9 +180,12 @@ class ModelKeys(Section):
 
     @model_validator(mode="after")
     def _attention_switches(self):
-        if self.flash_attention and self.sdp_attention:
-            raise ValueError("flash_attention and sdp_attention are both true; choose one (or attn_implementation)")
-        wanted = "flash_attention_2" if self.flash_attention else "sdpa" if self.sdp_attention else None
+        switches = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "flex_attention": "flex_attention",
+                    "eager_attention": "eager"}  # fmt: skip
+        on = [key for key in switches if getattr(self, key)]
+        if len(on) > 1:
+            raise ValueError(f"{' and '.join(on)} are all true; choose one (or attn_implementation)")
+        wanted = switches[on[0]] if on else None
         if wanted and self.attn_implementation not in (None, wanted):
             raise ValueError(f"attn_implementation is '{self.attn_implementation}' but the switches ask for '{wanted}'")
         if wanted:

@@ -34,6 +34,18 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
         if self.pipeline_parallel_size > 1 and (self.lisa_n_layers or self.use_eaft):
             raise ValueError("lisa_n_layers and use_eaft work through the HF Trainer, which pipeline_parallel_size > 1 "
                              "replaces; use fsdp or deepspeed")  # fmt: skip
+        if self.activation_offloading:
+            if not self.gradient_checkpointing:
+                value = str(self.activation_offloading).lower()
+                raise ValueError(f"activation_offloading: {value} moves what checkpointed layers "
+                                 "keep: set gradient_checkpointing: true (or remove activation_offloading)")  # fmt: skip
+            if self.fsdp_config and getattr(self.fsdp_config, "activation_checkpointing", False):
+                raise ValueError("activation_offloading rides on the model's own checkpointing, which "
+                                 "fsdp_config.activation_checkpointing replaces; set that to false and keep "
+                                 "gradient_checkpointing: true")  # fmt: skip
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("activation_offloading works through the HF Trainer, which pipeline_parallel_size > "
+                                 "1 replaces; use fsdp or deepspeed")  # fmt: skip
         if self.pipeline_parallel_size > 1 and self.qat:
             raise ValueError("qat with pipeline_parallel_size > 1 is not supported; use fsdp or deepspeed")
         if self.streaming and not self.max_steps:

@@ -28,7 +28,7 @@ LR_SCHEDULERS = (
 )  # fmt: skip
 REPORT_TARGETS = ("none", "tensorboard", "wandb", "mlflow")
 # gradient_checkpointing values of Axolotl's releases that ask for checkpoints offloaded to CPU ("unsloth": v0.5-v0.7;
-# "offload", "offload_disk": since). llmtune recomputes them and keeps them on the GPU (axolotl.py says so).
+# "offload", "offload_disk": since; today's Axolotl reads them as checkpointing + activation_offloading, as llmtune does)
 OFFLOADED_CHECKPOINTING = ("unsloth", "offload", "offload_disk")
 
 
@@ -70,10 +70,16 @@ class TrainingKeys(Section):
     fp16: bool = Field(False, description="float16 mixed precision with loss scaling.")
     tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere+ GPUs.")
     gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward to save memory (Axolotl's 'offload' recomputes too)."
+        False, description="Recompute activations in backward to save memory ('offload': with activation_offloading)."
     )
     gradient_checkpointing_kwargs: dict | None = Field(None, description="e.g. {use_reentrant: false}.")
+    activation_offloading: bool | Literal["legacy", "disk", "hidden_states"] = Field(
+        False,
+        description="With gradient_checkpointing, hold each checkpointed layer's input in CPU memory (transformers' "
+        "checkpoint offload); every Axolotl value reads so ('disk': CPU memory too).",
+    )
     seed: int = Field(42, ge=0, description="Seed for weights of new layers, data order and dropout.")
+    data_seed: int | None = Field(None, ge=0, description="Seed of the data order alone (default: seed).")
     logging_steps: float = Field(1, gt=0, description="Log every N steps (or a fraction of all steps, below 1).")
     save_strategy: Literal["steps", "epoch", "no"] | None = Field(None, description="When to checkpoint.")
     save_steps: float | None = Field(None, gt=0, description="Checkpoint every N steps (or a fraction of all steps).")
@@ -171,7 +177,7 @@ class TrainingKeys(Section):
     @field_validator("gradient_checkpointing", mode="before")
     @classmethod
     def _offloaded_checkpointing(cls, value):
-        return True if value in OFFLOADED_CHECKPOINTING else value
+        return True if value in OFFLOADED_CHECKPOINTING else value  # the offload itself: _axolotl_values
 
     @model_validator(mode="before")
     @classmethod
@@ -179,6 +185,9 @@ class TrainingKeys(Section):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        checkpointing = data.get("gradient_checkpointing")
+        if checkpointing in OFFLOADED_CHECKPOINTING and not data.get("activation_offloading"):
+            data["activation_offloading"] = "disk" if checkpointing == "offload_disk" else True
         steps = data.get("warmup_steps")
         if isinstance(steps, float) and 0 < steps < 1 and data.get("warmup_ratio") is None:
             data["warmup_ratio"] = data.pop("warmup_steps")

@@ -51,7 +51,7 @@ def _false_word(value: Any) -> bool:
 OLD_FORMS = {
     "gradient_checkpointing": (
         lambda value: value in OFFLOADED_CHECKPOINTING,
-        "llmtune recomputes activations on the GPU, not offloaded to CPU (the same maths)",
+        "today's Axolotl and llmtune say the offload with activation_offloading",
     ),
     "bf16": (
         lambda value: value == "full",
@@ -63,6 +63,12 @@ OLD_FORMS = {
         ("deepspeed", "fsdp", "fsdp_config", "offload_nvme_path"),
         (_false_word, "false meant none; leaving the key out says the same"),
     ),
+}
+
+
+# Keys an older form also set, written on the lines after it when the recipe doesn't set them itself
+COMPANIONS = {
+    "gradient_checkpointing": lambda value: ("activation_offloading",) if value in OFFLOADED_CHECKPOINTING else (),
 }
 
 
@@ -250,6 +256,10 @@ def _rewrite(
         if form and form[0] is not REMOVE:
             replace[key] = [_line(entry.column, key, form[0], f"{_was(key, value)}; {form[1]}")]
             changes.append(f"line {entry.first + 1}: {key}: {_flow(value)} -> {_flow(form[0])}")
+            for name in COMPANIONS.get(key, lambda _: ())(value):
+                if name not in raw:
+                    replace[key].append(_line(entry.column, name, read[name], f"{_was(key, value)}; its offload"))
+                    changes.append(f"line {entry.first + 1}: {name}: {_flow(read[name])} added")
             continue
         outputs = _outputs(key, value, read, data)
         if form and outputs is None:

@@ -69,7 +69,7 @@ def _with_adapter(model, recipe):
         return model
     from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
 
-    if recipe.load_in_4bit or recipe.load_in_8bit:
+    if recipe.load_in_4bit or recipe.load_in_8bit or recipe.gptq:  # peft's preparation knows GPTQ bases too
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.gradient_checkpointing)
     if recipe.lora_model_dir:
         return PeftModel.from_pretrained(model, recipe.lora_model_dir, is_trainable=True)

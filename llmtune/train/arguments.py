@@ -50,15 +50,30 @@ def _sampling(recipe) -> str:
     return "group_by_length" if recipe.group_by_length else "random"
 
 
-def _checkpointing_arguments(on: bool, options: dict) -> dict:
+def _checkpointing_arguments(on: bool, options: dict, offload: bool = False) -> dict:
     """Activation checkpointing under the name the installed transformers takes today: `activation_checkpointing` in
     recent releases (5.24 here), where the older `gradient_checkpointing` names still work but raise a FutureWarning
-    each; older releases know only those."""
+    each; older releases know only those.
+
+    `offload` (activation_offloading): transformers holds what each checkpointed layer keeps for its recompute, the
+    layer's input, in pinned CPU memory (torch's save_on_cpu around each checkpoint), from its `offload` option."""
+    import inspect
     from dataclasses import fields
 
-    from transformers import TrainingArguments
+    from transformers import PreTrainedModel, TrainingArguments
+
+    from llmtune.errors import UserError
 
     name = "activation" if "activation_checkpointing" in {f.name for f in fields(TrainingArguments)} else "gradient"
+    if on and offload:
+        enable = getattr(PreTrainedModel, f"{name}_checkpointing_enable")
+        if "offload" not in inspect.signature(enable).parameters:
+            import transformers
+
+            raise UserError(f"activation_offloading needs transformers' checkpoint offload, which transformers "
+                            f"{transformers.__version__} lacks", "pip install -U transformers, or remove "
+                            "activation_offloading (and any offload value of gradient_checkpointing)")  # fmt: skip
+        options = {**options, "offload": True}
     return {f"{name}_checkpointing": on, f"{name}_checkpointing_kwargs": options}
 
 
@@ -100,9 +115,11 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **ex
         **_checkpointing_arguments(
             recipe.gradient_checkpointing and not fsdp_checkpointing(plan),
             recipe.gradient_checkpointing_kwargs or {"use_reentrant": False},
+            # a CPU rehearsal's activations are in host memory already (and pinning needs an accelerator)
+            bool(recipe.activation_offloading) and not rehearsal,
         ),
         seed=recipe.seed,
-        data_seed=recipe.seed,
+        data_seed=recipe.seed if recipe.data_seed is None else recipe.data_seed,
         logging_steps=recipe.logging_steps,
         logging_first_step=True,
         save_strategy=save_strategy,

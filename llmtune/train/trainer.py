@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import shutil
@@ -42,6 +43,21 @@ def _test_kill(variable: str, step: int) -> None:
     print(f"test hook {variable}: rank {os.environ.get('RANK', 0)} kills itself at step {step}", file=sys.stderr,
           flush=True)  # fmt: skip
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _log_rows(inputs, step: int) -> None:
+    """Tests only (LLMTUNE_TEST_ROW_LOG=<folder>): each rank appends the step it trains and a hash of each row of its
+    micro-batch (the tokens under the attention mask), so a test can prove no row was trained twice or skipped."""
+    import hashlib
+
+    mask = inputs.get("attention_mask")
+    rows = []
+    for index, ids in enumerate(inputs["input_ids"].cpu()):
+        kept = ids[mask[index].cpu().bool()] if mask is not None else ids
+        rows.append(hashlib.sha256(kept.numpy().tobytes()).hexdigest()[:16])
+    folder = Path(os.environ["LLMTUNE_TEST_ROW_LOG"])
+    with open(folder / f"rank{os.environ.get('RANK', 0)}.jsonl", "a") as log:
+        log.write(json.dumps({"step": step, "rows": rows}) + "\n")
 
 
 class Rows:
@@ -220,6 +236,8 @@ class LlmtuneTrainer(Trainer):
         self.padded_seen += int(inputs["input_ids"].numel())
         if self.batch_hash is not None:
             self.batch_hash.update(inputs["input_ids"].cpu().numpy().tobytes())
+        if "LLMTUNE_TEST_ROW_LOG" in os.environ:
+            _log_rows(inputs, self.state.global_step + 1)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._nonfinite_guard(loss)
         return loss
@@ -278,7 +296,7 @@ class LlmtuneTrainer(Trainer):
         # Rank 0 publishes first; then, on machines with their own disk (not shared storage), each machine's first
         # rank publishes its copy. Publishing at once from every machine raced on shared storage: one machine's
         # "replace the same step saved again" moved away the checkpoint another had just put in place.
-        info = {"step": step, "world_size": self.accelerator.num_processes}
+        info = {"step": step, "world_size": self.accelerator.num_processes, **self._allocation()}
         if self.accelerator.is_main_process and staged.exists():
             checkpoints.publish(staged, final, info)
         if self.accelerator.num_processes > 1:
@@ -302,6 +320,16 @@ class LlmtuneTrainer(Trainer):
                                Path(self.state.best_model_checkpoint) if self.state.best_model_checkpoint else None)  # fmt: skip
 
     recipe = None  # the run's recipe (set by the worker), for what TrainingArguments can't say
+
+    def _allocation(self) -> dict:
+        """What a resume on another allocation needs to know of this one (llmtune/plan/resume.py reads it)."""
+        if not self.plan:
+            return {}
+        world = self.accelerator.num_processes
+        data_parallel = self.plan["data_parallel_size"] * world // self.plan["world_size"]  # an elastic world too
+        micro, accumulation = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
+        return {"strategy": self.plan["strategy"], "data_parallel_size": data_parallel,
+                "global_batch_size": micro * accumulation * data_parallel}  # fmt: skip
 
     # Tensor parallel: transformers can't checkpoint the optimizer of a model it sharded at load (the Trainer runs
     # with save_only_model, which still writes the whole weights for users). For resume llmtune saves the model's
@@ -369,9 +397,9 @@ class LlmtuneTrainer(Trainer):
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        from llmtune.train.schedule import make_scheduler, quadratic_warmup
+        from llmtune.train.schedule import make_scheduler, own_schedule
 
-        if self.lr_scheduler is None and self.recipe is not None and quadratic_warmup(self.recipe):
+        if self.lr_scheduler is None and self.recipe is not None and own_schedule(self.recipe):
             warmup = self.args.get_warmup_steps(num_training_steps)
             self.lr_scheduler = make_scheduler(self.recipe, optimizer or self.optimizer, warmup, num_training_steps)
             self._created_lr_scheduler = True

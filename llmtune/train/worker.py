@@ -273,6 +273,12 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         lisa = LayerSampling(model, recipe.lisa_n_layers, recipe.lisa_step_interval, recipe.lisa_layers_attribute,
                              recipe.seed)  # fmt: skip
         trainer.add_callback(lisa)
+    relora = None
+    if recipe.relora:  # merges and restarts the LoRA; the LR around restarts is the trainer's scheduler's
+        from llmtune.train.relora import ReLoRA
+
+        relora = ReLoRA(model, recipe, output_dir)
+        trainer.add_callback(relora)
     step_stats = StepStats(trainer)
     trainer.add_callback(step_stats)
     stop = StopOnRequest(plan["config_dir"])
@@ -337,6 +343,10 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     )  # fmt: skip
     if lisa:
         metrics["lisa"] = {"layers": len(lisa.layers), "draws": lisa.history}
+    if relora:
+        metrics["relora"] = relora.report()
+        if rank.is_main:  # the Trainer saved the last cycle's adapter: every cycle's, stacked, replaces it
+            relora.save_adapter(output_dir)
     if qat_report:
         metrics["qat"] = {**qat_report, "fake_quant_from_step": qat_delay.enabled_at if qat_delay else 0}
     _write_probe(trainer, data.train[0])

@@ -1,4 +1,6 @@
-"""Axolotl's sharegpt-era datasets train as written: `type: sharegpt` with `conversation: chatml`, one process."""
+"""Axolotl's sharegpt-era recipes train as written: `type: sharegpt` with `conversation: chatml`, and that era's
+`gradient_checkpointing: offload` (checkpointing, the layer inputs held in CPU memory on a GPU),
+one process."""
 
 from __future__ import annotations
 
@@ -30,12 +32,18 @@ def conversations() -> list[dict]:
 def test_sharegpt_chatml_trains_with_only_the_gpt_turns_labelled(make_recipe, tmp_path):
     data = write_jsonl(tmp_path / "chats.jsonl", conversations() * 2)
     recipe = make_recipe("sharegpt", datasets=[{"path": str(data), "type": "sharegpt", "conversation": "chatml"}],
-                         max_steps=3)  # fmt: skip
+                         max_steps=3, gradient_checkpointing="offload")  # fmt: skip
     result = llmtune("train", recipe, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(recipe)
     history = losses(metrics)
     assert metrics["steps"] == 3 and all(math.isfinite(loss) for loss in history), history
+    # read as today's Axolotl reads it, and the plan says what the rehearsal does with the offload (the offload
+    # itself: tests/unit/test_activation_offload.py on CPU; on a GPU, tests/gpu)
+    assert "gradient_checkpointing: offload: read as gradient_checkpointing: true with activation_offloading" in (
+        result.stderr
+    )
+    assert "activation offloading: not on the CPU rehearsal" in result.stderr
 
     # the examples the run trained on, from its tokenized cache: only the gpt turns (with <|im_end|>) are labelled
     from llmtune.train.data.rows import TokenRows

@@ -27,7 +27,14 @@ STRATEGIES = {
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, tiny_model):
-    return make_workspace(tmp_path_factory, "resume", tiny_model)
+    """The harness's workspace, with 32 distinct rows: a row's hash then names the row (resume row accounting)."""
+    from harness import REPEAT_WORDS
+    from tiny import write_jsonl
+
+    root, _, model = make_workspace(tmp_path_factory, "resume", tiny_model)
+    rows = [{"instruction": f"Repeat {w} {n}", "output": f"{w} {w} {n}"} for n in range(4) for w in REPEAT_WORDS]
+    assert len(rows) == 32
+    return root, write_jsonl(root / "distinct.jsonl", rows), model
 
 
 def write(workspace, name: str, **changes) -> Path:
@@ -49,11 +56,13 @@ def assert_bit_identical(a_dir: Path, b_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def straight(workspace):
-    """Uninterrupted reference runs, one per strategy."""
+    """Uninterrupted reference runs, one per strategy (DDP's also logs the rows each rank trained at each step)."""
     runs = {}
     for name, changes in STRATEGIES.items():
         path = write(workspace, f"straight-{name}", **changes)
-        result = train(path)
+        rows = workspace[0] / f"rows-straight-{name}"
+        rows.mkdir()
+        result = train(path, {"LLMTUNE_TEST_ROW_LOG": str(rows)} if name == "ddp" else None)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = path
     return runs
@@ -88,6 +97,47 @@ def test_kill_9_after_a_checkpoint_then_rerun_is_bit_exact(workspace, straight, 
     assert_bit_identical(Path(yaml.safe_load(straight[strategy].read_text())["output_dir"]), out)
     # save_total_limit 2 kept the two newest complete checkpoints (the Trainer also saves the last step)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+    if strategy == "ddp":
+        resume_on_one_process(workspace, straight, out / "checkpoint-6")
+
+
+def rows_by_step(folder: Path) -> dict[int, list[str]]:
+    """Every row (its hash) each step trained, over all ranks, from LLMTUNE_TEST_ROW_LOG's files."""
+    steps: dict[int, list[str]] = {}
+    for log in folder.glob("rank*.jsonl"):
+        for line in log.read_text().splitlines():
+            entry = json.loads(line)
+            steps.setdefault(entry["step"], []).extend(entry["rows"])
+    return {step: sorted(rows) for step, rows in steps.items()}
+
+
+def resume_on_one_process(workspace, straight, checkpoint: Path) -> None:
+    """The 2-rank DDP checkpoint-6 resumed by one process: gradient accumulation doubles so the global batch stays
+    8, steps 7 and 8 train exactly the rows the uninterrupted 2-rank run trained at those steps (none twice, none
+    skipped: the 32 rows once per epoch), and the last loss is the uninterrupted run's within 2%."""
+    import shutil
+
+    path = write(workspace, "one-process-resume")
+    out = Path(yaml.safe_load(path.read_text())["output_dir"])
+    shutil.copytree(checkpoint, out / checkpoint.name)
+    rows = workspace[0] / "rows-one-process-resume"
+    rows.mkdir()
+    resumed = llmtune("train", path, "--num-processes", "1", env={"LLMTUNE_TEST_ROW_LOG": str(rows)}, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ("resuming checkpoint-6 (world size 2) on world size 1: gradient accumulation 1 -> 2, global batch 8 kept"
+            in resumed.stderr), resumed.stderr[-3000:]  # fmt: skip
+    metrics, reference = read_metrics(path), read_metrics(straight["ddp"])
+    assert (metrics["world_size"], metrics["global_batch_size"], metrics["steps"]) == (1, 8, 8)
+    assert metrics["resumed_from"] == str(out / "checkpoint-6")
+    trained, expected = rows_by_step(rows), rows_by_step(workspace[0] / "rows-straight-ddp")
+    assert sorted(trained) == [7, 8] and len(expected) == 8
+    assert all(len(expected[step]) == 8 for step in expected)
+    assert {step: expected[step] for step in (7, 8)} == trained
+    epoch = [row for step in (1, 2, 3, 4) for row in expected[step]]
+    assert len(set(epoch)) == 32  # each of the 32 rows once per epoch, so equal steps mean none twice
+    last = [e["loss"] for e in metrics["log_history"] if "loss" in e][-1]
+    expected_last = [e["loss"] for e in reference["log_history"] if "loss" in e][-1]
+    assert abs(last - expected_last) <= 0.02 * abs(expected_last), (last, expected_last)
 
 
 def test_kill_during_a_save_resumes_from_the_previous_checkpoint(workspace, straight):

@@ -1,11 +1,16 @@
 """Axolotl recipes as written: every recipe of the corpus validates and plans, or is refused by a capability.
 
 The corpus (tests/fixtures/axolotl_recipes/) is written in the style of Axolotl's examples and covers every key
-those examples use; each recipe says what `llmtune validate` must answer.
+those examples use; each recipe says what `llmtune validate` must answer. The public recipes' manifest
+(scripts/axolotl_corpus.tsv, counted by scripts/axolotl_corpus.py) is well-formed, the counting script tells
+refusals from crashes, and docs/axolotl.md holds what scripts/axolotl_tables.py generates.
 """
 
 from __future__ import annotations
 
+import re
+import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -14,6 +19,11 @@ import yaml
 from llmtune.errors import UserError
 from llmtune.plan import make_cluster, make_plan
 from llmtune.recipe import load_recipe
+from llmtune.recipe.axolotl_history import KEYS, RELEASES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import axolotl_corpus  # noqa: E402
+import axolotl_tables  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "axolotl_recipes"
 RECIPES = sorted(CORPUS.glob("*.yml"))
@@ -153,8 +163,125 @@ def test_keys_axolotl_drops_silently_but_whose_intent_is_plain_are_honoured_and_
     with pytest.raises(UserError, match="min_lr floors a cosine schedule, and lr_scheduler is linear"):
         load_recipe(path)
     path.write_text(base + "eta_min: 2.0e-5\ncosine_min_lr_ratio: 0.5\n")
-    with pytest.raises(UserError, match="eta_min .read as cosine_min_lr_ratio: 0.1. and cosine_min_lr_ratio: 0.5 disagree"):
+    with pytest.raises(
+        UserError, match="eta_min .read as cosine_min_lr_ratio: 0.1. and cosine_min_lr_ratio: 0.5 disagree"
+    ):
         load_recipe(path)
     path.write_text(base + "eta_min: 0.001\n")
     with pytest.raises(UserError, match="eta_min: 0.001 must lie between 0 and learning_rate 0.0002"):
         load_recipe(path)
+
+
+# The public corpus: a manifest of other projects' recipes (never copies of them), and the script that counts them.
+AXOLOTL_ITSELF = {"axolotl-ai-cloud/axolotl", "openaccess-ai-collective/axolotl"}
+
+
+def test_the_public_corpus_manifest_is_well_formed():
+    rows = axolotl_corpus.read_manifest()
+    assert len(rows) >= 60
+    assert len({r.repo for r in rows}) >= 30
+    assert not [r for r in rows if r.repo.lower() in AXOLOTL_ITSELF]
+    assert len({(r.repo, r.path) for r in rows}) == len(rows)  # one version of each file: it has one local path
+    for row in rows:
+        assert re.fullmatch(r"[\w.-]+/[\w.-]+", row.repo), row
+        assert re.fullmatch(r"[0-9a-f]{40}", row.commit), row
+        assert row.path.endswith((".yml", ".yaml")) and not row.path.startswith("/") and ".." not in row.path, row
+        assert re.fullmatch(r"20(2[3-6])-(0[1-9]|1[0-2])", row.date), row
+        assert re.fullmatch(r"v0\.\d+\.\d+", row.release), row
+    assert {r.era.split()[0] for r in rows} == {"2023", "2024", "2025", "2026"}
+    # the release is the latest one tagged by the commit's date, so it never goes back as the date goes on
+    order = sorted((r.date, ("v0.1.0", "v0.2.0", "v0.2.1", *RELEASES).index(r.release)) for r in rows)
+    assert all(a[1] <= b[1] for a, b in pairwise(order))
+
+
+def test_a_manifest_with_other_columns_is_refused(tmp_path):
+    bad = tmp_path / "m.tsv"
+    bad.write_text("repo\tcommit\tpath\n")
+    with pytest.raises(ValueError, match="header"):
+        axolotl_corpus.read_manifest(bad)
+
+
+def test_refusals_are_classed_by_what_they_ask_for():
+    cls = axolotl_corpus.refusal_class
+    assert cls("ReLoRA is not supported (relora: True) (hint: train one LoRA adapter)") == "ReLoRA"
+    assert (
+        cls("unknown key 'data_seed'; did you mean 'datasets'?") == "unknown key data_seed (no Axolotl release has it)"
+    )
+    assert cls("datasets[0]: unknown key 'overlap_len'") == "unknown key overlap_len (no Axolotl release has it)"
+    assert cls("datasets[0].type: Axolotl's dataset type 'alpaca_chat.load_chatml' is not supported; use one of x") == (
+        "dataset type alpaca_chat.load_chatml"
+    )
+    assert (
+        cls("wandb_log_model: Input should be 'false', 'checkpoint' or 'end' (got 'x')") == "a value of wandb_log_model"
+    )
+
+
+def corpus_run(tmp_path, capsys, recipes: dict[str, str]) -> tuple[int, str]:
+    """Run the counting script over recipes written into a corpus folder of its layout."""
+    manifest = tmp_path / "corpus.tsv"
+    lines = ["# a comment", "\t".join(axolotl_corpus.COLUMNS)]
+    for i, (name, text) in enumerate(recipes.items()):
+        (tmp_path / "dir" / "someone+recipes").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "dir" / "someone+recipes" / name).write_text(text)
+        lines.append(f"someone/recipes\t{i:040x}\t{name}\t2024-0{i + 1}\tv0.4.0")
+    manifest.write_text("\n".join(lines) + "\n")
+    code = axolotl_corpus.main(["--dir", str(tmp_path / "dir"), "--manifest", str(manifest)])
+    return code, capsys.readouterr().out
+
+
+def test_the_counting_script_counts_accepted_refused_and_absent_files(tmp_path, capsys):
+    good = (CORPUS / "llama3-lora-8bit.yml").read_text()
+    local = good.replace("path: teknium/GPT4-LLM-Cleaned", "path: ./mine.jsonl")  # its author's own file
+    assert local != good
+    code, out = corpus_run(tmp_path, capsys, {
+        "good.yml": good,
+        "grok.yml": good + "grokfast_alpha: 2.0\n",
+        "local.yml": local,
+    })  # fmt: skip
+    assert code == 0
+    assert "| 2024 H1 | 3 | 1 (33%) | 1/3 | 0/0 | 0/0 | 1 | 1 |" in out
+    assert (
+        "1  Grokfast gradient filtering  e.g. Grokfast gradient filtering is not supported (grokfast_alpha: 2.0)" in out
+    )
+    assert "mine.jsonl does not exist" in out and "-- and nothing else" in out
+    assert "3 recipes from 1 repositories; 0 raised something other than UserError" in out
+
+
+def test_anything_but_a_user_error_is_a_failure_with_its_traceback(tmp_path, capsys, monkeypatch):
+    def crash(*args, **kwargs):
+        raise KeyError("a bug in llmtune")
+
+    monkeypatch.setattr(axolotl_corpus.examples, "check", crash)
+    code, out = corpus_run(tmp_path, capsys, {"any.yml": (CORPUS / "llama3-lora-8bit.yml").read_text()})
+    assert code == 1
+    assert "1 raised something other than UserError" in out
+    assert "FAILED someone/recipes/any.yml" in out and "KeyError: 'a bug in llmtune'" in out
+
+
+def test_the_doc_tables_are_what_the_generator_writes():
+    assert axolotl_tables.in_doc() == axolotl_tables.tables(), "run: python scripts/axolotl_tables.py --write"
+
+
+def test_the_generated_tables_name_every_alias_translation_and_refused_capability():
+    text = axolotl_tables.tables()
+    for key, entry in ((k, e) for k, e in KEYS.items() if e[2] != "llmtune"):  # shown one by one or as word_*
+        assert f"`{key}`" in text or f"`{key.split('_')[0]}_*`" in text, key
+        if entry[2].startswith("refused: "):
+            assert f"| {entry[2].removeprefix('refused: ')} |" in text
+
+
+def test_download_fetches_a_missing_recipe_at_its_commit(tmp_path, capsys, monkeypatch):
+    source = tmp_path / "github" / "someone" / "recipes" / ("ab" * 20)
+    source.mkdir(parents=True)
+    (source / "r.yml").write_text((CORPUS / "llama3-lora-8bit.yml").read_text())
+    monkeypatch.setattr(axolotl_corpus, "RAW", f"file://{tmp_path}/github/{{repo}}/{{commit}}/{{path}}")
+    manifest = tmp_path / "corpus.tsv"
+    manifest.write_text(
+        "\t".join(axolotl_corpus.COLUMNS) + f"\nsomeone/recipes\t{'ab' * 20}\tr.yml\t2025-07\tv0.11.0\n"
+    )
+    args = ["--dir", str(tmp_path / "dir"), "--manifest", str(manifest)]
+    assert axolotl_corpus.main(args) == 0
+    assert "1 recipes not under" in capsys.readouterr().out  # without --download, a missing recipe is only counted
+    assert axolotl_corpus.main([*args, "--download"]) == 0
+    assert "| 2025 H2 | 1 | 1 (100%) |" in capsys.readouterr().out
+    assert (tmp_path / "dir" / "someone+recipes" / "r.yml").read_text() == (source / "r.yml").read_text()

@@ -8,28 +8,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from recipe_loading import load, refusal
 
 from llmtune.errors import UserError
 from llmtune.recipe.axolotl import action, history
 from llmtune.recipe.axolotl_history import DATASET_KEYS, DEPRECATED, ERAS, KEYS, RELEASES
-from llmtune.recipe.loader import recipe_from_mapping
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import axolotl_key_history as generator  # noqa: E402
 
-BASE = {"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}], "output_dir": "/runs/x"}
 LATEST = RELEASES[-1]
 ACTIONS = ("llmtune", "alias of ", "translated", "no effect", "refused: ")
-
-
-def load(**changes):
-    return recipe_from_mapping({**BASE, **changes}, Path("r.yaml"), check_files=False)
-
-
-def refusal(**changes) -> str:
-    with pytest.raises(UserError) as caught:
-        load(**changes)
-    return caught.value.one_line()
 
 
 def defined(release: str) -> list[str]:
@@ -106,9 +95,12 @@ def test_a_refusal_of_a_dropped_key_names_its_releases():
 
 
 def test_messages_about_old_keys_name_today_s_spelling():
-    line = refusal(relora_steps=100)
-    assert line.startswith("r.yaml: ReLoRA is not supported (relora_steps: 100); relora_steps is a key of Axolotl "
-                           "v0.3.0 to v0.11.0, dropped after v0.11.0")  # fmt: skip
+    line = refusal(log_sweep_min_lr=1e-6)
+    assert line.startswith("r.yaml: the log-sweep learning-rate schedule is not supported (log_sweep_min_lr: 1e-06); "
+                           "log_sweep_min_lr is a key of Axolotl v0.3.0 to v0.4.0, dropped after v0.4.0")  # fmt: skip
+    notes = load(relora_steps=100, relora_warmup_steps=5, adapter="lora").notes
+    assert "relora_warmup_steps: read as jagged_restart_warmup_steps (a key of Axolotl v0.3.0 to v0.11.0; today's " \
+           "spelling: jagged_restart_warmup_steps)" in notes  # fmt: skip
     assert "today's spelling: load_in_4bit with adapter: qlora" in refusal(load_4bit=True)
     notes = load(eval_table_max_new_tokens=128, noisy_embedding_alpha=5).notes
     assert any("eval_table_max_new_tokens (a key of Axolotl v0.4.0 only; today's spelling: eval_max_new_tokens)"

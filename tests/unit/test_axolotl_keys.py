@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from recipe_loading import BASE, load, refusal
 
 from llmtune.errors import UserError
 from llmtune.plan import make_cluster, make_plan
@@ -98,17 +99,6 @@ use_kernels use_mlflow use_onebitllms use_otel_metrics use_pose use_ray use_scat
 use_tensorboard use_trackio use_wandb val_set_size vllm wandb_entity wandb_log_model wandb_mode wandb_name
 wandb_project wandb_run_id wandb_watch warmup_ratio warmup_steps weight_decay world_size xformers_attention
 """.split()
-BASE = {"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}], "output_dir": "/runs/x"}
-
-
-def load(**changes):
-    return recipe_from_mapping({**BASE, **changes}, Path("r.yaml"), check_files=False)
-
-
-def refusal(**changes) -> str:
-    with pytest.raises(UserError) as caught:
-        load(**changes)
-    return caught.value.one_line()
 
 
 def test_every_axolotl_key_is_known():
@@ -150,7 +140,7 @@ def test_capability_refusals_read_as_the_issue_asks():
     assert "training vision and audio models is not supported (processor_type" in refusal(
         processor_type="AutoProcessor"
     )
-    assert "ReLoRA is not supported (relora: True)" in refusal(relora=True)
+    assert "LoRA+ learning rates is not supported (loraplus_lr_ratio: 16)" in refusal(loraplus_lr_ratio=16)
     assert load(context_parallel_size=1, tensor_parallel_size=1).recipe
     # context parallelism runs (with FSDP2); Axolotl's older name is read as it
     assert "context parallelism without FSDP2 is not supported" in refusal(context_parallel_size=2)

@@ -339,8 +339,8 @@ def test_older_value_forms_are_said_once():
     written = {"gradient_checkpointing": "unsloth", "max_packed_sequence_len": 1024, "xformers_attention": True,
                "bf16": "full"}  # fmt: skip
     notes = recipe_from_mapping({**base, **written}, Path("r.yaml"), check_files=False).notes
-    for said in ("gradient_checkpointing: unsloth: read as gradient_checkpointing: true; activations are recomputed, "
-                 "not offloaded to CPU", "max_packed_sequence_len: 1024: read as sample_packing: true at sequence_len: "
+    for said in ("gradient_checkpointing: unsloth: read as gradient_checkpointing: true with activation_offloading: "
+                 "true", "max_packed_sequence_len: 1024: read as sample_packing: true at sequence_len: "
                  "1024 (a key of Axolotl since v0.3.0, deprecated since v0.5.0", "xformers_attention: true: read as "
                  "attn_implementation: sdpa", "bf16: full"):  # fmt: skip
         assert sum(note.startswith(said) for note in notes) == 1, (said, notes)

@@ -75,6 +75,21 @@ def test_strategy_choice(changes, world, strategy):
     assert plan.world_size == world
 
 
+def test_axolotl_shipped_deepspeed_files_stand_for_presets_and_the_plan_says_so(tmp_path, monkeypatch):
+    plan = make_plan(
+        recipe(deepspeed="deepspeed_configs/zero3_bf16_cpuoffload_all.json"), make_cluster(2, device="cuda")
+    )
+    assert plan.strategy == "zero3" and plan.deepspeed_config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert any("deepspeed_configs/zero3_bf16_cpuoffload_all.json is Axolotl's own file, not on disk here: llmtune's "
+               "zero3_offload preset stands for it" in note for note in plan.notes)  # fmt: skip
+    # a file of the user's own at that path is read as it is (here: ZeRO-2), and no note claims otherwise
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "deepspeed_configs").mkdir()
+    (tmp_path / "deepspeed_configs" / "zero3_bf16.json").write_text('{"zero_optimization": {"stage": 2}}')
+    own = make_plan(recipe(deepspeed="deepspeed_configs/zero3_bf16.json"), make_cluster(2, device="cuda"))
+    assert own.strategy == "zero2" and not any("Axolotl's own file" in note for note in own.notes)
+
+
 def test_inline_deepspeed_auto_values_are_filled():
     ds = {
         "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},

@@ -89,7 +89,7 @@ def test_a_2023_recipe_is_upgraded_beside_the_original_and_plans_the_same(run_cl
     expected = {
         "sequence_len": 2048, "sample_packing": True, "neftune_noise_alpha": 5, "eval_strategy": "no",
         "dataset_processes": 4, "wandb_watch": "false", "bf16": True, "gradient_checkpointing": True,
-        "attn_implementation": "sdpa", "logging_steps": 0.01,
+        "activation_offloading": True, "attn_implementation": "sdpa", "logging_steps": 0.01,
         "overrides_of_model_config": {"rope_scaling": {"type": "linear", "factor": 2.0}},
     }  # fmt: skip
     assert {key: new.get(key) for key in expected} == expected
@@ -147,10 +147,11 @@ def test_a_recipe_in_todays_vocabulary_is_left_alone(run_cli, write_recipe, tmp_
 
 
 def test_keys_asking_for_missing_capabilities_stop_the_upgrade(run_cli, write_recipe, tmp_path):
-    path = write_recipe({"max_packed_sequence_len": 1024, "relora_steps": 100, "dpo_beta": 0.1})
+    path = write_recipe({"max_packed_sequence_len": 1024, "loraplus_lr_ratio": 16, "dpo_beta": 0.1})
     result = run_cli("validate", "--upgrade", path)
     assert result.code == 2
-    assert "relora_steps (ReLoRA)" in result.err and "dpo_beta (preference and RL training" in result.err
+    assert "loraplus_lr_ratio (LoRA+ learning rates)" in result.err
+    assert "dpo_beta (preference and RL training" in result.err
     assert "nothing written" in result.err and "Traceback" not in result.err
     assert not (tmp_path / "recipe.upgraded.yaml").exists()
 
