@@ -263,7 +263,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
     if recipe.rdzv_backend == "c10d" and cluster.num_machines == 1:
         raise UserError("rdzv_backend: c10d is for jobs on several machines (it gathers machines, not processes)",
                         "on one machine, max_restarts alone restarts the ranks after a crash")  # fmt: skip
-    resumed = resumed_accumulation(recipe, strategy, STRATEGY_TITLES.get(strategy, strategy), world, data_parallel)
+    resumed = resumed_accumulation(recipe, strategy, world, data_parallel, mesh, STRATEGY_TITLES)
     if resumed:  # the checkpoint it resumes was saved on another world size: keep its global batch
         accumulation, line = resumed
         global_batch = recipe.micro_batch_size * accumulation * data_parallel

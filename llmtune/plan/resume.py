@@ -14,8 +14,9 @@ from pathlib import Path
 from llmtune.errors import UserError
 from llmtune.train.checkpoints import MARKER, last_complete  # torch-free
 
-# Strategies whose checkpoints hold every rank's full state (the model, the optimizer): any world size loads them
-REPLICATED = ("single", "ddp")
+# Checkpoints another world size loads as they are, by family: DDP's hold every rank's full state (the model, the
+# optimizer); plain FSDP2's are torch distributed checkpoints (or one full state dict), which reshard on load
+MOVABLE = {"single": "replicated", "ddp": "replicated", "fsdp2": "fsdp2"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Saved:
     data_parallel_size: int
     global_batch_size: int
     strategy: str | None  # None: an older marker, which didn't record it
+    mesh: dict | None = None  # HSDP, context or tensor parallel sizes, when the run had them
 
 
 def resume_checkpoint(recipe) -> Path | None:
@@ -56,22 +58,34 @@ def saved_allocation(recipe, checkpoint: Path) -> Saved | None:
     batch = (
         info.get("global_batch_size") or recipe.micro_batch_size * recipe.gradient_accumulation_steps * data_parallel
     )
-    return Saved(checkpoint, int(info.get("step", 0)), world, data_parallel, batch, info.get("strategy"))
+    return Saved(checkpoint, int(info.get("step", 0)), world, data_parallel, batch, info.get("strategy"),
+                 info.get("mesh"))  # fmt: skip
 
 
-def resumed_accumulation(recipe, strategy: str, title: str, world: int, data_parallel: int) -> tuple[int, str] | None:
+def resumed_accumulation(
+    recipe, strategy: str, world: int, data_parallel: int, mesh: dict | None, titles: dict[str, str]
+) -> tuple[int, str] | None:
     """When the run resumes a checkpoint saved on another world size: (the gradient accumulation that keeps its
     global batch here, the line that says so). None when there is nothing to resume or the allocation is the same.
-    UserError, with what will work, when it can't resume here."""
+    UserError, with what will work, when it can't resume here. `titles`: the strategies' names, as the plan shows them."""
     checkpoint = resume_checkpoint(recipe)
     saved = saved_allocation(recipe, checkpoint) if checkpoint else None
     if saved is None or saved.world_size == world:
         return None
     name = saved.path.name
-    if strategy not in REPLICATED or (saved.strategy or strategy) not in REPLICATED:
+    written = saved.strategy or strategy
+    if saved.strategy and MOVABLE.get(saved.strategy, saved.strategy) != MOVABLE.get(strategy, strategy):
         raise UserError(
-            f"{name} was saved by {saved.world_size} process(es); this launch has {world}: {title} checkpoints hold "
-            f"each rank's shard, and llmtune resumes them only at the world size that wrote them",
+            f"{name} was saved by {titles.get(written, written)}; this launch runs "
+            f"{titles.get(strategy, strategy)}: a checkpoint resumes only under the strategy that wrote it",
+            "resume with the recipe's strategy keys as they were, or start over in another output_dir "
+            "(auto_resume_from_checkpoints: false trains from the start)",
+        )
+    if written not in MOVABLE or mesh or saved.mesh:
+        title = titles.get(written, written) + (" (with a device mesh)" if mesh or saved.mesh else "")
+        raise UserError(
+            f"{name} was saved by {saved.world_size} process(es); this launch has {world}: llmtune resumes {title} "
+            f"checkpoints only at the world size that wrote them (DDP's and plain FSDP2's on any)",
             f"resume with --num-processes {saved.world_size} (the allocation that saved it), or start over in "
             "another output_dir (auto_resume_from_checkpoints: false trains from the start)",
         )

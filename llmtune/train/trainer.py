@@ -329,7 +329,7 @@ class LlmtuneTrainer(Trainer):
         data_parallel = self.plan["data_parallel_size"] * world // self.plan["world_size"]  # an elastic world too
         micro, accumulation = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
         return {"strategy": self.plan["strategy"], "data_parallel_size": data_parallel,
-                "global_batch_size": micro * accumulation * data_parallel}  # fmt: skip
+                "global_batch_size": micro * accumulation * data_parallel, "mesh": self.plan.get("mesh")}  # fmt: skip
 
     # Tensor parallel: transformers can't checkpoint the optimizer of a model it sharded at load (the Trainer runs
     # with save_only_model, which still writes the whole weights for users). For resume llmtune saves the model's

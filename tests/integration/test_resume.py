@@ -56,13 +56,13 @@ def assert_bit_identical(a_dir: Path, b_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def straight(workspace):
-    """Uninterrupted reference runs, one per strategy (DDP's also logs the rows each rank trained at each step)."""
+    """Uninterrupted reference runs, one per strategy, each logging the rows each rank trained at each step."""
     runs = {}
     for name, changes in STRATEGIES.items():
         path = write(workspace, f"straight-{name}", **changes)
         rows = workspace[0] / f"rows-straight-{name}"
         rows.mkdir()
-        result = train(path, {"LLMTUNE_TEST_ROW_LOG": str(rows)} if name == "ddp" else None)
+        result = train(path, {"LLMTUNE_TEST_ROW_LOG": str(rows)})
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = path
     return runs
@@ -97,8 +97,8 @@ def test_kill_9_after_a_checkpoint_then_rerun_is_bit_exact(workspace, straight, 
     assert_bit_identical(Path(yaml.safe_load(straight[strategy].read_text())["output_dir"]), out)
     # save_total_limit 2 kept the two newest complete checkpoints (the Trainer also saves the last step)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
-    if strategy == "ddp":
-        resume_on_one_process(workspace, straight, out / "checkpoint-6")
+    if strategy in ("ddp", "fsdp2"):  # checkpoints another world size loads (ZeRO's wait for universal checkpoints)
+        resume_on_one_process(workspace, straight, out / "checkpoint-6", strategy)
 
 
 def rows_by_step(folder: Path) -> dict[int, list[str]]:
@@ -111,25 +111,27 @@ def rows_by_step(folder: Path) -> dict[int, list[str]]:
     return {step: sorted(rows) for step, rows in steps.items()}
 
 
-def resume_on_one_process(workspace, straight, checkpoint: Path) -> None:
-    """The 2-rank DDP checkpoint-6 resumed by one process: gradient accumulation doubles so the global batch stays
-    8, steps 7 and 8 train exactly the rows the uninterrupted 2-rank run trained at those steps (none twice, none
-    skipped: the 32 rows once per epoch), and the last loss is the uninterrupted run's within 2%."""
+def resume_on_one_process(workspace, straight, checkpoint: Path, strategy: str) -> None:
+    """A 2-rank checkpoint-6 resumed by one process (DDP: the full state; FSDP2: its sharded state dict, resharded
+    by torch's distributed checkpoint): gradient accumulation doubles so the global batch stays 8, steps 7 and 8
+    train exactly the rows the uninterrupted 2-rank run trained at those steps (none twice, none skipped: the 32
+    rows once per epoch), and the last loss is the uninterrupted run's within 2%."""
     import shutil
 
-    path = write(workspace, "one-process-resume")
+    path = write(workspace, f"one-process-resume-{strategy}", **STRATEGIES[strategy])
     out = Path(yaml.safe_load(path.read_text())["output_dir"])
     shutil.copytree(checkpoint, out / checkpoint.name)
-    rows = workspace[0] / "rows-one-process-resume"
+    rows = workspace[0] / f"rows-one-process-resume-{strategy}"
     rows.mkdir()
     resumed = llmtune("train", path, "--num-processes", "1", env={"LLMTUNE_TEST_ROW_LOG": str(rows)}, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert ("resuming checkpoint-6 (world size 2) on world size 1: gradient accumulation 1 -> 2, global batch 8 kept"
             in resumed.stderr), resumed.stderr[-3000:]  # fmt: skip
-    metrics, reference = read_metrics(path), read_metrics(straight["ddp"])
+    metrics, reference = read_metrics(path), read_metrics(straight[strategy])
     assert (metrics["world_size"], metrics["global_batch_size"], metrics["steps"]) == (1, 8, 8)
+    assert metrics["strategy"] == ("single" if strategy == "ddp" else strategy)  # the engine that really ran
     assert metrics["resumed_from"] == str(out / "checkpoint-6")
-    trained, expected = rows_by_step(rows), rows_by_step(workspace[0] / "rows-straight-ddp")
+    trained, expected = rows_by_step(rows), rows_by_step(workspace[0] / f"rows-straight-{strategy}")
     assert sorted(trained) == [7, 8] and len(expected) == 8
     assert all(len(expected[step]) == 8 for step in expected)
     assert {step: expected[step] for step in (7, 8)} == trained

@@ -27,6 +27,7 @@ def saved(output_dir: Path, step: int = 4, **info) -> Path:
 
 
 DDP_2 = {"world_size": 2, "strategy": "ddp", "data_parallel_size": 2, "global_batch_size": 8}
+FSDP2 = {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}}
 
 
 @pytest.mark.parametrize(("world", "accumulation"), [(1, 4), (4, 1)])
@@ -36,6 +37,23 @@ def test_a_ddp_checkpoint_resumes_on_fewer_or_more_processes_with_its_global_bat
     assert (plan.gradient_accumulation_steps, plan.global_batch_size) == (accumulation, 8)
     assert (f"resuming checkpoint-4 (world size 2) on world size {world}: gradient accumulation 2 -> "
             f"{accumulation}, global batch 8 kept") in plan.notes  # fmt: skip
+
+
+@pytest.mark.parametrize(("saved_as", "changes"), [("fsdp2", {}), ("ddp", FSDP2)])
+def test_a_checkpoint_resumes_only_under_the_strategy_that_wrote_it(tmp_path, saved_as, changes):
+    saved(tmp_path, **{**DDP_2, "strategy": saved_as})
+    with pytest.raises(UserError) as caught:
+        make_plan(recipe(tmp_path, **changes), make_cluster(4, device="cpu"))
+    line = caught.value.one_line()
+    assert line.startswith("checkpoint-4 was saved by ") and "a checkpoint resumes only under the strategy" in line
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_a_plain_fsdp2_checkpoint_reshards_onto_another_world_size(tmp_path, world):
+    saved(tmp_path, **{**DDP_2, "strategy": "fsdp2"})
+    plan = make_plan(recipe(tmp_path, **FSDP2), make_cluster(world, device="cpu"))
+    assert plan.strategy == "fsdp2" and plan.global_batch_size == 8
+    assert any(note.startswith(f"resuming checkpoint-4 (world size 2) on world size {world}") for note in plan.notes)
 
 
 def test_the_same_world_size_changes_nothing(tmp_path):
@@ -68,14 +86,20 @@ def test_a_global_batch_that_cant_be_kept_is_refused_with_the_arithmetic(tmp_pat
     )
 
 
-@pytest.mark.parametrize(("strategy", "changes"), [("zero2", {"deepspeed": "zero2"}),
-                                                   ("fsdp2", {"fsdp_version": 2, "fsdp_config": {}})])  # fmt: skip
-def test_sharded_checkpoints_on_another_world_size_are_refused_with_what_will_work(tmp_path, strategy, changes):
-    saved(tmp_path, **{**DDP_2, "strategy": strategy})
+@pytest.mark.parametrize(
+    ("saved_as", "changes", "what"),
+    [
+        ({"strategy": "zero2"}, {"deepspeed": "zero2"}, "DeepSpeed ZeRO-2"),
+        ({"strategy": "fsdp2", "mesh": {"dp_replicate": 2, "dp_shard": 1}}, FSDP2, "FSDP2 (with a device mesh)"),
+    ],
+)
+def test_sharded_checkpoints_on_another_world_size_are_refused_with_what_will_work(tmp_path, saved_as, changes, what):
+    saved(tmp_path, **{**DDP_2, **saved_as})
     with pytest.raises(UserError) as caught:
         make_plan(recipe(tmp_path, **changes), make_cluster(4, device="cpu"))
     line = caught.value.one_line()
-    assert line.startswith("checkpoint-4 was saved by 2 process(es); this launch has 4: ")
+    assert line.startswith(f"checkpoint-4 was saved by 2 process(es); this launch has 4: llmtune resumes {what} "
+                           "checkpoints only at the world size that wrote them")  # fmt: skip
     assert "resume with --num-processes 2 (the allocation that saved it)" in line
     assert "run the same command again" not in line
 
