@@ -320,7 +320,7 @@ def _check_relora(recipe: Recipe, strategy: str) -> str:
                         f"state value by value, and this optimizer's state is {kind}",
                         "use adamw_torch (or another 32-bit optimizer)")  # fmt: skip
     method = recipe.relora_prune_method
-    ratio = recipe.relora_prune_ratio or (0.999 if method == "reset" else 0.9)
+    ratio = recipe.relora_pruned_fraction
     return (f"ReLoRA: every {recipe.jagged_restart_steps} steps the LoRA is merged into the base weights and "
             f"restarted, {ratio:.1%} of its optimizer state zeroed ({method}); the LR falls over "
             f"{recipe.jagged_restart_anneal_steps} steps before and warms up over {recipe.jagged_restart_warmup_steps} "

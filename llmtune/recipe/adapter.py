@@ -107,6 +107,14 @@ class AdapterKeys(Section):
                 raise ValueError(f"'{pattern}' is not a regular expression ({err})") from None
         return value
 
+    @property
+    def relora_pruned_fraction(self) -> float:
+        """The share of the LoRA optimizer state a restart zeroes: relora_prune_ratio, else Axolotl's default (0.9;
+        0.999 for reset, after the ReLoRA paper's code: reset without a ratio zeroes nearly all)."""
+        if self.relora_prune_ratio is not None:
+            return self.relora_prune_ratio
+        return 0.999 if self.relora_prune_method == "reset" else 0.9
+
     @model_validator(mode="after")
     def _adapter_rules(self):
         if self.load_in_4bit and self.load_in_8bit:

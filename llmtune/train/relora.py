@@ -31,8 +31,6 @@ from transformers import TrainerCallback
 
 from llmtune.errors import UserError
 
-FULL_RESET_RATIO = 0.999  # Axolotl's (after the ReLoRA paper's code): 'reset' without a ratio zeroes nearly all
-
 
 def lora_layers(model) -> dict[str, object]:
     """The model's LoRA layers by module name; refuses layers a restart can't merge (and tied base weights)."""
@@ -92,7 +90,7 @@ class ReLoRA(TrainerCallback):
         self.adapter = adapters.pop()
         self.cycle, self.seed = recipe.jagged_restart_steps, recipe.seed
         self.method = recipe.relora_prune_method
-        self.ratio = recipe.relora_prune_ratio or (FULL_RESET_RATIO if self.method == "reset" else 0.9)
+        self.ratio = recipe.relora_pruned_fraction
         self.folder = Path(output_dir) / "relora"
         self.restarts: list[dict] = []  # {step, delta_norm}: the Frobenius norm of all the layers' merged deltas
 
