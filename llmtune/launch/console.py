@@ -63,6 +63,14 @@ NOISE = (
            "unused and a wrong false stops the run (ddp_find_unused_parameters: false takes the faster path)"),
     _noise(r"^DeepSpeed deepspeed\.ops\.comm\.deepspeed_shm_comm_op built successfully",
            "DeepSpeed's CPU accelerator loads its shared-memory collectives op in every rank of a rehearsal"),
+    _noise(r"^\[RANK \d+\] Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config "
+           r"has \d+\. Using DeepSpeed's value\.$",
+           "the Trainer hands DeepSpeed runs an Accelerator without gradient accumulation (DeepSpeed's config carries "
+           "it, as llmtune writes it) and accelerate warns at every ZeRO launch with accumulation above 1"),
+    _noise(r"\[WARNING\] \[base_optimizer\.py:\d+:load_hp_checkpoint_state_from_checkpoint_dir\] MPU is not provided, "
+           r"setting tp size to 1 in checkpoint loading\.$",
+           "DeepSpeed's universal-checkpoint loader (a ZeRO resume on another world size) warns on every rank of a "
+           "run without tensor parallelism, which is every llmtune ZeRO run"),
     _noise(r"torch/distributed/c10d_logger\.py:\d+: FutureWarning: `torch\.distributed\.(all_gather_into_tensor|"
            r"reduce_scatter_tensor)` is deprecated",
            "DeepSpeed 0.19's ZeRO calls torch's old collective names; llmtune's own collectives use today's"),
@@ -90,7 +98,7 @@ class Console:
         self.out = out or sys.stderr
         self.verbose = verbose
         self.live = self.out.isatty() if live is None else live
-        self._dropping = False  # inside a dropped warning: its continuation lines go too
+        self._dropping: set[str | None] = set()  # ranks inside a dropped warning: its continuation lines go too
         self._shown: set[str] = set()  # what was shown, without rank prefixes: other ranks' copies are dropped
         self._bar = None
 
@@ -118,12 +126,15 @@ class Console:
         self.out.flush()
 
     def _keep(self, text: str) -> bool:
-        if self._dropping and CONTINUATION.match(RANK_PREFIX.sub("", text, count=1)):
-            return False
-        self._dropping = noise(text) is not None
-        if self._dropping:
-            return False
+        # per rank: another rank's line may come between a dropped warning and its source line
         rank = RANK_PREFIX.match(text)
+        source = rank.group(1) if rank else None
+        if source in self._dropping and CONTINUATION.match(RANK_PREFIX.sub("", text, count=1)):
+            return False
+        if noise(text) is not None:
+            self._dropping.add(source)
+            return False
+        self._dropping -= {source, None}  # lines without a rank prefix come in order: any other line ends theirs
         body = text[rank.end() :] if rank else text
         if rank and rank.group(1) != "0" and body in self._shown:
             return False

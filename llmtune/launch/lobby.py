@@ -10,6 +10,13 @@ Storage: before it listens, machine 0 writes a fresh token into its output_dir (
 reads that file in its own output_dir as it checks in. A machine that can't read the token has its own disk. A plan
 whose checkpoints need one shared output_dir (plan.shared_output_dir says why) is then stopped here, before any
 rank starts, rather than when a resume can't find the other machines' files.
+
+Own disks: a run whose checkpoints each machine can keep a copy of (DDP, ZeRO) goes on. Machine 0 tells each such
+machine so, and the launcher tells its ranks (train/manifest.py: that machine's first rank then writes what rank 0
+alone writes on shared storage). Each machine also reports the checkpoint it would resume from and the files of its
+copy; machine 0 compares them with the manifest in the checkpoint's marker (which machine held which file when it
+was saved) and stops a run where some machine lacks its ranks' files, naming the files and who held them.
+Machines that all share output_dir skip both.
 """
 
 from __future__ import annotations
@@ -23,11 +30,16 @@ from pathlib import Path
 
 from llmtune.errors import UserError
 from llmtune.launch.net import bind_port
+from llmtune.train import manifest  # torch-free
 
 HINT_JOIN = "start `llmtune train` with the same recipe and flags on every machine, each with its own --machine-rank"
 HINT_SHARED = ("put output_dir on a filesystem every machine mounts (the same path on each), or set save_only_model: "
                "true (weight snapshots, no resume)")  # fmt: skip
 STORAGE_PROBE = "machine-0-token"  # in plan.config_dir: machine 0's token, read by the others as they check in
+# strategies whose resume reads files only rank 0 writes or other machines' shards: one shared output_dir or nothing
+FSDP_FILES = "FSDP checkpoints (sharded: one .metadata and replicated state, written by rank 0; full: rank 0's alone)"
+NEEDS_SHARED = {"fsdp1": FSDP_FILES, "fsdp2": FSDP_FILES,
+                "pipeline": "pipeline checkpoints (rank 0 publishes every stage's files)"}  # fmt: skip
 
 
 def _write_probe(plan) -> str:
@@ -45,6 +57,25 @@ def _read_probe(plan) -> str | None:
     try:
         os.listdir(folder)  # refresh a network filesystem's cached view of the folder (a stale "no such file")
         return (folder / STORAGE_PROBE).read_text().strip()
+    except OSError:
+        return None
+
+
+def _recipe(plan) -> dict:
+    """The run's recipe as the plan files hold it (written before the check-in); {} when there are none."""
+    try:
+        return json.loads((Path(plan.config_dir) / "plan.json").read_text()).get("recipe") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _resume_report(plan) -> dict | None:
+    """What this machine has of the checkpoint its ranks would resume from (train/manifest.py)."""
+    recipe = _recipe(plan)
+    output_dir = Path(recipe.get("output_dir") or Path(plan.config_dir).parent)
+    try:
+        return manifest.resume_report(output_dir, recipe.get("resume_from_checkpoint"),
+                                      recipe.get("auto_resume_from_checkpoints", True))  # fmt: skip
     except OSError:
         return None
 
@@ -78,13 +109,16 @@ def _read_line(conn: socket.socket, deadline: float) -> dict | None:
         return None
 
 
-def gather(plan, timeout: float, log=print) -> None:
-    """Machine rank 0: wait until every other machine has checked in with a matching plan."""
+def gather(plan, timeout: float, log=print) -> dict[str, str]:
+    """Machine rank 0: wait until every other machine has checked in with a matching plan. Returns what the
+    launcher adds to its ranks' environment."""
     cluster = plan.cluster
     expected = set(range(1, cluster.num_machines))
     me = _identity(plan)
     token = _write_probe(plan)
     own_disk: list[int] = []  # machine ranks that don't see machine 0's output_dir
+    reports: dict[int, dict | None] = {}  # machine rank -> its resume report
+    addresses = {0: cluster.main_process_ip}
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -131,14 +165,19 @@ def gather(plan, timeout: float, log=print) -> None:
                 log(f"ignored: {problem}")
                 continue
             joined[hello["machine_rank"]] = conn
+            reports[hello["machine_rank"]], addresses[hello["machine_rank"]] = hello.get("resume"), address[0]
             shared = hello.get("storage") == token
             if not shared:
                 own_disk.append(hello["machine_rank"])
             log(f"machine rank {hello['machine_rank']} joined from {address[0]} "
                 f"({'shares this output_dir' if shared else 'its own output_dir: not shared with machine 0'})")  # fmt: skip
         refusal = _storage_refusal(plan, sorted(own_disk))
-        for conn in joined.values():
-            _send(conn, {"error": refusal, "hint": HINT_SHARED} if refusal else {"go": True})
+        if not refusal and own_disk:
+            reports[0] = _resume_report(plan)
+            refusal = manifest.resume_refusal(reports, addresses)
+        for rank, conn in joined.items():
+            _send(conn, {"error": refusal[0], "hint": refusal[1]} if refusal else
+                  {"go": True, "own_disk": rank in own_disk, "address": addresses[rank]})  # fmt: skip
         for conn in joined.values():  # let the other side close first, so this port is not left in TIME_WAIT
             _read_line(conn, time.monotonic() + 5)
     finally:
@@ -146,19 +185,26 @@ def gather(plan, timeout: float, log=print) -> None:
             conn.close()
         server.close()
     if refusal:
-        raise UserError(refusal, HINT_SHARED)
+        raise UserError(*refusal)
+    return {manifest.MACHINE_RANK_ENV: "0", manifest.ADDRESS_ENV: str(cluster.main_process_ip)}
 
 
-def _storage_refusal(plan, own_disk: list[int]) -> str | None:
+def _storage_refusal(plan, own_disk: list[int]) -> tuple[str, str] | None:
     needs = getattr(plan, "shared_output_dir", None)
+    if not needs and plan.strategy in NEEDS_SHARED:
+        recipe = _recipe(plan)
+        saves = recipe.get("save_strategy") != "no" and not recipe.get("save_only_model")
+        needs = NEEDS_SHARED[plan.strategy] if saves else None
     if not needs or not own_disk:
         return None
     return (f"{needs} need output_dir on storage every machine shares, but machine rank(s) "
-            f"{', '.join(map(str, own_disk))} can't see the file machine 0 just wrote in {plan.config_dir}")  # fmt: skip
+            f"{', '.join(map(str, own_disk))} can't see the file machine 0 just wrote in {plan.config_dir}",
+            HINT_SHARED)  # fmt: skip
 
 
-def join(plan, timeout: float, log=print) -> None:
-    """Machine rank > 0: check in with machine 0 and wait for its go."""
+def join(plan, timeout: float, log=print) -> dict[str, str]:
+    """Machine rank > 0: check in with machine 0 and wait for its go. Returns what the launcher adds to its ranks'
+    environment."""
     cluster = plan.cluster
     address = (cluster.main_process_ip, cluster.main_process_port)
     deadline = time.monotonic() + timeout
@@ -172,14 +218,21 @@ def join(plan, timeout: float, log=print) -> None:
             time.sleep(1.0)
             continue
         with conn:
-            _send(conn, {"machine_rank": cluster.machine_rank, "plan": _identity(plan), "storage": _read_probe(plan)})
+            _send(conn, {"machine_rank": cluster.machine_rank, "plan": _identity(plan), "storage": _read_probe(plan),
+                         "resume": _resume_report(plan)})  # fmt: skip
             reply = _read_line(conn, deadline)
             if reply is None:
                 last_error = "machine 0 did not answer"
                 continue
             if "error" in reply:
                 raise UserError(f"machine rank 0 refused this machine: {reply['error']}", reply.get("hint", HINT_JOIN))
-            return  # go; closing first keeps machine 0's port free of TIME_WAIT
+            env = {manifest.MACHINE_RANK_ENV: str(cluster.machine_rank)}
+            if reply.get("address"):
+                env[manifest.ADDRESS_ENV] = reply["address"]
+            if reply.get("own_disk"):
+                log("this machine has its own output_dir: its first rank writes a full copy of each checkpoint")
+                env[manifest.OWN_DISK_ENV] = "1"
+            return env  # go; closing first keeps machine 0's port free of TIME_WAIT
     raise UserError(f"could not reach machine rank 0 at {address[0]}:{address[1]} within {timeout:.0f} s "
                     f"(rdzv_timeout): {last_error}",
                     "start machine rank 0 too, and check --main-process-ip/--main-process-port and the firewall")  # fmt: skip

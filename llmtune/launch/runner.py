@@ -64,6 +64,7 @@ def _request_stop(stop_file: Path) -> None:
 
 def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float, verbose: bool) -> int:
     cluster = plan.cluster
+    checked_in: dict[str, str] = {}  # what the check-in tells this machine's ranks (own disk, machine rank, address)
     if cluster.launcher == "deepspeed" and cluster.ssh and cluster.num_machines > 1:
         from llmtune.launch.remote import check_ssh_hosts
 
@@ -81,9 +82,9 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
             os.environ.setdefault("PET_LOCAL_ADDR", local)
     elif cluster.num_machines > 1:  # every machine checks in first: a missing one is named, not waited on forever
         if cluster.machine_rank == 0:
-            lobby.gather(plan, rdzv_timeout, _log)
+            checked_in = lobby.gather(plan, rdzv_timeout, _log)
         else:
-            lobby.join(plan, rdzv_timeout, _log)
+            checked_in = lobby.join(plan, rdzv_timeout, _log)
     elif plan.world_size > 1:
         check_port_free(cluster.main_process_port)
     command = plan.commands[cluster.machine_rank]
@@ -91,7 +92,8 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
     from llmtune.train.progress import TIMELINE_ENV, launcher_marks, mark
 
     mark("plan")  # the recipe read, the plan made and written: the ranks start now
-    env = {**os.environ, **plan.env, "PYTHONUNBUFFERED": "1", TIMELINE_ENV: launcher_marks()}  # lines as printed
+    # PYTHONUNBUFFERED: lines as printed
+    env = {**os.environ, **plan.env, **checked_in, "PYTHONUNBUFFERED": "1", TIMELINE_ENV: launcher_marks()}
     torchrun = command[:2] == ["accelerate", "launch"] or command[:3] == ["python", "-m", "torch.distributed.run"]
     from llmtune.launch.console import Console
     from llmtune.launch.failures import StderrWatcher, report

@@ -233,8 +233,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         if version == 2 and settings.sharding_strategy.startswith("HYBRID"):
             raise UserError("fsdp: HYBRID_SHARD needs fsdp_version: 1", "or use FULL_SHARD with FSDP2")
         if version == 1 and cluster.rehearsal:
-            # torch 2.13 segfaults gathering an FSDP1 full state dict on CPU, and accelerate's FSDP1 sharded
-            # resume drops the optimizer state: a rehearsal that can't save or resume proves nothing.
+            # torch 2.13 segfaults gathering an FSDP1 full state dict on CPU (the final save): a rehearsal that can't
+            # save proves nothing. (Its sharded resume: tests/integration/test_fsdp1_resume.py.)
             raise UserError("fsdp_version: 1 can't be rehearsed on CPU (its state dict can't be saved there)",
                             "rehearse with fsdp_version: 2 (FSDP1 is deprecated in transformers), or run on GPUs")  # fmt: skip
         fsdp = fsdp_section(version, settings)
@@ -263,11 +263,15 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
     if recipe.rdzv_backend == "c10d" and cluster.num_machines == 1:
         raise UserError("rdzv_backend: c10d is for jobs on several machines (it gathers machines, not processes)",
                         "on one machine, max_restarts alone restarts the ranks after a crash")  # fmt: skip
-    resumed = resumed_accumulation(recipe, strategy, world, data_parallel, mesh, STRATEGY_TITLES)
+    resumed = resumed_accumulation(recipe, strategy, world, data_parallel, mesh, STRATEGY_TITLES, offload)
     if resumed:  # the checkpoint it resumes was saved on another world size: keep its global batch
-        accumulation, line = resumed
+        accumulation = resumed.accumulation
         global_batch = recipe.micro_batch_size * accumulation * data_parallel
-        notes.append(line)
+        notes.append(resumed.line)
+        if deepspeed_config:
+            deepspeed_config.update(gradient_accumulation_steps=accumulation, train_batch_size=global_batch)
+            if resumed.universal:  # the engine reads <checkpoint>/latest_universal (the worker converts first)
+                deepspeed_config["checkpoint"] = {**deepspeed_config.get("checkpoint", {}), "load_universal": True}
     _check_elastic_sizes(recipe, cluster, strategy, global_batch)
     if recipe.lisa_n_layers:
         if world > 1:
@@ -403,7 +407,7 @@ def elastic_sizes(plan: dict, world: int) -> dict:
 
 def _environment(cluster: Cluster, strategy: str) -> dict[str, str]:
     env = {"TOKENIZERS_PARALLELISM": "false"}
-    if cluster.num_processes > 1:
+    if cluster.num_processes > 1 or strategy != "single":  # torchrun's own prefix, [default0]:, names no rank
         env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
     if cluster.rehearsal:
         cores = os.cpu_count() or 1

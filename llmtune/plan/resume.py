@@ -7,16 +7,20 @@ the world size, and the rest is read from the recipe as it is today.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.train.checkpoints import MARKER, last_complete  # torch-free
+from llmtune.train.checkpoints import last_complete, read_marker  # torch-free
 
-# Checkpoints another world size loads as they are, by family: DDP's hold every rank's full state (the model, the
-# optimizer); plain FSDP2's are torch distributed checkpoints (or one full state dict), which reshard on load
-MOVABLE = {"single": "replicated", "ddp": "replicated", "fsdp2": "fsdp2"}
+# Checkpoints another world size loads, by family: DDP's hold every rank's full state (the model, the optimizer);
+# plain FSDP2's are torch distributed checkpoints (or one full state dict), which reshard on load; ZeRO's are
+# converted first to DeepSpeed's universal checkpoint (one file per parameter and state), which any data-parallel
+# size loads (llmtune/train/universal.py)
+# (FSDP1's sharded optimizer state loaded onto 4 ranks from 2 failed in DCP's planner: tests/integration/test_fsdp1_resume.py)
+MOVABLE = {"single": "replicated", "ddp": "replicated", "fsdp2": "fsdp2", "zero1": "zero1", "zero2": "zero2",
+           "zero3": "zero3"}  # fmt: skip
+UNIVERSAL_DONE = "latest_universal"  # DeepSpeed writes it last, naming the converted folder: the conversion is complete
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,17 @@ class Saved:
     global_batch_size: int
     strategy: str | None  # None: an older marker, which didn't record it
     mesh: dict | None = None  # HSDP, context or tensor parallel sizes, when the run had them
+    rows_seen: int | None = None  # rows trained up to this checkpoint, over all ranks (older markers: None)
+    rows_per_epoch: int | None = None
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """How a run continues a checkpoint saved on another allocation."""
+
+    accumulation: int  # the gradient accumulation that keeps the checkpoint's global batch here
+    line: str  # what the plan and the run say
+    universal: bool = False  # a ZeRO checkpoint, loaded through DeepSpeed's universal checkpoint
 
 
 def resume_checkpoint(recipe) -> Path | None:
@@ -47,11 +62,8 @@ def resume_checkpoint(recipe) -> Path | None:
 
 def saved_allocation(recipe, checkpoint: Path) -> Saved | None:
     """The allocation `checkpoint` was saved on; None when it isn't an llmtune checkpoint that says."""
-    try:
-        info = json.loads((checkpoint / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    world = info.get("world_size")
+    info = read_marker(checkpoint)
+    world = (info or {}).get("world_size")
     if not isinstance(world, int) or world < 1:
         return None
     data_parallel = info.get("data_parallel_size") or world
@@ -59,15 +71,36 @@ def saved_allocation(recipe, checkpoint: Path) -> Saved | None:
         info.get("global_batch_size") or recipe.micro_batch_size * recipe.gradient_accumulation_steps * data_parallel
     )
     return Saved(checkpoint, int(info.get("step", 0)), world, data_parallel, batch, info.get("strategy"),
-                 info.get("mesh"))  # fmt: skip
+                 info.get("mesh"), info.get("rows_seen"), info.get("rows_per_epoch"))  # fmt: skip
+
+
+def zero_tag(checkpoint: Path) -> str | None:
+    """The folder of a ZeRO checkpoint's engine state (global_stepN), from DeepSpeed's `latest` file."""
+    try:
+        tag = (checkpoint / "latest").read_text().strip()
+    except OSError:
+        return None
+    return tag if (checkpoint / tag).is_dir() else None
+
+
+def universal_line(saved: Saved, data_parallel: int) -> str:
+    """What loading a ZeRO checkpoint on another data-parallel size takes: its conversion, or that it's done."""
+    if (saved.path / UNIVERSAL_DONE).is_file():
+        return f"{saved.path.name} was converted to DeepSpeed's universal checkpoint already"
+    tag = zero_tag(saved.path)
+    size = sum(f.stat().st_size for f in (saved.path / tag).glob("*optim_states.pt")) if tag else 0
+    return (f"{saved.path.name} is converted to DeepSpeed's universal checkpoint first (ds_to_universal, "
+            f"data-parallel size {saved.data_parallel_size} -> {data_parallel}; about {size / 2**30:.2g} GiB more "
+            f"on disk; `llmtune checkpoint reshard` does it ahead)")  # fmt: skip
 
 
 def resumed_accumulation(
-    recipe, strategy: str, world: int, data_parallel: int, mesh: dict | None, titles: dict[str, str]
-) -> tuple[int, str] | None:
-    """When the run resumes a checkpoint saved on another world size: (the gradient accumulation that keeps its
-    global batch here, the line that says so). None when there is nothing to resume or the allocation is the same.
-    UserError, with what will work, when it can't resume here. `titles`: the strategies' names, as the plan shows them."""
+    recipe, strategy: str, world: int, data_parallel: int, mesh: dict | None, titles: dict[str, str], offload: str
+) -> Resumed | None:
+    """When the run resumes a checkpoint saved on another world size: how it continues here (the gradient
+    accumulation that keeps its global batch, the line that says so, whether ZeRO state goes through a universal
+    checkpoint). None when there is nothing to resume or the allocation is the same. UserError, with what will work,
+    when it can't resume here. `titles`: the strategies' names, as the plan shows them."""
     checkpoint = resume_checkpoint(recipe)
     saved = saved_allocation(recipe, checkpoint) if checkpoint else None
     if saved is None or saved.world_size == world:
@@ -85,7 +118,7 @@ def resumed_accumulation(
         title = titles.get(written, written) + (" (with a device mesh)" if mesh or saved.mesh else "")
         raise UserError(
             f"{name} was saved by {saved.world_size} process(es); this launch has {world}: llmtune resumes {title} "
-            f"checkpoints only at the world size that wrote them (DDP's and plain FSDP2's on any)",
+            f"checkpoints only at the world size that wrote them (DDP's, ZeRO's and plain FSDP2's on any)",
             f"resume with --num-processes {saved.world_size} (the allocation that saved it), or start over in "
             "another output_dir (auto_resume_from_checkpoints: false trains from the start)",
         )
@@ -98,8 +131,42 @@ def resumed_accumulation(
             f"resume with --num-processes {saved.world_size} (or a count that divides "
             f"{saved.global_batch_size // micro})",
         )
+    again = f"resume with --num-processes {saved.world_size} (the allocation that saved it)"
+    if recipe.group_by_length:
+        raise UserError(
+            f"{name} was saved by {saved.world_size} process(es); this launch has {world}, and group_by_length draws "
+            "its length-sorted batches per process: the rows already trained can't be told apart on another count",
+            f"{again}, or set group_by_length: false before the first run",
+        )
+    universal = written.startswith("zero") and saved.data_parallel_size != data_parallel
+    if universal and offload == "nvme":
+        raise UserError(
+            f"{name} was saved by {saved.world_size} process(es) with the optimizer on NVMe; this launch has {world}: "
+            "DeepSpeed reads NVMe-offloaded optimizer state back only on the ranks that wrote it",
+            f"{again}, or start over in another output_dir (auto_resume_from_checkpoints: false)",
+        )
+    if universal and not (saved.path / UNIVERSAL_DONE).is_file() and zero_tag(saved.path) is None:
+        raise UserError(f"{name} has no DeepSpeed engine state (no `latest` file naming a global_stepN folder)",
+                        "resume from a checkpoint a ZeRO run saved, or start over in another output_dir")  # fmt: skip
+    tag = zero_tag(saved.path) if universal and not (saved.path / UNIVERSAL_DONE).is_file() else None
+    slices = len(list((saved.path / tag).glob("*optim_states.pt"))) if tag else 0
+    if tag and slices < saved.data_parallel_size:  # machines with their own disks each kept their ranks' slices
+        raise UserError(
+            f"{name} holds the optimizer slices of {slices} of the {saved.data_parallel_size} ranks that saved it "
+            f"(in {saved.path / tag}); converting it for another world size needs all of them in one folder",
+            f"copy the other machines' {tag}/*optim_states.pt into {saved.path / tag}, or {again}",
+        )
     accumulation = saved.global_batch_size // (micro * data_parallel)
     before = saved.global_batch_size // (micro * saved.data_parallel_size)
     line = (f"resuming {name} (world size {saved.world_size}) on world size {world}: gradient accumulation "
             f"{before} -> {accumulation}, global batch {saved.global_batch_size} kept")  # fmt: skip
-    return accumulation, line
+    if saved.rows_seen is not None and saved.rows_per_epoch:
+        epochs, into = divmod(saved.rows_seen, saved.rows_per_epoch)
+        if saved.rows_seen <= saved.rows_per_epoch:
+            line += f", {saved.rows_seen} of {saved.rows_per_epoch} rows seen"
+        else:
+            where = f"epoch {epochs + 1}: {into} of {saved.rows_per_epoch}" if into else f"{epochs} epochs done"
+            line += f", {saved.rows_seen} rows seen ({where})"
+    if universal:
+        line += "; " + universal_line(saved, data_parallel)
+    return Resumed(accumulation, line, universal)

@@ -80,6 +80,8 @@ def _checkpointing_arguments(on: bool, options: dict, offload: bool = False) -> 
 def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **extra):
     from transformers import TrainingArguments
 
+    from llmtune.train.manifest import own_disk
+
     _check_optimizer_package(recipe.optimizer)
     epoch_steps = steps_per_epoch(train_rows, plan)
     precision = plan["precision"]
@@ -125,6 +127,9 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **ex
         save_strategy=save_strategy,
         save_steps=save_steps or 500,
         save_total_limit=recipe.save_total_limit,
+        # a machine whose output_dir machine 0 can't see (the launcher found out at check-in, train/manifest.py):
+        # its first rank writes the files rank 0 alone writes on shared storage (ZeRO: use_node_local_storage)
+        save_on_each_node=own_disk(),
         # tensor parallel: the Trainer refuses to checkpoint the optimizer; llmtune's trainer saves it itself
         save_only_model=recipe.save_only_model or plan["strategy"] == "tp",
         eval_strategy=eval_strategy,

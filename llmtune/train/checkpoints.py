@@ -46,6 +46,15 @@ def last_complete(output_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def read_marker(checkpoint: str | Path) -> dict | None:
+    """What a complete checkpoint's marker says of the run that saved it; None when there is no readable marker."""
+    try:
+        info = json.loads((Path(checkpoint) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def resume_point(recipe, log) -> str | None:
     """resume_from_checkpoint, else (auto-resume) the newest checkpoint with the completion marker."""
     if recipe.resume_from_checkpoint:

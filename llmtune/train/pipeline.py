@@ -308,7 +308,8 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
     seconds = time.time() - started
     return {
         "grid": grid, "params": params, "history": history, "steps": total_steps, "seconds": seconds,
-        "tokens_seen": tokens_seen, "rows_seen": (total_steps - start) * global_batch, "stage_module": stage_module,
+        "tokens_seen": tokens_seen, "rows_seen": total_steps * global_batch,
+        "rows_seen_this_run": (total_steps - start) * global_batch, "stage_module": stage_module,
         "resumed_from": resume, "steps_run": total_steps - start, "schedule": type(schedule).__name__,
         "stage_indices": held, "layer_indices": sorted(j for i in held for j in ranges[i]),
         "layers": [r.start for r in ranges] + [layers],

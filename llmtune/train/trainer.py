@@ -274,6 +274,11 @@ class LlmtuneTrainer(Trainer):
         step = self.state.global_step
         staging_root = Path(self.args.output_dir) / checkpoints.STAGING
         staged, final = staging_root / f"checkpoint-{step}", Path(self.args.output_dir) / f"checkpoint-{step}"
+        from llmtune.train import manifest  # which machine holds which file; machines with their own disk
+
+        machines = self.plan["cluster"]["num_machines"] if self.plan else 1
+        if machines > 1 and manifest.own_disk():
+            manifest.save_weights_here(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
         self._staging = True
         try:
             super()._save_checkpoint(model, trial)
@@ -297,6 +302,10 @@ class LlmtuneTrainer(Trainer):
         # rank publishes its copy. Publishing at once from every machine raced on shared storage: one machine's
         # "replace the same step saved again" moved away the checkpoint another had just put in place.
         info = {"step": step, "world_size": self.accelerator.num_processes, **self._allocation()}
+        if machines > 1:
+            if manifest.own_disk() and self.accelerator.is_local_main_process:
+                manifest.complete_deepspeed_copy(staged)
+            info[manifest.KEY] = manifest.gather(staged, self.accelerator.is_local_main_process)
         if self.accelerator.is_main_process and staged.exists():
             checkpoints.publish(staged, final, info)
         if self.accelerator.num_processes > 1:
@@ -328,8 +337,28 @@ class LlmtuneTrainer(Trainer):
         world = self.accelerator.num_processes
         data_parallel = self.plan["data_parallel_size"] * world // self.plan["world_size"]  # an elastic world too
         micro, accumulation = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
+        (rows,) = collectives.sum_values([float(self.rows_seen)])  # every rank saves, so every rank sums
         return {"strategy": self.plan["strategy"], "data_parallel_size": data_parallel,
-                "global_batch_size": micro * accumulation * data_parallel, "mesh": self.plan.get("mesh")}  # fmt: skip
+                "global_batch_size": micro * accumulation * data_parallel, "mesh": self.plan.get("mesh"),
+                # the rows trained up to here, the resumed checkpoint's included (unknown when its marker is older)
+                **({"rows_seen": self.rows_before + int(rows)} if self.rows_before is not None else {}),
+                "rows_per_epoch": len(self.train_dataset)}  # fmt: skip
+
+    rows_before: int | None = 0  # rows the checkpoint this run resumed had trained (None: its marker didn't say)
+    saved_world: int | None = None  # the world size of the checkpoint this run resumed
+
+    def _load_rng_state(self, checkpoint) -> None:
+        """Each rank's RNG state is restored only at the world size that saved them: elsewhere the Trainer would
+        restore some ranks' and not others'. The data order does not depend on it (the sampler is seeded by
+        epoch); dropout and other draws then continue from the seed."""
+        if self.saved_world is None or self.saved_world == self.accelerator.num_processes:
+            return super()._load_rng_state(checkpoint)
+        if self.accelerator.is_main_process:
+            from llmtune.train.progress import log
+
+            log(f"random state not restored: {Path(checkpoint).name} was saved by {self.saved_world} process(es) "
+                f"(the data order is; dropout draws continue from the seed)")  # fmt: skip
+        return None
 
     # Tensor parallel: transformers can't checkpoint the optimizer of a model it sharded at load (the Trainer runs
     # with save_only_model, which still writes the whole weights for users). For resume llmtune saves the model's
@@ -376,6 +405,11 @@ class LlmtuneTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         folder = self._tp_folder(checkpoint)
         if folder is None:
+            from llmtune.train.fsdp_resume import load_optimizer_and_scheduler
+
+            self._repair_universal_load(checkpoint)
+            if load_optimizer_and_scheduler(self, checkpoint):  # FSDP1 sharded: accelerate's loader drops the state
+                return None
             return super()._load_optimizer_and_scheduler(checkpoint)
         import torch
         import torch.distributed.checkpoint as dcp
@@ -386,6 +420,16 @@ class LlmtuneTrainer(Trainer):
         set_optimizer_state_dict(self.model, getattr(self.optimizer, "optimizer", self.optimizer), state["optimizer"])
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
         return None
+
+    def _repair_universal_load(self, checkpoint) -> None:
+        """ZeRO-3 after DeepSpeed loaded a universal checkpoint (another data-parallel size): llmtune/train/universal.py."""
+        if not (checkpoint and self.is_deepspeed_enabled and self.plan and self.plan["strategy"] == "zero3"):
+            return
+        if not (self.plan.get("deepspeed_config") or {}).get("checkpoint", {}).get("load_universal"):
+            return
+        from llmtune.train.universal import converted_folder, repair_zero3_load
+
+        repair_zero3_load(self.optimizer.optimizer, converted_folder(Path(checkpoint)))
 
     def create_optimizer(self, model=None):
         if self.optimizer is None and self.recipe is not None and self.recipe.optimizer == "muon":

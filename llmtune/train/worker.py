@@ -59,7 +59,8 @@ def _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_ori
     history = result["history"]
     metrics = {
         "train_loss": sum(e["loss"] for e in history) / len(history), "final_loss": history[-1]["loss"],
-        "steps": result["steps"], "rows_seen": result["rows_seen"], "tokens_seen": result["tokens_seen"],
+        "steps": result["steps"], "rows_seen": result["rows_seen"],
+        "rows_seen_this_run": result["rows_seen_this_run"], "tokens_seen": result["tokens_seen"],
         "resumed_from": result["resumed_from"], "steps_run": result["steps_run"],
         "tokens_per_second_whole_run": round(result["tokens_seen"] / result["seconds"], 2),
         "train_seconds": round(result["seconds"], 2),
@@ -168,6 +169,23 @@ def _library_bars_off() -> None:
     transformers_logging.disable_progress_bar()  # turns the hub's off too
     if downloads:
         hub.enable_progress_bars()
+
+
+def _resume_on_this_allocation(trainer, plan: dict, state, checkpoint: Path) -> None:
+    """What the checkpoint's marker says the resumed run needs: the rows it had trained, the world size that saved
+    its RNG states; and, for a ZeRO checkpoint on another data-parallel size (the plan said so), its conversion to
+    DeepSpeed's universal checkpoint, by the first rank, before the engine loads it."""
+    from llmtune.train.checkpoints import read_marker
+
+    info = read_marker(checkpoint) or {}
+    trainer.saved_world = info.get("world_size")
+    trainer.rows_before = info.get("rows_seen")
+    if (plan.get("deepspeed_config") or {}).get("checkpoint", {}).get("load_universal"):
+        if state.is_main_process:
+            from llmtune.train.universal import convert
+
+            convert(checkpoint, log)
+        state.wait_for_everyone()
 
 
 def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
@@ -292,6 +310,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     resume = resume_point(recipe, log) if not weights_only else None
     if resume:
         log(f"resuming from {resume}")
+        _resume_on_this_allocation(trainer, plan, state, Path(resume))
     from llmtune.train.memory import ModelStateMeter
 
     meter = ModelStateMeter(trainer.model, lambda: trainer.model_wrapped)
@@ -327,7 +346,9 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     metrics.update(
         final_loss=losses[-1] if losses else None, steps=trainer.state.global_step,
-        rows_seen=int(rows), tokens_seen=int(tokens),
+        # rows: over the whole run, the resumed checkpoint's included (None when its marker didn't count them)
+        rows_seen=trainer.rows_before + int(rows) if trainer.rows_before is not None else None,
+        rows_seen_this_run=int(rows), tokens_seen=int(tokens),
         # the whole train() call (engine start, first-step compilation included) and the steps after the warm-up
         tokens_per_second_whole_run=round(tokens / seconds, 2) if seconds else None, train_seconds=round(seconds, 2),
         tokens_per_second_steady=round(steady_tokens / steady_seconds, 2) if steady_seconds else None,

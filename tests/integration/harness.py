@@ -43,6 +43,9 @@ CONSOLE_NOISE = {
     "FutureWarnings": re.compile(r"FutureWarning"),
     "the Trainer's dict lines": re.compile(r"\{'loss': |'train_runtime'"),
     "tqdm bars": re.compile(r"\d+it/s\]|s/it\]"),
+    "a dropped warning's source line": re.compile(r"return func\(\*args"),
+    "torchrun's rank-less prefix": re.compile(r"\[default\d+\]:"),
+    "accelerate's accumulation mismatch": re.compile(r"Gradient accumulation steps mismatch"),
 }
 STEP_LINE = re.compile(r"\[llmtune\] step \d+/\d+  loss \d+\.\d{4}  lr \d\.\d{3}e[-+]\d\d")
 

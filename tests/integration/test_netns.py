@@ -6,6 +6,7 @@ over 10.77.N.1 <-> 10.77.N.2, not over a shared loopback. The test makes and rem
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 from harness import ROOT, losses, make_workspace, read_metrics, train_run, write_run_recipe
+
+from llmtune.train.checkpoints import MARKER
 
 pytestmark = pytest.mark.integration
 
@@ -66,11 +69,15 @@ def workspace(tmp_path_factory, tiny_model):
     return make_workspace(tmp_path_factory, "netns", tiny_model)
 
 
-def launcher(hosts, index: int, recipe: Path, port: int, env: dict | None = None) -> subprocess.Popen:
-    """`llmtune train` as machine `index` of 2 (one process each), inside namespace `index`."""
-    flags = ["--device", "cpu", "--num-machines", "2", "--num-processes", "2", "--machine-rank", str(index),
-             "--main-process-ip", hosts["addresses"][0], "--main-process-port", str(port)]  # fmt: skip
-    return spawn_in(hosts, index, ["train", recipe, *flags], env)
+def launcher(hosts, index: int, recipe: Path, port: int, env: dict | None = None, machine_rank: int | None = None,
+             disk: tuple[Path, Path] | None = None) -> subprocess.Popen:  # fmt: skip
+    """`llmtune train` as machine `index` of 2 (one process each; or as `machine_rank`), inside namespace `index`.
+    `disk` (folder, output_dir): this host sees its own folder at output_dir."""
+    rank = index if machine_rank is None else machine_rank
+    main = hosts["addresses"][index if rank == 0 else 1 - index]
+    flags = ["--device", "cpu", "--num-machines", "2", "--num-processes", "2", "--machine-rank", str(rank),
+             "--main-process-ip", main, "--main-process-port", str(port)]  # fmt: skip
+    return spawn_in(hosts, index, ["train", recipe, *flags], env, disk)
 
 
 def finish(processes: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str]]:
@@ -303,10 +310,13 @@ def test_a_host_ssh_cannot_reach_is_named_before_anything_starts(hosts, ssh_env,
     assert not (out / "metrics.json").exists() and not list(out.glob("checkpoint-*"))
 
 
-def spawn_in(hosts, index: int, args: list, env: dict | None = None) -> subprocess.Popen:
-    """`llmtune ARGS` inside namespace `index`; gloo told which interface to use."""
+def spawn_in(hosts, index: int, args: list, env: dict | None = None, disk: tuple[Path, Path] | None = None):
+    """`llmtune ARGS` inside namespace `index`; gloo told which interface to use. `disk` (folder, mount point): the
+    folder is bind-mounted there in this process's own mount namespace (`ip netns exec` makes one per command), so
+    each host has its own disk at the same path."""
     extra = [f"{k}={v}" for k, v in (env or {}).items()]
-    argv = ["ip", "netns", "exec", hosts["names"][index], "env", f"GLOO_SOCKET_IFNAME={hosts['links'][index]}",
+    mount = ["sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", *map(str, disk)] if disk else []
+    argv = ["ip", "netns", "exec", hosts["names"][index], *mount, "env", f"GLOO_SOCKET_IFNAME={hosts['links'][index]}",
             "PYTHONUNBUFFERED=1", *extra, sys.executable, "-m", "llmtune", *map(str, args)]  # fmt: skip
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             start_new_session=True)  # fmt: skip
@@ -351,3 +361,60 @@ def test_elastic_job_starts_with_the_machines_it_has_and_grows(hosts, workspace)
         str(out / "checkpoint-")
     )  # ... after resuming
     assert losses(metrics) == pytest.approx(losses(grown_reference), abs=2e-5)
+
+
+def test_machines_with_their_own_disks_resume_only_on_the_machines_that_saved(hosts, workspace):
+    """Each host sees its own folder at output_dir. A 2-machine DDP run saves checkpoint-2 (machine 1 then killed):
+    each host holds a copy its ranks resume from, and the marker says who holds what. Started with the machine ranks
+    swapped it is refused at check-in, in one line; on the same machines it resumes and finishes."""
+    recipe = write_run_recipe(workspace, "own-disks", save_strategy="steps", save_steps=2, logging_steps=1)
+    out = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+    disks = [workspace[0] / f"own-disk-{i}" for i in (0, 1)]
+    for folder in (out, *disks):
+        folder.mkdir()
+    started = time.monotonic()
+    saved = finish([launcher(hosts, i, recipe, 29618, {"LLMTUNE_TEST_EXIT_AFTER_STEP": 2}, disk=(disks[i], out))
+                    for i in (0, 1)])  # fmt: skip
+    timings = {"save": time.monotonic() - started}
+    assert [code for code, _ in saved] == [1, 1], saved[0][1][-3000:] + saved[1][1][-3000:]
+    assert not list(out.iterdir())  # nothing went through to the shared folder under the mounts
+    copies = [disk / "checkpoint-2" for disk in disks]
+    markers = [json.loads((copy / MARKER).read_text()) for copy in copies]
+    assert markers[0]["machines"] == markers[1]["machines"]
+    machines = markers[0]["machines"]
+    assert [(m["machine_rank"], m["address"]) for m in machines] == list(enumerate(hosts["addresses"]))
+    for copy, entry in zip(copies, machines, strict=True):  # the manifest lists what each host's copy holds
+        held = sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file() and p.name != MARKER)
+        assert held == entry["files"]
+    common = {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"}  # machine 1 wrote them too
+    assert common <= set(machines[1]["files"]) and common <= set(machines[0]["files"])
+    assert "rng_state_0.pth" in machines[0]["files"] and "rng_state_0.pth" not in machines[1]["files"]
+    assert "rng_state_1.pth" in machines[1]["files"] and "rng_state_1.pth" not in machines[0]["files"]
+
+    started = time.monotonic()
+    swapped = finish([launcher(hosts, i, recipe, 29618, machine_rank=1 - i, disk=(disks[i], out)) for i in (0, 1)])
+    timings["refused"] = time.monotonic() - started
+    assert [code for code, _ in swapped] == [2, 2], swapped[0][1][-3000:] + swapped[1][1][-3000:]
+    a, b = hosts["addresses"]
+    for _, err in swapped:
+        [line] = [line for line in err.splitlines() if "can't resume from" in line]
+        assert "machine rank 0 lacks 1 file(s) of checkpoint-2 (rng_state_0.pth), held by machine rank 0" in line
+        assert f"{a}) when it was saved (now machine rank 1); machine rank 1 lacks 1 file(s) of checkpoint-2 " in line
+        assert "(rng_state_1.pth), held by machine rank 1" in line
+        assert f"{b}) when it was saved (now machine rank 0)" in line
+        assert "Traceback" not in err and "resuming from" not in err
+    assert [json.loads((copy / MARKER).read_text()) for copy in copies] == markers  # nothing touched
+    assert not [p for disk in disks for p in disk.glob("checkpoint-*") if p.name != "checkpoint-2"]
+
+    started = time.monotonic()
+    resumed = finish([launcher(hosts, i, recipe, 29618, disk=(disks[i], out)) for i in (0, 1)])
+    timings["resumed"] = time.monotonic() - started
+    assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-3000:] + resumed[1][1][-3000:]
+    assert "this machine has its own output_dir" in resumed[1][1]
+    metrics = json.loads((disks[0] / "metrics.json").read_text())  # rank 0 writes it, on machine 0's disk
+    assert metrics["steps"] == 4 and metrics["world_size"] == 2 and metrics["resumed_from"] == str(out / "checkpoint-2")
+    assert len(metrics["step_seconds"]) == 2  # this run trained steps 3 and 4 only
+    assert f"resuming from {out / 'checkpoint-2'}" in resumed[0][1]
+    for disk in disks:  # each machine published its own copy of the new checkpoint
+        assert json.loads((disk / "checkpoint-4" / MARKER).read_text())["step"] == 4
+    print(f"own disks: {', '.join(f'{k} {v:.0f} s' for k, v in timings.items())}")

@@ -132,7 +132,8 @@ def test_resume_after_a_crash_is_bit_exact(workspace):
     metrics = read_metrics(path)
     assert metrics["resumed_from"] == str(root / "resume-crash" / "checkpoint-2")
     assert metrics["steps"] == 4 and metrics["steps_run"] == 2 and reference["steps_run"] == 4
-    assert metrics["rows_seen"] == 2 * metrics["global_batch_size"]  # only the rows after the checkpoint
+    assert metrics["rows_seen_this_run"] == 2 * metrics["global_batch_size"]  # only the rows after the checkpoint
+    assert metrics["rows_seen"] == metrics["steps"] * metrics["global_batch_size"]  # the whole run's
     assert losses(metrics)[2:] == losses(reference)[2:]
     a, b = saved_weights(straight), saved_weights(root / "resume-crash")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -11,18 +11,21 @@ from pathlib import Path
 
 import pytest
 import yaml
-from harness import llmtune, make_workspace, read_metrics, saved_weights, write_run_recipe
+from harness import assert_quiet_console, llmtune, make_workspace, read_metrics, saved_weights, write_run_recipe
 
 pytestmark = pytest.mark.integration
 
-# 32 rows, global batch 8 -> 4 steps per epoch, 2 epochs; checkpoints at 3 and 6 (6 is mid-epoch, so resuming
-# must restore the sampler position, not just the epoch)
-COMMON = {"num_epochs": 2, "save_strategy": "steps", "save_steps": 3, "save_total_limit": 2, "logging_steps": 1}
+# 32 rows, global batch 8 (micro batch 2 x accumulation 2 x 2 ranks) -> 4 steps per epoch, 2 epochs; checkpoints at
+# 3 and 6 (6 is mid-epoch, so resuming must restore the sampler position, not just the epoch)
+COMMON = {"num_epochs": 2, "save_strategy": "steps", "save_steps": 3, "save_total_limit": 2, "logging_steps": 1,
+          "micro_batch_size": 2, "gradient_accumulation_steps": 2}  # fmt: skip
 STRATEGIES = {
     "ddp": {},
+    "zero2": {"deepspeed": "zero2"},
     "zero3": {"deepspeed": "zero3"},
     "fsdp2": {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}},
 }
+KILLED = ["ddp", "zero3", "fsdp2"]  # the kill -9 test's; every strategy above resumes on other world sizes
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,7 @@ def straight(workspace):
     return runs
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", KILLED)
 def test_kill_9_after_a_checkpoint_then_rerun_is_bit_exact(workspace, straight, strategy):
     path = write(workspace, f"killed-{strategy}", **STRATEGIES[strategy])
     out = Path(yaml.safe_load(path.read_text())["output_dir"])
@@ -97,8 +100,8 @@ def test_kill_9_after_a_checkpoint_then_rerun_is_bit_exact(workspace, straight, 
     assert_bit_identical(Path(yaml.safe_load(straight[strategy].read_text())["output_dir"]), out)
     # save_total_limit 2 kept the two newest complete checkpoints (the Trainer also saves the last step)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
-    if strategy in ("ddp", "fsdp2"):  # checkpoints another world size loads (ZeRO's wait for universal checkpoints)
-        resume_on_one_process(workspace, straight, out / "checkpoint-6", strategy)
+    if strategy == "ddp":  # the others resume elsewhere from the reference's checkpoint-6 (below)
+        resume_elsewhere(workspace, straight, out / "checkpoint-6", strategy, 1)
 
 
 def rows_by_step(folder: Path) -> dict[int, list[str]]:
@@ -111,26 +114,53 @@ def rows_by_step(folder: Path) -> dict[int, list[str]]:
     return {step: sorted(rows) for step, rows in steps.items()}
 
 
-def resume_on_one_process(workspace, straight, checkpoint: Path, strategy: str) -> None:
-    """A 2-rank checkpoint-6 resumed by one process (DDP: the full state; FSDP2: its sharded state dict, resharded
-    by torch's distributed checkpoint): gradient accumulation doubles so the global batch stays 8, steps 7 and 8
-    train exactly the rows the uninterrupted 2-rank run trained at those steps (none twice, none skipped: the 32
-    rows once per epoch), and the last loss is the uninterrupted run's within 2%."""
+def resume_elsewhere(workspace, straight, checkpoint: Path, strategy: str, processes: int) -> None:
+    """A 2-rank checkpoint-6 resumed by another number of processes (DDP: the full state; FSDP2: its sharded state
+    dict, resharded by torch's distributed checkpoint; ZeRO: converted to DeepSpeed's universal checkpoint): the
+    gradient accumulation changes so the global batch stays 8, steps 7 and 8 train exactly the rows the
+    uninterrupted 2-rank run trained at those steps (none twice, none skipped: the 32 rows once per epoch), the rows
+    are counted over the whole run, and the last loss is the uninterrupted run's within 2%."""
     import shutil
 
-    path = write(workspace, f"one-process-resume-{strategy}", **STRATEGIES[strategy])
+    name = f"resume-on-{processes}-{strategy}"
+    path = write(workspace, name, **STRATEGIES[strategy])
     out = Path(yaml.safe_load(path.read_text())["output_dir"])
     shutil.copytree(checkpoint, out / checkpoint.name)
-    rows = workspace[0] / f"rows-one-process-resume-{strategy}"
+    ahead = strategy == "zero2" and processes == 4  # converted by `llmtune checkpoint reshard` before the resume
+    if ahead:
+        converted = llmtune("checkpoint", "reshard", out)  # the run's folder: its newest checkpoint
+        assert converted.returncode == 0, converted.stderr[-3000:]
+        assert "converted checkpoint-6 to DeepSpeed's universal checkpoint (global_step6_universal" in converted.stdout
+        shown = llmtune("checkpoint", out).stdout
+        assert ("checkpoint-6     step 6, world size 2 (DeepSpeed ZeRO-2), data parallel 2, global batch 8, 48 "
+                "rows seen (32 per epoch); converted to DeepSpeed's universal checkpoint") in shown, shown  # fmt: skip
+    rows = workspace[0] / f"rows-{name}"
     rows.mkdir()
-    resumed = llmtune("train", path, "--num-processes", "1", env={"LLMTUNE_TEST_ROW_LOG": str(rows)}, timeout=900)
+    resumed = llmtune("train", path, "--num-processes", str(processes), env={"LLMTUNE_TEST_ROW_LOG": str(rows)},
+                      timeout=900)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert ("resuming checkpoint-6 (world size 2) on world size 1: gradient accumulation 1 -> 2, global batch 8 kept"
-            in resumed.stderr), resumed.stderr[-3000:]  # fmt: skip
+    assert_quiet_console(resumed.stdout + resumed.stderr)  # the conversion's bars and prints stay in the logs
+    accumulation = 8 // (2 * processes)
+    said = (f"resuming checkpoint-6 (world size 2) on world size {processes}: gradient accumulation 2 -> "
+            f"{accumulation}, global batch 8 kept, 48 rows seen (epoch 2: 16 of 32)")  # fmt: skip
+    assert said in resumed.stderr, resumed.stderr[-3000:]
+    if ahead:
+        assert "checkpoint-6 was converted to DeepSpeed's universal checkpoint already" in resumed.stderr
     metrics, reference = read_metrics(path), read_metrics(straight[strategy])
-    assert (metrics["world_size"], metrics["global_batch_size"], metrics["steps"]) == (1, 8, 8)
-    assert metrics["strategy"] == ("single" if strategy == "ddp" else strategy)  # the engine that really ran
+    assert (metrics["world_size"], metrics["global_batch_size"], metrics["steps"]) == (processes, 8, 8)
+    assert metrics["strategy"] == ("single" if strategy == "ddp" and processes == 1 else strategy)
+    # the engine each rank really ran (read from the live objects)
+    engine = {"ddp": ("none" if processes == 1 else "ddp", None), "zero2": ("deepspeed", 2),
+              "zero3": ("deepspeed", 3), "fsdp2": ("fsdp2", None)}[strategy]  # fmt: skip
+    ran = [(r["engine"], r.get("zero_stage")) for r in metrics["ranks"]]
+    assert ran == [engine] * processes, metrics["ranks"]
     assert metrics["resumed_from"] == str(out / "checkpoint-6")
+    assert (metrics["rows_seen"], metrics["rows_seen_this_run"]) == (64, 16)  # 2 epochs of 32 rows
+    marker = json.loads((out / "checkpoint-8" / "llmtune-complete.json").read_text())
+    assert (marker["world_size"], marker["global_batch_size"], marker["rows_seen"]) == (processes, 8, 64)
+    if strategy.startswith("zero"):  # converted once, in place, before the engine loaded it
+        assert ("converted checkpoint-6 to DeepSpeed's universal checkpoint" in resumed.stderr) != ahead
+        assert (out / "checkpoint-6" / "latest_universal").read_text() == "global_step6_universal"
     trained, expected = rows_by_step(rows), rows_by_step(workspace[0] / f"rows-straight-{strategy}")
     assert sorted(trained) == [7, 8] and len(expected) == 8
     assert all(len(expected[step]) == 8 for step in expected)
@@ -140,6 +170,15 @@ def resume_on_one_process(workspace, straight, checkpoint: Path, strategy: str) 
     last = [e["loss"] for e in metrics["log_history"] if "loss" in e][-1]
     expected_last = [e["loss"] for e in reference["log_history"] if "loss" in e][-1]
     assert abs(last - expected_last) <= 0.02 * abs(expected_last), (last, expected_last)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "fsdp2"])
+def test_a_checkpoint_resumes_on_fewer_and_on_more_processes(workspace, straight, strategy):
+    """The uninterrupted 2-rank run's checkpoint-6 (what a kill after it leaves: the kill test shows the rerun is
+    bit-exact from it) resumed on 1 process and on 4."""
+    checkpoint = Path(yaml.safe_load(straight[strategy].read_text())["output_dir"]) / "checkpoint-6"
+    for processes in (1, 4):
+        resume_elsewhere(workspace, straight, checkpoint, strategy, processes)
 
 
 def test_kill_during_a_save_resumes_from_the_previous_checkpoint(workspace, straight):

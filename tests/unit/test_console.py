@@ -32,12 +32,19 @@ NOISY = [
     "is deprecated. Please use `torch.distributed.all_gather_single` instead.",
     "/x/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: `torch.distributed.reduce_scatter_tensor` is "
     "deprecated. Please use `torch.distributed.reduce_scatter_single` instead.",
+    "[RANK 0] Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config has 4. Using "
+    "DeepSpeed's value.",
+    "[2026-11-25 14:28:54,717] [WARNING] [base_optimizer.py:343:load_hp_checkpoint_state_from_checkpoint_dir] MPU is "
+    "not provided, setting tp size to 1 in checkpoint loading.",
 ]
 KEPT = [
     "[llmtune] data: 32 train / 0 eval examples",
     "error: datasets[0].type: unknown format 'alpacca' (hint: did you mean 'alpaca'?)",
     "/x/site-packages/transformers/trainer.py:10: UserWarning: a warning llmtune doesn't know",
     "Failed to load the tokenizer of some/model",  # only torchao's .so lines are noise, not every failure
+    # accelerate's mismatch is noise only as the Trainer causes it for DeepSpeed (its plugin at 1)
+    "[RANK 0] Gradient accumulation steps mismatch: GradientAccumulationPlugin has 4, DeepSpeed config has 2. Using "
+    "DeepSpeed's value.",
 ]
 
 
@@ -127,3 +134,12 @@ def test_startup_seconds_follow_the_marks_from_the_launcher_to_the_rank(monkeypa
     progress.mark("launch", 101.0)
     progress.mark("data", 103.25)
     assert startup_seconds() == {"plan": 0.5, "launch": 0.5, "data": 2.25}
+
+
+def test_a_dropped_warnings_source_line_goes_with_it_when_another_rank_prints_between():
+    out = io.StringIO()
+    console = Console(out, live=False)
+    for line in [f"[rank3]:{NOISY[9]}", "[rank2]:UserWarning: kept", "[rank3]:  return func(*args, **kwargs)",
+                 "[rank2]:  its own source line stays"]:  # fmt: skip
+        console.feed(line)
+    assert out.getvalue().splitlines() == ["[rank2]:UserWarning: kept", "[rank2]:  its own source line stays"]

@@ -179,7 +179,7 @@ def test_the_scan_tells_llmtunes_own_private_names_from_a_librarys():
 
 # The overrides and flags that do so on purpose; each has a row in the doc.
 MEANT = {"_save_checkpoint", "_get_output_dir", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
-         "_created_lr_scheduler"}  # fmt: skip
+         "_created_lr_scheduler", "_load_rng_state"}  # fmt: skip
 
 
 def subclass_private_names(tree: ast.ClassDef) -> set[str]:
@@ -264,6 +264,10 @@ def trainer_calls(tmp_path_factory):
         def _load_optimizer_and_scheduler(self, checkpoint):
             calls.append(("_load_optimizer_and_scheduler", checkpoint))
             return super()._load_optimizer_and_scheduler(checkpoint)
+
+        def _load_rng_state(self, checkpoint):
+            calls.append(("_load_rng_state", checkpoint))
+            return super()._load_rng_state(checkpoint)
 
         def create_scheduler(self, num_training_steps, optimizer=None):  # as LlmtuneTrainer's quadratic warmup
             if self.lr_scheduler is None:
@@ -662,6 +666,36 @@ def test_deepspeed_zero_internals():
         for token in tokens:
             expect(token in text, "deepspeed-zero-internals", "deepspeed", f"{relative}: {token}",
                    "is gone (renamed or moved)")  # fmt: skip
+
+
+def test_trainer_load_rng_state(trainer_calls):
+    from transformers import Trainer
+
+    expect_params("trainer-load-rng-state", "transformers", Trainer._load_rng_state, ["self", "checkpoint"])
+    loaded = [Path(c) for name, c in trainer_calls["resume"] if name == "_load_rng_state"]
+    expect(bool(loaded) and all(c == trainer_calls["out"] / "checkpoint-1" for c in loaded), "trainer-load-rng-state",
+           "transformers", "Trainer._load_rng_state",
+           f"is no longer called with the checkpoint on resume (calls: {loaded})")  # fmt: skip
+    source = source_of("trainer-load-rng-state", "transformers", Trainer._load_rng_state)
+    expect("rng_state_" in source and "process_index" in source, "trainer-load-rng-state", "transformers",
+           "Trainer._load_rng_state", "no longer reads one rng_state_<rank> file per process")  # fmt: skip
+
+
+def test_deepspeed_zero3_universal_load():
+    from deepspeed.checkpoint import ds_to_universal
+
+    parser = source_of("deepspeed-zero3-universal-load", "deepspeed", ds_to_universal.parse_arguments)
+    for name in ("input_folder", "output_folder", "num_extract_workers", "num_merge_workers", "keep_temp_folder",
+                 "no_strict", "inject_missing_state"):  # fmt: skip
+        expect(f"--{name}" in parser, "deepspeed-zero3-universal-load", "deepspeed", "ds_to_universal.parse_arguments",
+               f"no longer has --{name} (llmtune passes its namespace to main())")  # fmt: skip
+    text = deepspeed_file("runtime/zero/stage3.py")
+    loader = text[text.index("def load_hp_checkpoint_state_from_checkpoint_dir_stage3") :][:4000]
+    expect("= state_step" in loader and '["param_groups"][0]' in loader, "deepspeed-zero3-universal-load",
+           "deepspeed", "stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+           "no longer shares one step tensor or copies group 0's hyperparameters: the repair may be dropped")  # fmt: skip
+    expect("self.optimizer.state[fp32_param]" in loader, "deepspeed-zero3-universal-load", "deepspeed",
+           "DeepSpeedZeroOptimizer_Stage3.optimizer", "no longer holds the torch optimizer the state is loaded into")  # fmt: skip
 
 
 def test_deepspeed_param_attributes():

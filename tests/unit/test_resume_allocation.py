@@ -89,18 +89,89 @@ def test_a_global_batch_that_cant_be_kept_is_refused_with_the_arithmetic(tmp_pat
 @pytest.mark.parametrize(
     ("saved_as", "changes", "what"),
     [
-        ({"strategy": "zero2"}, {"deepspeed": "zero2"}, "DeepSpeed ZeRO-2"),
         ({"strategy": "fsdp2", "mesh": {"dp_replicate": 2, "dp_shard": 1}}, FSDP2, "FSDP2 (with a device mesh)"),
+        ({"strategy": "fsdp1"}, {**FSDP2, "fsdp_version": 1}, "FSDP1"),
     ],
 )
 def test_sharded_checkpoints_on_another_world_size_are_refused_with_what_will_work(tmp_path, saved_as, changes, what):
     saved(tmp_path, **{**DDP_2, **saved_as})
-    with pytest.raises(UserError) as caught:
-        make_plan(recipe(tmp_path, **changes), make_cluster(4, device="cpu"))
+    with pytest.raises(UserError) as caught:  # FSDP1 plans only for GPUs (it can't be rehearsed on CPU)
+        make_plan(recipe(tmp_path, **changes), make_cluster(4, device="cuda" if what == "FSDP1" else "cpu"))
     line = caught.value.one_line()
     assert line.startswith(f"checkpoint-4 was saved by 2 process(es); this launch has 4: llmtune resumes {what} "
                            "checkpoints only at the world size that wrote them")  # fmt: skip
     assert "resume with --num-processes 2 (the allocation that saved it)" in line
+    assert "run the same command again" not in line
+
+
+def zero_checkpoint(output_dir: Path, converted: bool = False, **info) -> Path:
+    """A ZeRO-2 checkpoint-4 of 2 ranks: DeepSpeed's `latest` and its engine folder (optimizer slices of 3 MiB)."""
+    folder = saved(output_dir, **{**DDP_2, "strategy": "zero2", **info})
+    (folder / "latest").write_text("global_step4")
+    (folder / "global_step4").mkdir()
+    for rank in (0, 1):
+        (folder / "global_step4" / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"0" * 3 * 2**20)
+    if converted:
+        (folder / "global_step4_universal").mkdir()
+        (folder / "latest_universal").write_text("global_step4_universal")
+    return folder
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_a_zero_checkpoint_resumes_elsewhere_through_a_universal_checkpoint(tmp_path, world):
+    zero_checkpoint(tmp_path, rows_seen=32, rows_per_epoch=96)
+    plan = make_plan(recipe(tmp_path, deepspeed="zero2"), make_cluster(world, device="cpu"))
+    accumulation = 4 // world
+    assert (plan.strategy, plan.gradient_accumulation_steps, plan.global_batch_size) == ("zero2", accumulation, 8)
+    # the engine's own batch keys follow, and it loads the universal checkpoint the first rank converts
+    ds = plan.deepspeed_config
+    assert (ds["gradient_accumulation_steps"], ds["train_batch_size"], ds["checkpoint"]) == (
+        accumulation, 8, {"load_universal": True})  # fmt: skip
+    assert (f"resuming checkpoint-4 (world size 2) on world size {world}: gradient accumulation 2 -> {accumulation}, "
+            "global batch 8 kept, 32 of 96 rows seen; checkpoint-4 is converted to DeepSpeed's universal checkpoint "
+            f"first (ds_to_universal, data-parallel size 2 -> {world}; about 0.0059 GiB more on disk; `llmtune "
+            "checkpoint reshard` does it ahead)") in plan.notes  # fmt: skip
+
+
+def test_a_converted_zero_checkpoint_is_not_converted_again(tmp_path):
+    zero_checkpoint(tmp_path, converted=True, rows_seen=130, rows_per_epoch=96)
+    plan = make_plan(recipe(tmp_path, deepspeed="zero2"), make_cluster(1, device="cpu"))
+    assert plan.deepspeed_config["checkpoint"] == {"load_universal": True}
+    assert any(note.endswith("130 rows seen (epoch 2: 34 of 96); checkpoint-4 was converted to DeepSpeed's "
+                             "universal checkpoint already") for note in plan.notes), plan.notes  # fmt: skip
+
+
+def test_a_zero_checkpoint_at_its_own_size_loads_as_it_is(tmp_path):
+    zero_checkpoint(tmp_path, converted=True)
+    plan = make_plan(recipe(tmp_path, deepspeed="zero2"), make_cluster(2, device="cpu"))
+    assert "checkpoint" not in plan.deepspeed_config and plan.gradient_accumulation_steps == 2
+
+
+@pytest.mark.parametrize(
+    ("setup", "changes", "start", "hint"),
+    [
+        ("no-latest", {"deepspeed": "zero2"}, "checkpoint-4 has no DeepSpeed engine state", "resume from a checkpoint"),
+        ("nvme", {"deepspeed": "zero3_nvme", "offload_nvme_path": "/nvme"}, "checkpoint-4 was saved by 2 process(es) "
+         "with the optimizer on NVMe; this launch has 1", "resume with --num-processes 2"),
+        ("grouped", {"group_by_length": True}, "checkpoint-4 was saved by 2 process(es); this launch has 1, and "
+         "group_by_length", "resume with --num-processes 2 (the allocation that saved it), or set group_by_length"),
+        ("own-disks", {"deepspeed": "zero2"}, "checkpoint-4 holds the optimizer slices of 1 of the 2 ranks that saved "
+         "it", "copy the other machines' global_step4/*optim_states.pt into"),
+    ],
+)  # fmt: skip
+def test_what_cant_resume_elsewhere_is_refused_with_what_will_work(tmp_path, setup, changes, start, hint):
+    if setup == "grouped":
+        saved(tmp_path, **DDP_2)
+    else:
+        folder = zero_checkpoint(tmp_path, strategy="zero3" if setup == "nvme" else "zero2")
+        if setup == "no-latest":
+            (folder / "latest").unlink()
+        if setup == "own-disks":  # rank 1's slice stayed on the other machine
+            next((folder / "global_step4").glob("*rank_1_*")).unlink()
+    with pytest.raises(UserError) as caught:
+        make_plan(recipe(tmp_path, **changes), make_cluster(1, device="cpu"))
+    line = caught.value.one_line()
+    assert line.startswith(start) and f"(hint: {hint}" in line, line
     assert "run the same command again" not in line
 
 
@@ -123,3 +194,23 @@ def test_the_checkpoint_command_shows_each_checkpoints_allocation(tmp_path, run_
     assert lines[3].startswith("a resume (auto_resume_from_checkpoints) starts from checkpoint-6")
     empty = run_cli("checkpoint", tmp_path / "checkpoint-6" / "nothing")
     assert empty.code == 2 and "no such folder" in empty.err
+
+
+def test_reshard_converts_only_what_needs_it_and_refuses_what_cant_move(tmp_path, run_cli):
+    ddp = saved(tmp_path / "ddp", **DDP_2)
+    result = run_cli("checkpoint", "reshard", ddp)
+    assert result.code == 0 and result.out.strip() == ("checkpoint-4 (DDP (data parallel)) needs no conversion: it "
+                                                       "loads on any world size as it is")  # fmt: skip
+    zero_checkpoint(tmp_path / "zero", converted=True)
+    result = run_cli("checkpoint", "reshard", tmp_path / "zero")  # a run's folder: its newest checkpoint
+    assert result.out.strip() == "checkpoint-4 was converted to DeepSpeed's universal checkpoint already"
+    tp = saved(tmp_path / "tp", **{**DDP_2, "strategy": "tp", "mesh": {"tensor_parallel": 2}})
+    refused = run_cli("checkpoint", "reshard", tp)
+    assert refused.code == 2 and ("checkpoint-4 was saved by tensor parallel with a device mesh on 2 process(es): "
+                                  "llmtune resumes it only at that world size (hint: resume with --num-processes 2)"
+                                  ) in refused.err  # fmt: skip
+    lost = zero_checkpoint(tmp_path / "lost")
+    (lost / "latest").unlink()
+    assert "checkpoint-4 has no DeepSpeed engine state" in run_cli("checkpoint", "reshard", lost).err
+    assert "needs the checkpoint" in run_cli("checkpoint", "reshard").err
+    assert "no complete llmtune checkpoint" in run_cli("checkpoint", "reshard", lost / "global_step4").err
