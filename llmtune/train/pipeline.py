@@ -271,7 +271,7 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         else:
             schedule.step(target=mine["labels"].to(device), losses=losses)
         if kill_in == step + 1:  # forward and backward done, the update not: the worst moment to lose a rank
-            from llmtune.train.trainer import _test_kill
+            from llmtune.train.callbacks import _test_kill
 
             _test_kill("LLMTUNE_TEST_KILL_MID_STEP", step + 1)
         for p in trainable:

@@ -195,22 +195,21 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
 
     from llmtune.train.adapters import attach_adapter, parameter_counts
     from llmtune.train.arguments import training_arguments
+    from llmtune.train.callbacks import (
+        LossWatchdog,
+        ProgressLines,
+        StepStats,
+        StopOnNonFiniteLoss,
+        StopOnRequest,
+        TestKillAfterSave,
+    )  # fmt: skip
     from llmtune.train.checkpoints import clear_staging, resume_point
     from llmtune.train.data.collate import Collator
     from llmtune.train.data.prepare import prepare_data
     from llmtune.train.model import load_model, load_tokenizer, model_source
     from llmtune.train.objectives import LayerSampling, eaft_for
     from llmtune.train.save import write_run_files
-    from llmtune.train.trainer import (
-        LlmtuneTrainer,
-        LossWatchdog,
-        ProgressLines,
-        Rows,
-        StepStats,
-        StopOnNonFiniteLoss,
-        StopOnRequest,
-        TestKillAfterSave,
-    )  # fmt: skip
+    from llmtune.train.trainer import LlmtuneTrainer, Rows
 
     output_dir = Path(recipe.output_dir)
     state = PartialState()

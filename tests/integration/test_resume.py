@@ -119,7 +119,7 @@ def resume_elsewhere(workspace, straight, checkpoint: Path, strategy: str, proce
     dict, resharded by torch's distributed checkpoint; ZeRO: converted to DeepSpeed's universal checkpoint): the
     gradient accumulation changes so the global batch stays 8, steps 7 and 8 train exactly the rows the
     uninterrupted 2-rank run trained at those steps (none twice, none skipped: the 32 rows once per epoch), the rows
-    are counted over the whole run, and the last loss is the uninterrupted run's within 2%."""
+    are counted over the whole run, and the resumed steps' losses are the uninterrupted run's within 1e-5."""
     import shutil
 
     name = f"resume-on-{processes}-{strategy}"
@@ -167,9 +167,13 @@ def resume_elsewhere(workspace, straight, checkpoint: Path, strategy: str, proce
     assert {step: expected[step] for step in (7, 8)} == trained
     epoch = [row for step in (1, 2, 3, 4) for row in expected[step]]
     assert len(set(epoch)) == 32  # each of the 32 rows once per epoch, so equal steps mean none twice
-    last = [e["loss"] for e in metrics["log_history"] if "loss" in e][-1]
-    expected_last = [e["loss"] for e in reference["log_history"] if "loss" in e][-1]
-    assert abs(last - expected_last) <= 0.02 * abs(expected_last), (last, expected_last)
+    # the resumed steps' losses: the issue asks for the last within 2%; on another world size only the summation
+    # order differs, so they match to about 1e-7 here (measured 8.3e-8 at most): bound them at 1e-5
+    resumed_losses = {e["step"]: e["loss"] for e in metrics["log_history"] if "loss" in e and e["step"] > 6}
+    expected_losses = {e["step"]: e["loss"] for e in reference["log_history"] if "loss" in e and e["step"] > 6}
+    assert resumed_losses.keys() == expected_losses.keys() == {7, 8}
+    assert all(abs(resumed_losses[k] - expected_losses[k]) <= 1e-5 * abs(expected_losses[k]) for k in (7, 8)), (
+        resumed_losses, expected_losses)  # fmt: skip
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3", "fsdp2"])

@@ -12,10 +12,10 @@ from tiny import load_tokenizer, make_tiny_model, write_jsonl
 from llmtune.errors import UserError
 from llmtune.recipe.loader import recipe_from_mapping
 from llmtune.recipe.model import FAMILY_CHAT_TEMPLATES
+from llmtune.train.callbacks import LossWatchdog
 from llmtune.train.data.formats import IGNORE, FormatContext, format_for
 from llmtune.train.data.prepare import eot_token_ids, stream_budget, tokenize_with_cache
 from llmtune.train.data.templates import FAMILY_TEMPLATES, render, resolve_chat_template
-from llmtune.train.trainer import LossWatchdog
 
 SYSTEM = {"role": "system", "content": "Be brief."}
 CHAT = [

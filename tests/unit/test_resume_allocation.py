@@ -91,6 +91,7 @@ def test_a_global_batch_that_cant_be_kept_is_refused_with_the_arithmetic(tmp_pat
     [
         ({"strategy": "fsdp2", "mesh": {"dp_replicate": 2, "dp_shard": 1}}, FSDP2, "FSDP2 (with a device mesh)"),
         ({"strategy": "fsdp1"}, {**FSDP2, "fsdp_version": 1}, "FSDP1"),
+        ({"strategy": "pipeline"}, {"pipeline_parallel_size": 2}, "pipeline parallel"),
     ],
 )
 def test_sharded_checkpoints_on_another_world_size_are_refused_with_what_will_work(tmp_path, saved_as, changes, what):
