@@ -61,7 +61,9 @@ class SlurmCluster:
             f"SlurmctldPort={ctld_port}",
             "SlurmUser=root",
             "SlurmdUser=root",
-            f"AuthType=auth/munge\nAuthInfo=socket={self.socket}\nCredType=cred/munge",
+            # cred_expire: a job credential's lifetime, which is also how long Slurm holds a requeued job before it
+            # may start again (default 120 s); 15 s keeps the requeue test's wait short without racing the revocation
+            f"AuthType=auth/munge\nAuthInfo=socket={self.socket},cred_expire=15\nCredType=cred/munge",
             f"StateSaveLocation={root / 'state'}",
             f"SlurmdSpoolDir={root / 'state'}/slurmd-%n",
             f"SlurmctldPidFile={root / 'run' / 'slurmctld.pid'}",

@@ -84,8 +84,8 @@ def test_requeue_near_the_time_limit_checkpoints_first_and_loses_no_step(cluster
         assert time.monotonic() < deadline, cluster.logs()[-3000:]
         time.sleep(0.5)
     assert cluster.run("scancel", "--batch", "--signal=USR1", job_id).returncode == 0
-    # Slurm holds a requeued job (BeginTime) until the old credential is gone; releasing it early raced that
-    # ("Job credential revoked") so the test waits the hold out
+    # Slurm holds a requeued job (BeginTime) until the old credential has expired; releasing it early raced that
+    # ("Job credential revoked"), so the test waits the hold out, short with the test cluster's cred_expire=15
     state = cluster.wait_job(job_id, timeout=900)
     output = log.read_text(errors="replace")
     assert state == "COMPLETED", f"{state}\n{output[-4000:]}"
