@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmtune.errors import EXIT_USER_ERROR
+
 RANK_LINE = re.compile(r"^\[rank(\d+)\]:")
 RANK_PREFIXES = re.compile(r"^(?:\[rank\d+\]: ?)+")  # torchrun's prefix, and torch's own before a rank's traceback
 TRACEBACK_LINKS = ("During handling of the above exception", "The above exception was the direct cause")
@@ -138,7 +140,8 @@ class StderrWatcher(threading.Thread):
         """The rank to blame. torchrun names the first failure it observed, but when one rank is killed (SIGKILL from
         the OOM killer, a segfault) its peers see their gloo/NCCL connection reset and exit with code 1 within the
         same poll; torchrun may then name a peer. A rank killed by a signal is the cause when the named rank exited
-        with an error after losing a connection."""
+        with an error after losing a connection, except a user error (exit code 2, already said in one line) and
+        SIGTERM, which is torchrun stopping the ranks that were left."""
         text = "".join(self.held)
         section = text.split("Root Cause (first observed failure):", 1)
         if len(section) < 2:
@@ -147,8 +150,9 @@ class StderrWatcher(threading.Thread):
         if not named:
             return None
         cause = named[0]
-        if cause.exitcode > 0 and self.lost_peers:
-            killed = [f for f in _failures(section[0].split("Failures:", 1)[-1]) if f.exitcode < 0]
+        if cause.exitcode > 0 and cause.exitcode != EXIT_USER_ERROR and self.lost_peers:
+            killed = [f for f in _failures(section[0].split("Failures:", 1)[-1])
+                      if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]  # fmt: skip
             if killed:
                 return killed[0]
         return cause

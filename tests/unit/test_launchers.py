@@ -271,6 +271,28 @@ def _report_of(failures: list[tuple[int, int]], root: tuple[int, int]) -> str:
             f"Root Cause (first observed failure):\n{block(0, *root)}====\n")  # fmt: skip
 
 
+def test_a_user_error_is_never_blamed_on_the_peer_torchrun_stopped(tmp_path):
+    """Rank 0 refused a row (exit 2); rank 1, waiting for it at a barrier, lost the connection and was stopped by
+    torchrun (SIGTERM). The user error is the story, not the stopped peer (seen on CI, 1 run in ~11)."""
+    error = "error: bad.jsonl line 2: field 'output' should be str, not int (hint: fix the row)"
+    stream = (f"[rank0]:{error}\n"
+              + _traceback(1, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4001")
+              + _report_of([(1, -15)], (0, 2)))  # fmt: skip
+    watcher = StderrWatcher(io.StringIO(stream), out=io.StringIO())
+    watcher.run()
+    out = io.StringIO()
+    assert report(watcher, tmp_path, out) == 2
+    assert out.getvalue().strip() == error
+    # and a rank torchrun stopped with SIGTERM is not "the killed one" when the named rank failed on its own
+    stream = ("[rank0]:RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4001\n"
+              + _report_of([(1, -15)], (0, 1)))  # fmt: skip
+    watcher = StderrWatcher(io.StringIO(stream), out=io.StringIO())
+    watcher.run()
+    out = io.StringIO()
+    assert report(watcher, tmp_path, out) == 1
+    assert out.getvalue().startswith("error: rank 0 (local rank 0 on node-a) exited with code 1"), out.getvalue()
+
+
 @pytest.mark.parametrize(
     ("rank0_line", "failures", "blamed"),
     [
