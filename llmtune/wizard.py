@@ -5,7 +5,10 @@ every other question (for scripts). The strategy question shows the estimate tab
 recommended strategy. Text questions show their default in brackets: Enter takes it, typing replaces it, and
 a local path that doesn't exist is refused in place, with the reason, until the answer is one that does.
 
-(A little over 300 lines: one conversation, kept in one file in the order the questions are asked.)
+A base model that is an llmtune run's result (or a preference flag such as --rl) turns the data questions into
+preference training's (wizard_preference.py).
+
+(About 350 lines: one conversation, kept in one file in the order the questions are asked.)
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+from llmtune import wizard_preference as preference
 from llmtune.errors import UserError
 from llmtune.recipe.writer import (
     ROW_TO_STRATEGY,
@@ -141,8 +145,14 @@ def _check_flags(given: dict[str, Any]) -> None:
         parse_size_option("--gpu-memory", given["gpu_memory"])
 
 
-def ask_all(given: dict[str, Any], ask: Asker) -> tuple[Answers, str | None]:
-    """Fill Answers: flags first, then questions (or defaults). Returns the answers and the estimate line."""
+def _base_model_check(value: str) -> str | None:
+    return _existing_if_local(value) or preference.sft_problem(value)
+
+
+def ask_all(given: dict[str, Any], ask: Asker, given_preference: dict[str, Any] | None = None,
+            ) -> tuple[Answers, str | None, preference.Preference | None]:  # fmt: skip
+    """Fill Answers: flags first, then questions (or defaults). Returns the answers, the estimate line and the
+    preference answers (None for SFT)."""
     _check_flags(given)
     answers = Answers(**{k: v for k, v in given.items() if v is not None})
     fixed = {k for k, v in given.items() if v is not None}
@@ -151,25 +161,16 @@ def ask_all(given: dict[str, Any], ask: Asker) -> tuple[Answers, str | None]:
         return name not in fixed
 
     if want("base_model"):
-        answers.base_model = ask.text("Model (hub id or local folder):", answers.base_model, _existing_if_local)
-    if want("method"):
+        answers.base_model = ask.text("Model (hub id or local folder):", answers.base_model, _base_model_check)
+    sft_flags = not (want("dataset") and want("dataset_type"))
+    pref = preference.start(given_preference or {}, answers, ask, want, sft_flags)
+    if want("method") and not (pref and pref.sft and pref.sft.adapter is not None):
         answers.method = ask.select("Fine-tuning method:", [("lora", "LoRA (adapters, 16-bit base)"),
                                     ("qlora", "QLoRA (adapters, 4-bit base)"), ("full", "Full fine-tune")], "lora")  # fmt: skip
-    if want("dataset"):
-        answers.dataset = ask.text(
-            "Dataset (local .jsonl/.json/.parquet file or hub id):",
-            answers.dataset,
-            _existing_if_local,
-        )
-    guessed = (
-        guess_dataset_type(Path(answers.dataset).expanduser()) if Path(answers.dataset).expanduser().is_file() else None
-    )
-    if guessed and want("dataset_type"):
-        answers.dataset_type, answers.dataset_extra = guessed
-    if want("dataset_type"):
-        answers.dataset_type = ask.select("Dataset format:", [(t, t) for t in DATASET_TYPES], answers.dataset_type)
-        if guessed and answers.dataset_type != guessed[0]:
-            answers.dataset_extra = {}
+    if pref:
+        preference.ask_data(given_preference or {}, pref, ask, _existing_if_local)
+    else:
+        _ask_dataset(answers, ask, want)
     gpus, memory = _detected_gpus()
     if want("num_machines"):
         answers.num_machines = int(ask.text("How many machines?", "1", _positive_int))
@@ -194,19 +195,41 @@ def ask_all(given: dict[str, Any], ask: Asker) -> tuple[Answers, str | None]:
         answers.gpu_memory = ask.text("Memory of one GPU:", memory or answers.gpu_memory, _size)
     if want("mixed_precision"):
         answers.mixed_precision = ask.select("Mixed precision:", [("bf16", "bf16 (Ampere and newer)"),
-                                             ("fp16", "fp16 (older GPUs)"), ("no", "no (fp32)")], "bf16")  # fmt: skip
+                                             ("fp16", "fp16 (older GPUs)"), ("no", "no (fp32)")],
+                                             answers.mixed_precision)  # fmt: skip
     if want("sequence_len"):
         answers.sequence_len = int(ask.text("Sequence length (tokens):", str(answers.sequence_len), _positive_int))
     if want("micro_batch_size"):
         answers.micro_batch_size = int(
             ask.text("Micro-batch size per GPU:", str(answers.micro_batch_size), _positive_int)
         )
-    estimate_line = _choose_strategy(answers, ask, want("strategy"), want)
+    draft = preference.draft_recipe(answers, pref) if pref else _draft_recipe(answers)
+    offered = [key for key in STRATEGIES if not (pref and key in preference.SPLIT_STRATEGIES)]
+    estimate_line = _choose_strategy(answers, ask, want("strategy"), want, draft, offered)
     _strategy_details(answers, ask, want)
     if want("output_dir"):
-        default = f"./outputs/{answers.base_model.rstrip('/').split('/')[-1].lower()}-{answers.method}"
+        default = (preference.default_output_dir(answers, pref) if pref
+                   else f"./outputs/{answers.base_model.rstrip('/').split('/')[-1].lower()}-{answers.method}")  # fmt: skip
         answers.output_dir = ask.text("Output folder:", default)
-    return answers, estimate_line
+    return answers, estimate_line, pref
+
+
+def _ask_dataset(answers: Answers, ask: Asker, want: Callable[[str], bool]) -> None:
+    if want("dataset"):
+        answers.dataset = ask.text(
+            "Dataset (local .jsonl/.json/.parquet file or hub id):",
+            answers.dataset,
+            _existing_if_local,
+        )
+    guessed = (
+        guess_dataset_type(Path(answers.dataset).expanduser()) if Path(answers.dataset).expanduser().is_file() else None
+    )
+    if guessed and want("dataset_type"):
+        answers.dataset_type, answers.dataset_extra = guessed
+    if want("dataset_type"):
+        answers.dataset_type = ask.select("Dataset format:", [(t, t) for t in DATASET_TYPES], answers.dataset_type)
+        if guessed and answers.dataset_type != guessed[0]:
+            answers.dataset_extra = {}
 
 
 def _draft_recipe(answers: Answers):
@@ -224,16 +247,16 @@ def _draft_recipe(answers: Answers):
     return recipe_from_mapping(mapping, Path("llmtune-config.yaml"), check_files=False).recipe
 
 
-def _choose_strategy(answers: Answers, ask: Asker, asking: bool, keep_default: Callable[[str], bool]) -> str | None:
+def _choose_strategy(answers: Answers, ask: Asker, asking: bool, keep_default: Callable[[str], bool], draft,
+                     offered: list[str]) -> str | None:  # fmt: skip
     from llmtune.plan.estimate import GB, estimate_recipe, parse_size
     from llmtune.plan.model_facts import read_model_facts
 
-    draft = _draft_recipe(answers)
     facts = read_model_facts(draft.base_model, fetch=True)
     estimate_line = None
     recommended = "ddp"
     if facts is None:
-        ask.show(f"(no estimate: the config of {answers.base_model} can't be read offline)")
+        ask.show(f"(no estimate: the config of {draft.base_model} can't be read offline)")
     else:
         from llmtune.plan.render import print_estimate
 
@@ -250,9 +273,7 @@ def _choose_strategy(answers: Answers, ask: Asker, asking: bool, keep_default: C
             estimate_line = (f"Estimated {row.total / GB:.1f} GB per GPU of {report.gpu_memory / GB:.0f} GB; "
                              f"recommended because {reason}.")  # fmt: skip
     if asking:
-        choices = [
-            (key, label + ("  [recommended]" if key == recommended else "")) for key, (label, _) in STRATEGIES.items()
-        ]
+        choices = [(key, STRATEGIES[key][0] + ("  [recommended]" if key == recommended else "")) for key in offered]
         answers.strategy = ask.select("Distributed strategy:", choices, recommended)
     if estimate_line and answers.strategy != recommended:
         estimate_line = (
@@ -316,8 +337,12 @@ def run_config(given: dict[str, Any], output: Path, yes: bool, force: bool) -> t
         if yes or not Asker(True).confirm(f"{output} exists. Overwrite it?", False):
             raise UserError(f"{output} already exists", "pass --force to overwrite it, or choose another --output")
     ask = Asker(interactive)
-    answers, estimate_line = ask_all({k: v for k, v in given.items() if k in known}, ask)
-    text = recipe_text(answers, str(output), estimate_line, date.today().isoformat())
+    answers, estimate_line, pref = ask_all({k: v for k, v in given.items() if k in known}, ask,
+                                           {k: v for k, v in given.items() if k in preference.FLAGS})  # fmt: skip
+    if pref:
+        text = preference.recipe_text(answers, pref, str(output), estimate_line, date.today().isoformat())
+    else:
+        text = recipe_text(answers, str(output), estimate_line, date.today().isoformat())
     # The written recipe must validate and plan for the cluster it was written for, before it is written.
     loaded = recipe_from_mapping(yaml.safe_load(text), output, check_files=True)
     processes = answers.gpus_per_machine * answers.num_machines

@@ -20,7 +20,7 @@ from recipe_edits import DROP  # noqa: E402
 MODULE_SECONDS = {
     "test_rehearse.py": 720, "test_netns.py": 245, "test_tensor_parallel.py": 180, "test_resume.py": 335,
     "test_distributed.py": 165, "test_post.py": 180, "test_pipeline.py": 145, "test_axolotl_compat.py": 110,
-    "test_train_single.py": 85, "test_training_methods.py": 75, "test_slurm.py": 65,
+    "test_train_single.py": 85, "test_training_methods.py": 75, "test_slurm.py": 65, "test_preference.py": 200,
 }  # fmt: skip
 
 

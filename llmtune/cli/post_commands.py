@@ -19,12 +19,18 @@ def eval_command(
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N examples.")] = None,
     show: Annotated[int, typer.Option("--show", min=0, help="Print N generations.")] = 0,
 ) -> None:
-    """Eval loss, perplexity and exact-match accuracy; writes eval.json."""
+    """Eval loss, perplexity and exact-match accuracy (a preference run: rewards, margins, accuracy); writes eval.json."""
     from llmtune.post.evaluate import evaluate
 
     if data is not None and not data.exists():
         raise UserError(f"--data {data} does not exist")
     results = evaluate(target, data, batch_size, max_new_tokens, limit, show)
+    if "method" in results:  # a preference run: its rewards over the eval pairs
+        shown = [f"{name.split('/')[-1]} {results[name]:.4f}" for name in ("rewards/margins", "rewards/accuracies",
+                 "rewards/chosen", "rewards/rejected") if results.get(name) is not None]  # fmt: skip
+        typer.echo(f"{results['target']} ({results['method']}, {results['examples']} rows): " + ", ".join(shown))
+        typer.echo(f"wrote {results['written_to']}")
+        return
     line = f"{results['target']}: eval loss {results['eval_loss']:.4f}, perplexity {results['perplexity']:.2f}"
     if "exact_match" in results:
         line += f", exact match {results['exact_match']:.1%} ({results['exact_match_examples']} examples)"

@@ -186,7 +186,7 @@ def config_command(
         "--strategy",
         "ddp, zero1, zero2, zero3, zero2_offload, zero3_offload, zero3_nvme, fsdp, "
         "fsdp_hybrid, pipeline, context_parallel, tensor_parallel (default: the recommended one).",
-    ) = None,  # fmt: skip
+    ) = None,
     nvme_path: _ask_option("--nvme-path", "NVMe folder for zero3_nvme.") = None,
     fsdp_version: _ask_option("--fsdp-version", "1 or 2.", int) = None,
     fsdp_auto_wrap_policy: _ask_option(
@@ -199,8 +199,19 @@ def config_command(
     context_parallel_size: _ask_option("--context-parallel-size", "Ranks that split each row.", int) = None,
     tensor_parallel_size: _ask_option("--tensor-parallel-size", "Ranks that split each layer.", int) = None,
     output_dir: _ask_option("--output-dir", "Where the run writes its model and checkpoints.") = None,
+    rl: _ask_option("--rl", "Preference training: dpo, ipo, orpo, kto or simpo (offered after SFT).") = None,
+    preference_data: _ask_option("--preference-data", "Preference pairs (or KTO rows): local file or hub id.") = None,
+    preference_type: _ask_option(
+        "--preference-type",
+        "Its format, e.g. chatml.intel (pairs), chatml.ultra (kto); default: read from a local file's first row.",
+    ) = None,
+    rl_beta: _ask_option("--rl-beta", "How far the policy may move from the reference (TRL's beta).", float) = None,
+    orpo_alpha: _ask_option("--orpo-alpha", "ORPO: weight of the odds-ratio term.", float) = None,
+    simpo_gamma: _ask_option("--simpo-gamma", "SimPO: target reward margin.", float) = None,
+    cpo_alpha: _ask_option("--cpo-alpha", "SimPO: weight of the chosen reply's NLL.", float) = None,
 ) -> None:
-    """Answer a few questions (those `accelerate config` asks, plus model and data) and get a recipe."""
+    """Answer a few questions (those `accelerate config` asks, plus model and data) and get a recipe; given an SFT
+    run's output folder, preference training (DPO, IPO, ORPO, KTO, SimPO) on it."""
     from llmtune.wizard import run_config
 
     given = {k: v for k, v in locals().items() if k not in ("output", "yes", "force")}

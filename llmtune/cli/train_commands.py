@@ -131,12 +131,18 @@ def preprocess(recipe: RecipeArg) -> None:
     loaded = load_recipe(recipe)
     source, _ = model_source(loaded.recipe)
     tokenizer = load_tokenizer(loaded.recipe, source)
-    groups, stats = tokenize_with_cache(loaded.recipe, tokenizer, track)
-    stats = split_and_pack(loaded.recipe, groups, stats).stats
-    where = stats["cache_dir"] or "(no cache: dataset_prepared_path is empty)"
-    typer.echo(f"{'cache hit' if stats['cache_hit'] else 'tokenized'}: {where}")
+    if loaded.recipe.rl:
+        from llmtune.train.data.prepare import prepare_data
+
+        stats = prepare_data(loaded.recipe, tokenizer, track).stats
+        typer.echo("checked: every preference row converts and fits (no cache: TRL tokenizes them when training)")
+    else:
+        groups, stats = tokenize_with_cache(loaded.recipe, tokenizer, track)
+        stats = split_and_pack(loaded.recipe, groups, stats).stats
+        where = stats["cache_dir"] or "(no cache: dataset_prepared_path is empty)"
+        typer.echo(f"{'cache hit' if stats['cache_hit'] else 'tokenized'}: {where}")
     for key in ("rows", "train_examples", "eval_examples", "train_tokens", "dropped_too_long", "truncated",
-                "dropped_no_labels", "packing_efficiency"):  # fmt: skip
+                "dropped_long_prompt", "dropped_no_labels", "packing_efficiency"):  # fmt: skip
         if stats.get(key) is not None:
             typer.echo(f"  {key}: {stats[key]}")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field, replace
 
+from llmtune.plan import estimate_preference as preference
 from llmtune.plan import gpu_memory as gpu
 from llmtune.plan.deepspeed import MAX_LIVE_PARAMETERS
 from llmtune.plan.gpu_memory import CUDA_CONTEXT, GB
@@ -75,6 +76,8 @@ class Estimate:
     temporaries: float = 0.0  # the optimizer's scratch during its step
     recompute: float = 0.0  # gradient checkpointing: one layer's activations rebuilt during backward
     reserve: float = 0.0  # the caching allocator's: blocks cached but idle at the peak, and fragmentation
+    reference: float = 0.0  # preference training's frozen reference model (estimate_preference), on this GPU
+    reference_where: str = ""  # how this row holds it, or why there is none ("" without preference training)
     basis: str = "modelled"  # or "measured on H100": whether a recorded GPU run covers this row (estimate_basis)
     basis_reason: str = ""  # why a row is modelled
 
@@ -98,7 +101,7 @@ class Estimate:
     @property
     def persistent(self) -> float:
         """Allocated from one step to the next: what the allocator never gets back."""
-        return self.params + self.optimizer + self.held_grads + self.comm
+        return self.params + self.optimizer + self.held_grads + self.comm + self.reference
 
     @property
     def at_loss(self) -> float:
@@ -114,7 +117,7 @@ class Estimate:
     @property
     def at_step(self) -> float:
         """The optimizer step: every gradient and the optimizer's copies and scratch, no activations."""
-        return self.model_states + self.comm + self.step_copy + self.temporaries
+        return self.model_states + self.reference + self.comm + self.step_copy + self.temporaries
 
     @property
     def allocated(self) -> float:
@@ -199,7 +202,7 @@ class _Layout:
 
 def _layout(recipe, facts: ModelFacts, mixed: bool, sixteen_bit: bool, trainable: int, stages: int = 1) -> _Layout:
     widths = gpu.widths(recipe, mixed, sixteen_bit)
-    kernels = gpu.kernels(recipe, pipeline=stages > 1)
+    kernels = preference.loss_kernel(recipe, gpu.kernels(recipe, pipeline=stages > 1))
     if stages > 1:
         layers, in_flight = gpu.layers_per_stage(facts, stages), gpu.in_flight_microbatches(recipe, stages)
         acts = gpu.activations(recipe, facts, widths, kernels, layers, in_flight)
@@ -266,8 +269,9 @@ def estimate(
         ("FSDP shard grad op",         params, grads / n, optimizer / n, 0.0, 0.0, 0.0, 0.0),
         ("FSDP hybrid shard",          sharded(params, per_machine), grads / per_machine, optimizer / per_machine, 0.0, 0.0, largest, 0.0),
     ]  # fmt: skip
-    loaded = _layout(recipe, facts, mixed, False, trainable)
-    sixteen = _layout(recipe, facts, mixed, True, trainable)  # DeepSpeed's bf16 engine, FSDP's bf16 parameters
+    forward = preference.forward_recipe(recipe)  # preference training: chosen and rejected in one forward
+    loaded = _layout(forward, facts, mixed, False, trainable)
+    sixteen = _layout(forward, facts, mixed, True, trainable)  # DeepSpeed's bf16 engine, FSDP's bf16 parameters
     # gradients of earlier micro-batches stay allocated through the next forward
     accumulating = recipe.gradient_accumulation_steps > 1
 
@@ -301,6 +305,8 @@ def estimate(
     estimates = [_gpu_row(Estimate(name, p, g, o, 0.0, CUDA_CONTEXT, cpu, nvme, gathered, step), *extras[name],
                           gpu.allocator(recipe, expandable, fsdp=name.startswith("FSDP")), per_machine=per_machine)
                  for name, p, g, o, cpu, nvme, gathered, step in rows]  # fmt: skip
+    if preference.method(recipe):  # TRL's trainers run no split strategy (llmtune.recipe.preference.check)
+        return preference.with_reference(estimates, recipe, facts, mixed, trainable, n, per_machine)
     from llmtune.plan.estimate_parallel import (
         context_parallel_degree,
         context_parallel_split,
@@ -353,6 +359,7 @@ class Report:
     interconnect: str
     rows: list[Estimate] = field(default_factory=list)
     choice: tuple[Estimate, str] | None = None
+    preference: str = ""  # what a preference step runs through the model (estimate_preference.batch_note)
 
     def fits(self, row: Estimate) -> bool:
         return row.fits(self.gpu_memory, self.cpu_memory)
@@ -393,7 +400,8 @@ def estimate_recipe(
             for row in estimate(recipe, facts, data_parallel, gpus_per_machine, stages, mixed=mixed)]  # fmt: skip
     choice = recommend(rows, gpu_memory, num_machines, interconnect, cpu_memory)
     return Report(recipe.base_model, facts.total_params(), trainable_parameters(recipe, facts), gpus_per_machine,
-                  num_machines, gpu_memory, cpu_memory, interconnect, rows, choice)  # fmt: skip
+                  num_machines, gpu_memory, cpu_memory, interconnect, rows, choice,
+                  preference.batch_note(recipe))  # fmt: skip
 
 
 def labelled(row: Estimate, recipe, world_size: int, model_type: str) -> Estimate:

@@ -48,6 +48,7 @@ UNMEASURED_KEYS = {
     "lora_target_parameters": "LoRA on parameters (MoE experts)",
     "activation_offloading": "activations offloaded to CPU",
     "gptq": "a GPTQ base",
+    "rl": "preference training: its reference model and chosen + rejected batches",
 }
 
 

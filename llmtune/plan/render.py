@@ -43,6 +43,7 @@ def summary_lines(plan: Plan, recipe) -> list[tuple[str, str]]:
             ),
         ),
         ("model", recipe.base_model),
+        *preference_lines(plan, recipe),
     ]
     if plan.kernels.get("summary"):
         rows.append(("kernels", plan.kernels["summary"]))
@@ -67,6 +68,19 @@ def summary_lines(plan: Plan, recipe) -> list[tuple[str, str]]:
             extra += " + norm + head" if index == len(pipe.layers_per_stage) - 1 else ""
             rows.append((f"  stage {index}", f"layers {layers[0]}..{layers[1] - 1}{extra}, {_millions(params)} params"))
     return rows
+
+
+def preference_lines(plan: Plan, recipe) -> list[tuple[str, str]]:
+    """A preference recipe's batches and its reference model under the plan's strategy; none without `rl:`."""
+    from llmtune.plan import estimate_preference as preference
+    from llmtune.plan.estimate import row_for_plan
+
+    if not preference.method(recipe):
+        return []
+    precision = preference.precision_name(plan.precision, plan.precision in ("bf16", "fp16"))
+    where = preference.describe(recipe, row_for_plan(plan), plan.data_parallel_size,
+                                plan.cluster.processes_per_machine, precision)  # fmt: skip
+    return [("preference", preference.batch_note(recipe)), ("reference model", where)]
 
 
 def command_lines(plan: Plan) -> list[str]:
@@ -175,6 +189,9 @@ ESTIMATE_NOTES = (
     "context: the CUDA context, outside the allocator",
 )
 
+REFERENCE_NOTE = ("ref: the frozen reference model (no gradients, no optimizer states), allocated through the whole "
+                  "step; counted in peak at every phase")  # fmt: skip
+
 
 def basis_notes(rows) -> list[str]:
     """Which rows a recorded GPU run checks, and one line per reason the others are only modelled."""
@@ -190,14 +207,29 @@ def basis_notes(rows) -> list[str]:
                     for reason, names in reasons.items()]  # fmt: skip
 
 
-def estimate_cells(row) -> list[str]:
-    """One row of the estimate table, in GB: the ZeRO paper's terms, then what the GPU adds."""
+def estimate_cells(row, reference: bool = False) -> list[str]:
+    """One row of the estimate table, in GB: the ZeRO paper's terms (and a preference recipe's reference model),
+    then what the GPU adds."""
     from llmtune.plan.estimate import GB
 
-    terms = [row.params, row.grads, row.optimizer, row.buffers, row.activations + row.weight_copies, row.logits]
+    terms = [row.params, row.grads, row.optimizer, *([row.reference] if reference else []), row.buffers,
+             row.activations + row.weight_copies, row.logits]  # fmt: skip
     cells = [f"{term / GB:.1f}" for term in terms]
     cells.append(f"{row.allocated / GB:.1f} ({row.peak_at})")
     return cells + [f"{term / GB:.1f}" for term in (row.reserve, row.overhead, row.total)]
+
+
+def reference_notes(report) -> list[str]:
+    """For a preference recipe: what each step runs, and one line per way the rows hold the reference model."""
+    if not report.preference:
+        return []
+    held: dict[str, list[str]] = {}
+    for row in report.rows:
+        held.setdefault(row.reference_where, []).append(row.name)
+    every = len(held) == 1
+    return [f"preference: {report.preference}; activ and logits count them"] + [
+        f"reference model ({'every row' if every else ', '.join(names)}): {where}" for where, names in held.items()
+    ]
 
 
 def print_estimate(report) -> None:
@@ -209,16 +241,18 @@ def print_estimate(report) -> None:
     table = Table(title=f"{report.model}: {report.total_params / 1e9:.2f}B parameters "
                         f"({report.trainable_params / 1e6:,.1f}M trainable), {report.num_machines} x "
                         f"{report.gpus_per_machine} GPUs of {report.gpu_memory / GB:.0f} GB")  # fmt: skip
-    columns = ("strategy (GB per GPU)", "params", "grads", "optim", "buffers", "activ", "logits", "peak (at)",
-               "reserve", "context", "total", "fits", "CPU/machine", "basis")  # fmt: skip
+    reference = bool(report.preference)  # a preference recipe: a column for its reference model, 0 where it has none
+    columns = ("strategy (GB per GPU)", "params", "grads", "optim", *(["ref"] if reference else []), "buffers",
+               "activ", "logits", "peak (at)", "reserve", "context", "total", "fits", "CPU/machine", "basis")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column.startswith(("strategy", "basis")) else "right")
     for row in report.rows:
         cpu = f"{row.cpu / GB:.1f}" + (" + NVMe" if row.nvme else "") if row.cpu or row.nvme else ""
-        table.add_row(row.strategy, *estimate_cells(row), "yes" if report.fits(row) else "no", cpu, row.basis)
+        table.add_row(row.strategy, *estimate_cells(row, reference), "yes" if report.fits(row) else "no", cpu,
+                      row.basis)  # fmt: skip
     console = Console(width=None if Console().is_terminal else 160)
     console.print(table)
-    for note in ESTIMATE_NOTES:
+    for note in [*ESTIMATE_NOTES, *([REFERENCE_NOTE] if reference else []), *reference_notes(report)]:
         console.print(note, highlight=False)
     for line in basis_notes(report.rows):
         console.print(line, highlight=False)

@@ -23,6 +23,7 @@ class Target:
     adapter_dir: str | None
     result_file: Path
     label: str
+    is_run: bool = False  # a trained run's folder (not the recipe's base model)
 
 
 def resolve_target(target: Path) -> Target:
@@ -39,7 +40,7 @@ def resolve_target(target: Path) -> Target:
         recipe = Recipe.model_validate(json.loads(plan_file.read_text())["recipe"])
         adapter = str(target) if (target / "adapter_config.json").exists() else None
         base = model_source(recipe)[0] if adapter else str(target)
-        return Target(recipe, base, adapter, target / "eval.json", f"run {target}")
+        return Target(recipe, base, adapter, target / "eval.json", f"run {target}", is_run=True)
     recipe = load_recipe(target).recipe
     if recipe.num_labels:
         raise UserError(f"{target} trains a reward model: `llmtune eval` measures a causal LM's answers",
@@ -96,6 +97,11 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
         model = PeftModel.from_pretrained(model, info.adapter_dir)
     model.to(device).eval()
     examples = eval_examples(recipe, tokenizer, data)[:limit]
+    if recipe.rl:  # preference rows: rewards, margins and accuracy over the pairs
+        from llmtune.post.evaluate_preference import preference_eval
+
+        results = preference_eval(info, model, tokenizer, list(examples), batch_size)
+        return _write(info, results)
     collate = Collator(tokenizer.pad_token_id)
     total_loss = total_tokens = 0.0
     with torch.no_grad():
@@ -115,6 +121,10 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
     pairs = [p for p in (split_prompt(e, tokenizer.eos_token_id) for e in examples) if p]
     if pairs:
         results.update(exact_match(model, tokenizer, pairs, batch_size, max_new_tokens, show))
+    return _write(info, results)
+
+
+def _write(info: Target, results: dict) -> dict:
     info.result_file.parent.mkdir(parents=True, exist_ok=True)
     info.result_file.write_text(json.dumps(results, indent=2) + "\n")
     results["written_to"] = str(info.result_file)

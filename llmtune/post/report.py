@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from llmtune.errors import UserError
+from llmtune.post.report_preference import plot_preference, preference_curves, preference_section
 
 
 def _throughput(metrics: dict) -> str:
@@ -32,18 +33,21 @@ def _gpu_memory(metrics: dict) -> str | None:
 
 
 def curves(metrics: dict) -> dict:
-    """Train loss and learning rate, eval loss, and throughput, each against the optimizer step."""
+    """Train loss and learning rate, eval loss, and throughput, each against the optimizer step; for a preference
+    run also TRL's reward margin and accuracy ("preference", absent otherwise)."""
     history = metrics.get("log_history") or []
     train = [e for e in history if "loss" in e and "step" in e]
     evals = [e for e in history if "eval_loss" in e and "step" in e]
     seconds, real = metrics.get("step_seconds") or [], metrics.get("step_real_tokens") or []
-    return {
+    preference = preference_curves(history)
+    data = {
         "train": {"step": [e["step"] for e in train], "loss": [e["loss"] for e in train],
                   "learning_rate": [e.get("learning_rate") for e in train]},
         "eval": {"step": [e["step"] for e in evals], "loss": [e["eval_loss"] for e in evals]},
         "throughput": {"step": list(range(1, len(seconds) + 1)),
                        "tokens_per_second": [t / s if s else None for t, s in zip(real, seconds, strict=False)]},
     }  # fmt: skip
+    return {**data, "preference": preference} if preference else data
 
 
 def prepare_plotting() -> None:
@@ -54,15 +58,20 @@ def prepare_plotting() -> None:
     import matplotlib.pyplot  # noqa: F401
 
 
-def _plot_loss(data: dict, path: Path) -> None:
+def _plot_loss(data: dict, path: Path) -> list[str]:
+    """Draw loss.png (a preference run: the reward margin in a panel below); returns each axis's label."""
     prepare_plotting()
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
+    preference = data.get("preference")
+    if preference:
+        figure, (axis, lower) = plt.subplots(2, 1, figsize=(8, 7.5), dpi=100, sharex=True, height_ratios=(3, 2))
+    else:
+        figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
     axis.plot(data["train"]["step"], data["train"]["loss"], label="train loss", color="tab:blue")
     if data["eval"]["step"]:
         axis.plot(data["eval"]["step"], data["eval"]["loss"], "o-", label="eval loss", color="tab:orange")
-    axis.set_xlabel("step")
+    axis.set_xlabel("" if preference else "step")  # the shared step axis is labelled under the lower panel
     axis.set_ylabel("loss")
     axis.grid(alpha=0.3)
     lines, labels = axis.get_legend_handles_labels()
@@ -74,9 +83,13 @@ def _plot_loss(data: dict, path: Path) -> None:
         more_lines, more_labels = second.get_legend_handles_labels()
         lines, labels = lines + more_lines, labels + more_labels
     axis.legend(lines, labels, loc="upper right")
+    if preference:
+        plot_preference(lower, preference)
     figure.tight_layout()
     figure.savefig(path)
+    drawn = [a.get_ylabel() for a in figure.axes]
     plt.close(figure)
+    return drawn
 
 
 def _plot_throughput(data: dict, path: Path) -> None:
@@ -93,7 +106,7 @@ def _plot_throughput(data: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def _summary(run: Path, metrics: dict, plan: dict, recipe: dict) -> str:
+def _summary(run: Path, metrics: dict, plan: dict, recipe: dict, data: dict | None = None) -> str:
     method = {"lora": "LoRA", "qlora": "QLoRA"}.get(recipe.get("adapter") or "", "full fine-tune")
     evals = [e["eval_loss"] for e in metrics.get("log_history") or [] if "eval_loss" in e]
     final_eval = metrics.get("eval_loss", evals[-1] if evals else None)
@@ -113,11 +126,12 @@ def _summary(run: Path, metrics: dict, plan: dict, recipe: dict) -> str:
         ("model saved in", f"`{run}`" + (" (adapter: `llmtune merge` folds it into the base)" if recipe.get("adapter") else "")),
     ]  # fmt: skip
     table = "\n".join(f"| {k} | {v} |" for k, v in rows if v is not None)
+    preference = preference_section(metrics, recipe, (data or curves(metrics)).get("preference"))
     datasets = "\n".join(
         f"- `{d.get('path')}` ({d.get('type') or 'pretokenized'})" for d in recipe.get("datasets") or []
     )
     return (
-        f"# Training report: {run.name}\n\n| | |\n| --- | --- |\n{table}\n\n## Data\n\n{datasets}\n\n"
+        f"# Training report: {run.name}\n\n| | |\n| --- | --- |\n{table}\n\n{preference}## Data\n\n{datasets}\n\n"
         "## Curves\n\n![loss](loss.png)\n\n![throughput](throughput.png)\n\n"
         "The plotted numbers are in `curves.json`; the full recipe and plan in `../llmtune/`.\n"
     )
@@ -141,5 +155,6 @@ def write_report(run: Path, metrics: dict | None = None) -> Path:
     (folder / "curves.json").write_text(json.dumps(data, indent=1) + "\n")
     _plot_loss(data, folder / "loss.png")
     _plot_throughput(data, folder / "throughput.png")
-    (folder / "summary.md").write_text(_summary(run, metrics, payload.get("plan", {}), payload.get("recipe", {})))
+    summary = _summary(run, metrics, payload.get("plan", {}), payload.get("recipe", {}), data)
+    (folder / "summary.md").write_text(summary)
     return folder

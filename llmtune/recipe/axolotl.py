@@ -32,6 +32,7 @@ from llmtune.recipe.base import unknown_key_message
 from llmtune.recipe.data import DatasetSpec
 from llmtune.recipe.distributed import FsdpConfig
 from llmtune.recipe.model import SPECIAL_TOKEN_NAMES
+from llmtune.recipe.preference import RL_METHODS, RL_NOT_YET
 from llmtune.recipe.schema import Recipe
 from llmtune.recipe.training import OFFLOADED_CHECKPOINTING
 
@@ -101,6 +102,15 @@ def _cloud_config(raw: dict, path: Path) -> None:
         raise UserError(f"{path} is an Axolotl cloud launch config (provider, gpu, secrets, ...), not a training "
                         "recipe: launching on Modal or Baseten is not supported",
                         "run llmtune on the machines themselves with a training recipe")  # fmt: skip
+
+
+def _rl_with_generation(raw: dict, path: Path) -> None:
+    """`rl:` naming a method that generates (GRPO, GDPO, EBFT) is the refusal, before the keys that come with it
+    (vllm, ebft, trl's generation settings, reward dataset types) are each refused on their own."""
+    method = raw.get("rl")
+    if isinstance(method, str) and method.lower() in RL_NOT_YET:
+        raise UserError(f"{path}: rl: {method} ({RL_NOT_YET[method.lower()]}) is not supported yet: llmtune trains "
+                        f"{', '.join(RL_METHODS)} through TRL", "these learn from fixed preference data, not generations")  # fmt: skip
 
 
 def _top_level(raw: dict, path: Path, notes: Notes) -> dict:
@@ -341,6 +351,7 @@ def action(key: str, kind: str = "top") -> str:
 def screen(raw: dict, path: Path) -> tuple[dict, list[str]]:
     """The mapping the schema validates, and the notes to show once. Raises UserError for refused keys."""
     _cloud_config(raw, path)
+    _rl_with_generation(raw, path)
     notes = Notes()
     data = _top_level(raw, path, notes)
     _plugins(data, path, notes)

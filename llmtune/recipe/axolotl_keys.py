@@ -127,14 +127,13 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     ),
     **_no_effect(PUSH, "hub_model_id hub_strategy hub_revision push_to_hub_model_id"),
     **_no_effect("the adapter is saved in output_dir", "lora_out_dir"),
+    **_no_effect(PERFORMANCE, "dpo_use_logits_to_keep dpo_use_liger_kernel"),
+    **_no_effect(TRACKING, "dpo_generate_during_eval"),
     **_refused(
-        "preference and RL training (DPO, KTO, ORPO, GRPO, ...)",
-        "llmtune does supervised fine-tuning",
+        "RL with generation (GRPO, vLLM, NeMo Gym) and a separate reference adapter",
+        "llmtune trains dpo, ipo, orpo, kto and simpo (rl:); for those the reference is the base model itself",
         """
-        rl trl vllm ebft rl_adapter_ref_model dpo_beta dpo_generate_during_eval dpo_label_smoothing dpo_loss_type
-        dpo_loss_weights dpo_norm_loss dpo_padding_free dpo_use_liger_kernel dpo_use_logits_to_keep
-        dpo_use_weighting kto_desirable_weight kto_undesirable_weight orpo_alpha rl_beta cpo_alpha
-        simpo_gamma rpo_alpha precompute_ref_log_probs max_prompt_len hatchery nemo_gym_enabled nemo_gym_dir
+        vllm ebft rl_adapter_ref_model hatchery nemo_gym_enabled nemo_gym_dir
         nemo_gym_auto_clone nemo_gym_config_paths nemo_gym_head_port nemo_gym_server_timeout
         nemo_gym_verify_timeout nemo_gym_run_timeout nemo_gym_datasets nemo_gym_auto_start
         nemo_gym_model_name nemo_gym_multi_turn nemo_gym_max_turns
@@ -294,6 +293,7 @@ RENAMED = {
     # ReLoRA's cycle shape before v0.12 (relora_steps itself is a schema key: it also switches ReLoRA on)
     "relora_warmup_steps": "jagged_restart_warmup_steps",
     "relora_anneal_steps": "jagged_restart_anneal_steps",
+    "dpo_beta": "rl_beta",
 }
 
 # Keys of Axolotl's earlier releases that llmtune rewrites into today's form (axolotl.py does it): key -> how.
@@ -351,11 +351,11 @@ AXOLOTL_DATASET_KEYS: dict[str, AxolotlKey] = {
     ),
     **_refused("knowledge-distillation data", "remove it", "logprobs_field temperature"),
     **_refused(
-        "preference data",
-        "llmtune does supervised fine-tuning",
+        "a preference data key of Axolotl's older releases",
+        "with rl:, write them in the dataset's type: mapping (user_defined.default), or use field_messages, "
+        "field_chosen and field_rejected (chat_template.default)",
         """
-        field_chosen field_rejected field_prompt field_system_chosen chosen rejected field_label prompt_key
-        chosen_key rejected_key
+        field_prompt field_system_chosen chosen rejected field_label prompt_key chosen_key rejected_key
     """,
     ),
 }

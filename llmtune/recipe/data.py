@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from llmtune.recipe.base import Section, empty_to_none
+from llmtune.recipe.preference import ALL_TYPES as PREFERENCE_TYPES
+from llmtune.recipe.preference import PreferenceFormat
 
 # Dataset formats llmtune understands, with aliases Axolotl users write. A dataset with no
 # `type` must already be tokenized (input_ids, optional labels/attention_mask).
@@ -105,10 +107,12 @@ class CustomFormat(Section):
 
 class DatasetSpec(Section):
     path: str = Field(description="Local file or folder, a `datasets` saved folder, or a hub dataset id.")
-    type: str | CustomFormat | None = Field(
+    type: str | CustomFormat | PreferenceFormat | None = Field(
         None,
         description="Format: " + ", ".join(DATASET_TYPES) + " (or a custom format mapping); also Axolotl's "
-        "older ones: " + ", ".join(LEGACY_TYPES) + ", and name:style (alpaca:chat, alpaca:chatml, alpaca:phi).",
+        "older ones: " + ", ".join(LEGACY_TYPES) + ", and name:style (alpaca:chat, alpaca:chatml, alpaca:phi). "
+        "With rl: Axolotl's preference types (chatml.intel, llama3.ultra, chat_template.default, ...; see the "
+        "preference section).",
     )
     ds_type: Literal[DS_TYPES] | None = Field(None, description="File format when the extension doesn't say.")  # type: ignore[valid-type]
     split: str = Field("train", description="Split to read.")
@@ -122,6 +126,8 @@ class DatasetSpec(Section):
     field_messages: str = Field(
         "messages", description="Field holding the list of messages (chat_template; sharegpt: default conversations)."
     )
+    field_chosen: str | None = Field(None, description="rl: the field holding the chosen reply (or conversation).")
+    field_rejected: str | None = Field(None, description="rl: the field holding the rejected reply (or conversation).")
     message_property_mappings: dict[str, str] | None = Field(
         None, description="Where each message keeps its role and content, e.g. {role: from, content: value}."
     )
@@ -174,10 +180,15 @@ class DatasetSpec(Section):
     @classmethod
     def _known_type(cls, value):
         if isinstance(value, str):
+            if value in PREFERENCE_TYPES and value not in TYPE_ALIASES:  # rl: checks the recipe's method takes it
+                return value
             value = TYPE_ALIASES.get(value, value)
             base, _, style = value.partition(":")  # Axolotl's 'alpaca:chatml' prompt-style suffix
             base = TYPE_ALIASES.get(base, base)
             known = (*DATASET_TYPES, *LEGACY_TYPES)
+            if base not in known and base.split(".")[0] in ("chatml", "llama3", "user_defined", "passthrough"):
+                raise ValueError(f"'{value}' is not one of the preference types llmtune converts; with rl: use one of "
+                                 f"{', '.join(sorted(PREFERENCE_TYPES))}")  # fmt: skip
             if base not in known and base.split(".")[0] in AXOLOTL_TYPES:
                 raise ValueError(f"Axolotl's dataset type '{value}' is not supported; use one of "
                                  f"{', '.join(DATASET_TYPES)} (or a custom format mapping)")  # fmt: skip

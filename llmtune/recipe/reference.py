@@ -23,6 +23,7 @@ from llmtune.recipe.axolotl_keys import (
 from llmtune.recipe.data import CustomFormat, DataKeys, DatasetSpec
 from llmtune.recipe.distributed import DistributedKeys, FsdpConfig
 from llmtune.recipe.model import ModelKeys
+from llmtune.recipe.preference import PreferenceFormat, PreferenceKeys
 from llmtune.recipe.qat import Qat
 from llmtune.recipe.training import TrainingKeys
 
@@ -35,6 +36,8 @@ SECTIONS = [
     ("Custom format (`type:` as a mapping)", CustomFormat),
     ("Training", TrainingKeys),
     ("Distributed", DistributedKeys),
+    ("Preference training (`rl:`, through TRL)", PreferenceKeys),
+    ("Preference format (`type:` as a mapping with `rl:`: user_defined.default)", PreferenceFormat),
     ("`fsdp_config` (keys may also carry the `fsdp_` prefix)", FsdpConfig),
 ]
 
@@ -42,7 +45,7 @@ SECTIONS = [
 def _type_name(annotation) -> str:
     text = str(annotation) if not isinstance(annotation, type) else annotation.__name__
     text = text.replace("typing.", "").replace("NoneType", "None").replace("llmtune.recipe.", "")
-    for module in ("data.", "distributed.", "adapter.", "qat."):
+    for module in ("data.", "distributed.", "adapter.", "qat.", "preference."):
         text = text.replace(module, "")
     return text.replace("|", "\\|")
 

@@ -8,10 +8,12 @@ from llmtune.recipe.adapter import AdapterKeys
 from llmtune.recipe.data import DataKeys
 from llmtune.recipe.distributed import DistributedKeys
 from llmtune.recipe.model import ModelKeys
+from llmtune.recipe.preference import PreferenceKeys
+from llmtune.recipe.preference import check as check_preference
 from llmtune.recipe.training import TrainingKeys
 
 
-class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
+class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys, PreferenceKeys):
     """A validated, normalised recipe. Nothing downstream re-reads YAML or re-checks keys."""
 
     @model_validator(mode="after")
@@ -52,6 +54,7 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys):
             raise ValueError("streamed data has no length known up front (streaming, or a hub pretraining_dataset): "
                              "set max_steps")  # fmt: skip
         self._reward_rules()
+        check_preference(self)
         kwargs = self.lr_scheduler_kwargs or {}
         if (
             self.lr_scheduler == "cosine_with_min_lr"

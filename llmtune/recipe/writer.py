@@ -73,7 +73,7 @@ class Answers:
         return 2e-5 if self.method == "full" else 2e-4
 
 
-def _block(comment: str, values: dict) -> str:
+def block(comment: str, values: dict) -> str:
     body = yaml.safe_dump(values, sort_keys=False, default_flow_style=False, allow_unicode=True, width=1000)
     return "".join(f"# {line}\n" for line in comment.splitlines()) + body
 
@@ -131,20 +131,16 @@ def recipe_text(answers: Answers, recipe_path: str, estimate_line: str | None, w
     header = [f"Written by `llmtune config` on {written_on}. Check it with: llmtune validate {recipe_path}"]
     label = STRATEGIES[answers.strategy][0]
     header.append(f"Strategy: {label}, on {answers.num_machines} machine(s) x {answers.gpus_per_machine} GPU(s).")
-    if estimate_line:
-        header.append(estimate_line)
-    header.append("Run it:" if answers.num_machines == 1 else "Run on each machine (rank 0 first):")
-    header += [f"  {line}" for line in machine_commands(answers, recipe_path)]
-    blocks = ["\n".join(f"# {line}" for line in header) + "\n"]
-    blocks.append(_block("The model: a hub id or a local folder.", {"base_model": answers.base_model}))
+    blocks = [header_block(header, answers, recipe_path, estimate_line)]
+    blocks.append(block("The model: a hub id or a local folder.", {"base_model": answers.base_model}))
     if answers.method != "full":
         adapter = {"adapter": answers.method, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
                    "lora_target_linear": True}  # fmt: skip
         if answers.method == "qlora":
             adapter["load_in_4bit"] = True
-        blocks.append(_block(f"{answers.method.upper()}: train low-rank adapters on every linear layer.", adapter))
+        blocks.append(block(f"{answers.method.upper()}: train low-rank adapters on every linear layer.", adapter))
     dataset = {"path": answers.dataset, "type": answers.dataset_type, **answers.dataset_extra}
-    blocks.append(_block("Data: a local file or a hub dataset, and its format.", {"datasets": [dataset]}))
+    blocks.append(block("Data: a local file or a hub dataset, and its format.", {"datasets": [dataset]}))
     training = {
         "sequence_len": answers.sequence_len, "sample_packing": answers.strategy != "context_parallel",
         "micro_batch_size": answers.micro_batch_size,
@@ -152,17 +148,33 @@ def recipe_text(answers: Answers, recipe_path: str, estimate_line: str | None, w
         "learning_rate": answers.learning_rate_or_default, "lr_scheduler": "cosine", "warmup_ratio": 0.03,
         "gradient_checkpointing": answers.gradient_checkpointing,
     }  # fmt: skip
-    blocks.append(_block("Training. Global batch = micro_batch_size x gradient_accumulation_steps x data-parallel "
+    blocks.append(block("Training. Global batch = micro_batch_size x gradient_accumulation_steps x data-parallel "
                          "ranks.", training))  # fmt: skip
     if answers.mixed_precision != "no":
-        blocks.append(_block("Mixed precision.", {answers.mixed_precision: True}))
+        blocks.append(block("Mixed precision.", {answers.mixed_precision: True}))
+    return "\n".join(blocks + closing_blocks(answers, label))
+
+
+def header_block(header: list[str], answers: Answers, recipe_path: str, estimate_line: str | None) -> str:
+    """The recipe's opening comment: `header`, the estimate, and the command for each machine."""
+    header = header + ([estimate_line] if estimate_line else [])
+    header.append("Run it:" if answers.num_machines == 1 else "Run on each machine (rank 0 first):")
+    header += [f"  {line}" for line in machine_commands(answers, recipe_path)]
+    return "\n".join(f"# {line}" for line in header) + "\n"
+
+
+def closing_blocks(answers: Answers, label: str) -> list[str]:
+    """The strategy's keys (when it has any) and where the outputs go."""
     keys = strategy_keys(answers)
-    if keys:
-        blocks.append(_block(f"Distributed: {label}. llmtune writes the DeepSpeed/accelerate configs from this.", keys))
-    blocks.append(_block("Where the model, checkpoints and report go (auto-resumes from here).",
-                         {"output_dir": answers.output_dir, "save_strategy": "steps", "save_steps": 200,
-                          "save_total_limit": 2}))  # fmt: skip
-    return "\n".join(blocks)
+    blocks = (
+        [block(f"Distributed: {label}. llmtune writes the DeepSpeed/accelerate configs from this.", keys)]
+        if keys
+        else []
+    )
+    blocks.append(block("Where the model, checkpoints and report go (auto-resumes from here).",
+                        {"output_dir": answers.output_dir, "save_strategy": "steps", "save_steps": 200,
+                         "save_total_limit": 2}))  # fmt: skip
+    return blocks
 
 
 def guess_dataset_type(path: Path) -> tuple[str, dict] | None:

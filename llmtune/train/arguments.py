@@ -77,7 +77,8 @@ def _checkpointing_arguments(on: bool, options: dict, offload: bool = False) -> 
     return {f"{name}_checkpointing": on, f"{name}_checkpointing_kwargs": options}
 
 
-def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **extra):
+def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, config_class=None, **extra):
+    """TrainingArguments (or `config_class`, a TRL config that extends them, with its own fields in `extra`)."""
     from transformers import TrainingArguments
 
     from llmtune.train.manifest import own_disk
@@ -152,4 +153,4 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, **ex
         if kwargs["save_strategy"] != kwargs["eval_strategy"] or kwargs["save_steps"] != (eval_steps or 500):
             kwargs.update(save_strategy=eval_strategy, save_steps=eval_steps or 500)
     kwargs.update(extra)
-    return TrainingArguments(**kwargs)
+    return (config_class or TrainingArguments)(**kwargs)

@@ -71,6 +71,8 @@ def needed(recipe, plan: dict) -> set[str]:
     specs = [*(recipe.datasets or []), *(recipe.test_datasets or []), *(recipe.pretraining_dataset or [])]
     if any(reads_with_datasets(spec) for spec in specs):  # llmtune reads local JSON itself, and caches its own way
         uses.add("datasets")
+    if recipe.rl:  # TRL's trainers take (and tokenize) a datasets.Dataset
+        uses.add("datasets")
     method = _checkpoint_quant_method(recipe.base_model, recipe.revision_of_model)
     if method is None:
         uses.update(QUANT_METHODS.values())

@@ -67,11 +67,12 @@ def load_tokenizer(recipe, source: str):
     return tokenizer
 
 
-def weights_dtype(recipe, precision: str):
-    """Full fine-tunes keep fp32 master weights (autocast does the rest); adapters freeze the base in 16 bits."""
+def weights_dtype(recipe, precision: str, frozen: bool = False):
+    """Full fine-tunes keep fp32 master weights (autocast does the rest); adapters freeze the base in 16 bits, and a
+    frozen copy (preference training's reference) is held in 16 bits too: it never takes an update."""
     import torch
 
-    if recipe.adapter and precision in ("bf16", "fp16"):
+    if (recipe.adapter or frozen) and precision in ("bf16", "fp16"):
         return torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.float32
 
@@ -182,7 +183,7 @@ def head_of(recipe) -> tuple[str, str]:
 
 
 def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, device: str | None = None,
-               mesh: dict | None = None):  # fmt: skip
+               mesh: dict | None = None, frozen: bool = False):  # fmt: skip
     """The model, with the recipe's GPU kernels applied (device: 'cuda' or 'cpu'; default: whether CUDA is visible).
     With a tensor-parallel mesh (the plan's), transformers loads it already split: its tp_plan across
     tensor_parallel ranks, FSDP2 across dp_shard ranks and replicas across dp_replicate."""
@@ -192,7 +193,7 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
     from llmtune.train.progress import log
 
     kernels = kernels_for(recipe, precision, device)
-    dtype = weights_dtype(recipe, precision)
+    dtype = weights_dtype(recipe, precision, frozen)
     kwargs = {"dtype": dtype, "trust_remote_code": recipe.trust_remote_code}
     if kernels.attention:  # flash_attention_2 only where it can run; sdpa otherwise (said in the plan)
         kwargs["attn_implementation"] = kernels.attention

@@ -16,14 +16,13 @@ from llmtune.train.callbacks import NONFINITE_HINT, NonFiniteLoss, _test_kill
 from llmtune.train.data.collate import REAL_TOKENS
 
 
-def _log_rows(inputs, step: int) -> None:
+def _log_rows(input_ids, mask, step: int) -> None:
     """Tests only (LLMTUNE_TEST_ROW_LOG=<folder>): each rank appends the step it trains and a hash of each row of its
     micro-batch (the tokens under the attention mask), so a test can prove no row was trained twice or skipped."""
     import hashlib
 
-    mask = inputs.get("attention_mask")
     rows = []
-    for index, ids in enumerate(inputs["input_ids"].cpu()):
+    for index, ids in enumerate(input_ids.cpu()):
         kept = ids[mask[index].cpu().bool()] if mask is not None else ids
         rows.append(hashlib.sha256(kept.numpy().tobytes()).hexdigest()[:16])
     folder = Path(os.environ["LLMTUNE_TEST_ROW_LOG"])
@@ -78,23 +77,28 @@ class LlmtuneTrainer(Trainer):
     batch_hash = None  # hashlib object while StepStats records batch hashes
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        ids, mask, rows, real = self._batch_view(inputs)
         if self.rank_reports is None and self.plan is not None:
             from llmtune.train.ranks import check_first_batch
 
-            self.rank_reports = check_first_batch(
-                inputs["input_ids"], self.plan, self.accelerator.num_processes, self.train_dataset
-            )
-        self.tokens_seen += int(inputs.pop(REAL_TOKENS, 0))
-        pairs = self.recipe is not None and self.recipe.reward_model  # a pair is two sequences of the batch
-        self.rows_seen += int(inputs["input_ids"].shape[0]) // (2 if pairs else 1)
-        self.padded_seen += int(inputs["input_ids"].numel())
+            self.rank_reports = check_first_batch(ids, self.plan, self.accelerator.num_processes, self.train_dataset)
+        self.tokens_seen += real
+        self.rows_seen += rows
+        self.padded_seen += int(ids.numel())
         if self.batch_hash is not None:
-            self.batch_hash.update(inputs["input_ids"].cpu().numpy().tobytes())
+            self.batch_hash.update(ids.cpu().numpy().tobytes())
         if "LLMTUNE_TEST_ROW_LOG" in os.environ:
-            _log_rows(inputs, self.state.global_step + 1)
+            _log_rows(ids, mask, self.state.global_step + 1)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._nonfinite_guard(loss)
         return loss
+
+    def _batch_view(self, inputs) -> tuple:
+        """(token ids to fingerprint, attention mask, rows, real tokens) of a micro-batch."""
+        pairs = self.recipe is not None and self.recipe.reward_model  # a pair is two sequences of the batch
+        ids = inputs["input_ids"]
+        rows = int(ids.shape[0]) // (2 if pairs else 1)
+        return ids, inputs.get("attention_mask"), rows, int(inputs.pop(REAL_TOKENS, 0))
 
     def _nonfinite_guard(self, loss) -> None:
         """Remember (without a device sync) whether any loss since the last check was NaN/inf."""

@@ -188,6 +188,32 @@ def _resume_on_this_allocation(trainer, plan: dict, state, checkpoint: Path) -> 
         state.wait_for_everyone()
 
 
+def _reference_report(trainer, recipe) -> dict:
+    if not recipe.rl:
+        return {}
+    from llmtune.train.rl import reference_report
+
+    return reference_report(trainer)
+
+
+def _preference_trainer(recipe, plan, model, args, data, tokenizer, source, callbacks):
+    """TRL's trainer for the method (llmtune's in front); a full fine-tune's frozen reference loaded as the model
+    was, so the strategy places it alike (ZeRO-3 partitions it as it loads; TRL prepares it for the engine)."""
+    from llmtune.train.model import load_model
+    from llmtune.train.rl import build_trainer, freeze, needs_reference_copy
+
+    reference = None
+    if needs_reference_copy(recipe):
+        reference = freeze(load_model(recipe, source, tokenizer, plan["precision"], device=plan["cluster"]["device"],
+                                      frozen=True))  # fmt: skip
+        log(f"reference model: a frozen copy of the starting weights ({plan['strategy']})")
+    elif recipe.rl in ("dpo", "ipo", "kto"):
+        log("reference model: " + ("log-probs precomputed before training" if recipe.precompute_ref_log_probs else
+                                   "the base model with the adapter switched off"
+                                   if not recipe.lora_model_dir else "the starting adapter, copied and frozen"))  # fmt: skip
+    return build_trainer(recipe, model, reference, args, data, tokenizer, callbacks)
+
+
 def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     _library_bars_off()
     from accelerate import PartialState
@@ -217,13 +243,18 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     with state.main_process_first():
         source, gguf_origin = model_source(recipe)
         tokenizer = load_tokenizer(recipe, source)
-        data = prepare_data(recipe, tokenizer, track)
+        data = prepare_data(recipe, tokenizer, track)  # rl: preference rows as TRL's strings
     stats = data.stats
     mark("data")  # tokenizer, transformers, the data read and tokenized (or the cache read)
-    log(f"data: {stats['train_examples']} train / {stats['eval_examples']} eval examples "
-        f"({'cache hit' if stats['cache_hit'] else 'tokenized'}; {stats['dropped_too_long']} longer than sequence_len "
-        f"{'truncated' if recipe.excess_length_strategy == 'truncate' else 'dropped'}, {stats['dropped_no_labels']} "
-        f"without trained tokens)" + (f", packing efficiency {stats['packing_efficiency']:.1%}" if recipe.sample_packing else ""))  # fmt: skip
+    if recipe.rl:
+        log(f"data: {stats['train_examples']} train / {stats['eval_examples']} eval preference rows (read; TRL "
+            f"tokenizes them); {stats['dropped_too_long']} longer than sequence_len dropped, {stats['truncated']} to "
+            f"be truncated, {stats['dropped_long_prompt']} with a prompt over max_prompt_len dropped")  # fmt: skip
+    else:
+        log(f"data: {stats['train_examples']} train / {stats['eval_examples']} eval examples "
+            f"({'cache hit' if stats['cache_hit'] else 'tokenized'}; {stats['dropped_too_long']} longer than "
+            f"sequence_len {'truncated' if recipe.excess_length_strategy == 'truncate' else 'dropped'}, "
+            f"{stats['dropped_no_labels']} without trained tokens)" + (f", packing efficiency {stats['packing_efficiency']:.1%}" if recipe.sample_packing else ""))  # fmt: skip
     args = None
     if plan["strategy"] != "pipeline":
         # Built before the model: under ZeRO-3 this registers DeepSpeed's config, so from_pretrained creates the
@@ -231,8 +262,13 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         _tracking_env(recipe, output_dir)
         from llmtune.recipe.kernels import compile_arguments
 
+        method = {}
+        if recipe.rl:
+            from llmtune.train.rl import config_arguments, trl_classes
+
+            method = {"config_class": trl_classes(recipe.rl)[0], **config_arguments(recipe)}
         args = training_arguments(recipe, plan, len(data.train), data.eval is not None, **rank.training_kwargs,
-                                  **compile_arguments(recipe, plan["cluster"]["device"]))  # fmt: skip
+                                  **compile_arguments(recipe, plan["cluster"]["device"]), **method)  # fmt: skip
     loading = time.time()
     model = attach_adapter(
         load_model(recipe, source, tokenizer, plan["precision"], device=plan["cluster"]["device"],
@@ -268,11 +304,15 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
                 PairCollator(tokenizer.pad_token_id, pad_to),
                 pairwise_loss(recipe.center_rewards_coefficient),
             )
-    trainer = LlmtuneTrainer(
-        model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(data.eval) if data.eval else None,
-        data_collator=collator, processing_class=tokenizer, compute_loss_func=loss_func, compute_metrics=metrics_func,
-        callbacks=[StopOnNonFiniteLoss()] + ([TestKillAfterSave()] if any(k in os.environ for k in TEST_HOOKS) else []),
-    )  # fmt: skip
+    callbacks = [StopOnNonFiniteLoss()] + ([TestKillAfterSave()] if any(k in os.environ for k in TEST_HOOKS) else [])
+    if recipe.rl:
+        trainer = _preference_trainer(recipe, plan, model, args, data, tokenizer, source, callbacks)
+    else:
+        trainer = LlmtuneTrainer(
+            model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(data.eval) if data.eval else None,
+            data_collator=collator, processing_class=tokenizer, compute_loss_func=loss_func,
+            compute_metrics=metrics_func, callbacks=callbacks,
+        )  # fmt: skip
     trainer.plan, trainer.recipe = plan, recipe
     from transformers.trainer_callback import PrinterCallback
 
@@ -337,7 +377,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
                      **({"sequence_seen": seen.lengths} if cp > 1 else {}),
                      "optimizer_class": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
                      "libraries": libraries.imported(),
-                     **engine_report(trainer)})  # fmt: skip
+                     **engine_report(trainer), **_reference_report(trainer, recipe)})  # fmt: skip
     trainer._check_finite()
     _full_state_dict_for_final_save(trainer)
     trainer.save_model(str(output_dir))
@@ -361,6 +401,10 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         startup_seconds=_startup(step_stats.first_step_end_unix),
         resumed_from=resume, **_planned_memory(recipe, plan),
     )  # fmt: skip
+    if recipe.rl:
+        from llmtune.train.rl import summary
+
+        metrics["preference"] = summary(recipe, trainer.state.log_history, shards[0])
     if lisa:
         metrics["lisa"] = {"layers": len(lisa.layers), "draws": lisa.history}
     if relora:
@@ -369,7 +413,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
             relora.save_adapter(output_dir)
     if qat_report:
         metrics["qat"] = {**qat_report, "fake_quant_from_step": qat_delay.enabled_at if qat_delay else 0}
-    _write_probe(trainer, data.train[0])
+    if not recipe.rl:
+        _write_probe(trainer, data.train[0])
     if rank.is_main:
         tokenizer.save_pretrained(str(output_dir))
         write_run_files(output_dir, recipe, plan, metrics, gguf_origin)

@@ -136,7 +136,8 @@ def test_a_key_without_effect_is_accepted_and_said_once(key):
 
 
 def test_capability_refusals_read_as_the_issue_asks():
-    assert "preference and RL training" in refusal(rl="dpo") and "(rl: 'dpo')" in refusal(rl="dpo")
+    assert "rl: grpo (GRPO) is not supported yet: llmtune trains dpo, ipo, orpo, kto, simpo" in refusal(rl="grpo")
+    assert "RL with generation (GRPO, vLLM" in refusal(vllm={"gpu_memory_utilization": 0.5})
     assert "training vision and audio models is not supported (processor_type" in refusal(
         processor_type="AutoProcessor"
     )
@@ -244,7 +245,9 @@ def test_dataset_entry_keys():
     r = load(datasets=[spec]).recipe
     assert (r.datasets[0].train_on_eot, r.datasets[0].skip) == ("last", 3)
     line = refusal(datasets=[{"path": "org/data", "type": "chat_template", "field_chosen": "chosen"}])
-    assert "preference data is not supported (datasets[0].field_chosen: 'chosen')" in line
+    assert "datasets[0].field_chosen belongs to preference data; set rl: dpo" in line
+    line = refusal(datasets=[{"path": "org/data", "type": "chat_template", "chosen_key": "chosen"}])
+    assert "a preference data key of Axolotl's older releases is not supported (datasets[0].chosen_key" in line
     assert load(datasets=[{"path": "x", "type": "chat_template.default"}]).recipe.datasets[0].type == "chat_template"
 
 

@@ -756,6 +756,96 @@ def test_tensor_flatten():
            f"no longer yields the 8-bit codes and scales: counted {counted} bytes for two 8-bit states of {n}")  # fmt: skip
 
 
+# --- TRL ----------------------------------------------------------------------------------------------------------
+
+
+def test_trl_experimental_trainers():
+    import dataclasses
+
+    from llmtune.train.rl import trl_classes
+
+    for rl, fields in (("orpo", {"beta", "max_length"}), ("simpo", {"beta", "loss_type", "simpo_gamma", "cpo_alpha"})):
+        try:
+            config, trainer = trl_classes(rl)
+        except ImportError as err:
+            expect(False, "trl-experimental-trainers", "trl", f"the rl: {rl} trainer", f"can't be imported ({err})")
+        names = {f.name for f in dataclasses.fields(config)}
+        expect(fields <= names, "trl-experimental-trainers", "trl", config.__name__, f"lacks {fields - names}")
+        expect_params("trl-experimental-trainers", "trl", trainer.__init__, ["model", "args", "train_dataset",
+                      "eval_dataset", "processing_class", "callbacks"])  # fmt: skip
+    config, _ = trl_classes("simpo")
+    expect(config(output_dir="x", loss_type="simpo", use_cpu=True).loss_type == "simpo", "trl-experimental-trainers",
+           "trl", "CPOConfig.loss_type", "no longer takes 'simpo'")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_peft(tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+    from tiny import load_tokenizer, make_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path_factory.mktemp("trl") / "m", layers=1, hidden=32)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(path)),
+                           LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))  # fmt: skip
+    return model, load_tokenizer()
+
+
+def test_trl_reference_adapter(tiny_peft, tmp_path):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    model, tokenizer = tiny_peft
+    rows = Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c"}] * 2)
+    args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_length=16)
+    trainer = DPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+    expect("ref" in trainer.model.peft_config, "trl-reference-adapter", "trl", "DPOTrainer",
+           "no longer copies a PeftModel's adapter as 'ref': llmtune's deletion of it is moot (check the new name)")  # fmt: skip
+    expect(trainer.ref_model is None, "trl-reference-adapter", "trl", "DPOTrainer.ref_model",
+           "is set for a PeftModel: the reference is held separately")  # fmt: skip
+    source = inspect.getsource(DPOTrainer)
+    expect('"ref" in' in source and "disable_adapter" in source or "use_adapter" in source, "trl-reference-adapter",
+           "trl", "DPOTrainer's reference pass", "no longer falls back to the adapters-off model without 'ref'")  # fmt: skip
+    trainer.model.delete_adapter("ref")  # what llmtune does for a fresh adapter
+
+
+def test_trl_batch_layout(tiny_peft, tmp_path):
+    import torch
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+
+    pair = {"prompt_ids": [1, 2], "chosen_ids": [3, 4, 5], "rejected_ids": [6]}
+    batch = DataCollatorForPreference(pad_token_id=0)([pair, pair])
+    expect(tuple(batch["input_ids"].shape[:1]) == (4,) and "attention_mask" in batch, "trl-batch-layout", "trl",
+           "DataCollatorForPreference", f"no longer stacks chosen and rejected rows: {sorted(batch)}")  # fmt: skip
+    expect(torch.equal(batch["input_ids"][0, :5], torch.tensor([1, 2, 3, 4, 5])), "trl-batch-layout", "trl",
+           "DataCollatorForPreference", "no longer puts the chosen rows first")  # fmt: skip
+    single = {"prompt_ids": [1], "completion_ids": [2, 3], "label": True}
+    unpaired = DataCollatorForUnpairedPreference(pad_token_id=0)([single, single])
+    expect(tuple(unpaired["input_ids"].shape[:1]) == (2,), "trl-batch-layout", "trl",
+           "DataCollatorForUnpairedPreference", f"gives {sorted(unpaired)}")  # fmt: skip
+    from datasets import Dataset
+
+    from llmtune.train.rl import trl_classes
+
+    model, tokenizer = tiny_peft
+    config, trainer_class = trl_classes("orpo")
+    rows = Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c"}] * 2)
+    args = config(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_length=16, per_device_train_batch_size=2,
+                  remove_unused_columns=False)  # fmt: skip
+    trainer = trainer_class(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+    keys = set(next(iter(trainer.get_train_dataloader())))
+    needed = {"chosen_input_ids", "chosen_attention_mask", "rejected_attention_mask"}
+    expect(needed <= keys, "trl-batch-layout", "trl", "ORPO's batch", f"lacks {needed - keys} (has {sorted(keys)})")
+
+
+def test_trl_kto_sequential_sampler():
+    from trl import KTOTrainer
+
+    expect("train_sampling_strategy='sequential'" in inspect.getsource(KTOTrainer.__init__),
+           "trl-kto-sequential-sampler", "trl", "KTOTrainer.__init__",
+           "no longer requires the sequential sampler: llmtune may drop train_sampling_strategy='sequential'")  # fmt: skip
+
+
 # --- replaced by public APIs: the replacements do the job ----------------------------------------------------------
 
 

@@ -5,9 +5,33 @@ Kept apart from formats.py so that the format modules (formats, instruct, shareg
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 IGNORE = -100
+
+
+@dataclass
+class PreparedData:
+    """What a run trains on: train and eval rows (TokenRows, PackedRows, or preference rows as TRL's strings)."""
+
+    train: Sequence[dict]
+    eval: Sequence[dict] | None
+    stats: dict = field(default_factory=dict)
+
+
+def no_progress(items, _description):
+    return items
+
+
+def split_eval(train, size: float):
+    """val_set_size: the first `size` rows (a fraction below 1, or a count) become the eval set."""
+    from llmtune.errors import UserError
+
+    count = int(size) if size >= 1 else max(1, round(size * len(train)))
+    if count >= len(train):
+        raise UserError(f"val_set_size {size} leaves no training examples (there are {len(train)})")
+    return train[:count], train[count:]
 
 
 class RowError(ValueError):

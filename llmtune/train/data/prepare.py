@@ -12,11 +12,10 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmtune.errors import UserError
+from llmtune.train.data.base import PreparedData, no_progress, split_eval
 from llmtune.train.data.formats import IGNORE, FormatContext, RowError
 from llmtune.train.data.packing import pack_examples
 from llmtune.train.data.reward import converter, fit_pair
@@ -24,13 +23,6 @@ from llmtune.train.data.rows import TokenRows
 from llmtune.train.data.sources import fingerprint_source, read_rows
 
 CACHE_FORMAT = 3  # bump when tokenization or the cache layout changes (2: flat numpy arrays; 3: eot_tokens)
-
-
-@dataclass
-class PreparedData:
-    train: Sequence[dict]  # TokenRows, or PackedRows with sample_packing
-    eval: Sequence[dict] | None
-    stats: dict = field(default_factory=dict)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -192,10 +184,6 @@ def _load(directory: Path) -> tuple[dict[str, TokenRows], dict]:
     return groups, json.loads((directory / "stats.json").read_text())
 
 
-def no_progress(items, _description):
-    return items
-
-
 def tokenize_with_cache(recipe, tokenizer, progress=no_progress) -> tuple[dict[str, list[dict]], dict]:
     """Tokenized examples per group ('train', and 'test' with test_datasets), from the cache when possible."""
     directory = None
@@ -232,11 +220,7 @@ def split_and_pack(recipe, groups: dict[str, list[dict]], stats: dict) -> Prepar
         train = train.reorder(order)
     evaluation = groups.get("test")
     if recipe.val_set_size:
-        size = recipe.val_set_size
-        count = int(size) if size >= 1 else max(1, round(size * len(train)))
-        if count >= len(train):
-            raise UserError(f"val_set_size {size} leaves no training examples (there are {len(train)})")
-        evaluation, train = train[:count], train[count:]
+        evaluation, train = split_eval(train, recipe.val_set_size)
     stats = dict(stats, train_examples=len(train), eval_examples=len(evaluation) if evaluation is not None else 0)
     stats["train_tokens"] = train.total_tokens()
     if recipe.sample_packing:
@@ -249,5 +233,9 @@ def split_and_pack(recipe, groups: dict[str, list[dict]], stats: dict) -> Prepar
 
 
 def prepare_data(recipe, tokenizer, progress=no_progress) -> PreparedData:
+    if recipe.rl:  # preference rows stay strings: TRL's trainers tokenize them
+        from llmtune.train.data.preference_rows import prepare_preference_data
+
+        return prepare_preference_data(recipe, tokenizer, progress)
     groups, stats = tokenize_with_cache(recipe, tokenizer, progress)
     return split_and_pack(recipe, groups, stats)

@@ -1,0 +1,102 @@
+"""Preference data for `rl:` recipes: each dataset's rows as TRL's strings, length-checked, split and shuffled.
+
+TRL tokenizes the strings itself (its trainers own the prompt masking and the pair layout), so what llmtune adds is
+what its SFT path adds: Axolotl's types (train/data/preference.py), one-line errors naming the row, the lengths
+checked against sequence_len and max_prompt_len before any GPU starts, and the same split and shuffle.
+"""
+
+from __future__ import annotations
+
+import random
+
+from llmtune.errors import UserError
+from llmtune.recipe.preference import preference_type
+from llmtune.train.data.base import PreparedData, no_progress, split_eval
+from llmtune.train.data.preference import context_for, convert_rows, converter_for
+from llmtune.train.data.sources import read_rows
+
+# The dataset keys that say where a row's fields are (preference.py reads them from the context's options).
+OPTION_KEYS = ("field_messages", "field_chosen", "field_rejected", "message_property_mappings", "roles",
+               "message_field_role", "message_field_content")  # fmt: skip
+
+
+def _template(spec, recipe, tokenizer) -> str | None:
+    """The recipe's (or the dataset's) chat_template; None leaves it to the tokenizer's own or the type's family."""
+    from llmtune.train.data.templates import resolve_chat_template
+
+    name = spec.chat_template or recipe.chat_template
+    if name is None:
+        return None
+    return resolve_chat_template(name, spec.chat_template_jinja or recipe.chat_template_jinja, tokenizer)
+
+
+def _lengths(row: dict, tokenizer) -> tuple[int, int]:
+    """(prompt tokens, longest reply's tokens as TRL will see them: the eos TRL appends when missing counted)."""
+
+    def count(text: str, reply: bool) -> int:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        eos = tokenizer.eos_token
+        return len(ids) + (1 if reply and eos and not text.endswith(eos) else 0)
+
+    replies = [row[k] for k in ("chosen", "rejected", "completion") if k in row]
+    return count(row["prompt"], False), max(count(r, True) for r in replies)
+
+
+def read_group(specs, group: str, recipe, tokenizer, stats: dict, progress) -> list[dict]:
+    rows: list[dict] = []
+    for index, spec in enumerate(specs):
+        label = f"{group}[{index}]"
+        kind = spec.type.model_dump(exclude_none=True) if hasattr(spec.type, "model_dump") else spec.type
+        options = {key: getattr(spec, key) for key in OPTION_KEYS if getattr(spec, key, None) is not None}
+        ctx = context_for(recipe.rl, kind, tokenizer, _template(spec, recipe, tokenizer), options, label)
+        convert = converter_for(recipe.rl, preference_type(kind), label)
+        read = progress(read_rows(spec, label, recipe.streaming), f"reading {label}")
+        for row in convert_rows(read, convert, ctx, label, preference_type(kind)):
+            stats["rows"] += 1
+            prompt, reply = _lengths(row, tokenizer)
+            if recipe.max_prompt_len and prompt > recipe.max_prompt_len:
+                stats["dropped_long_prompt"] += 1
+                continue
+            if prompt + reply > recipe.sequence_len:
+                if recipe.excess_length_strategy == "drop" or prompt >= recipe.sequence_len:
+                    stats["dropped_too_long"] += 1
+                    continue
+                stats["truncated"] += 1  # TRL keeps the start: the prompt whole, the replies cut
+            rows.append(row)
+    return rows
+
+
+def prepare_preference_data(recipe, tokenizer, progress=no_progress) -> PreparedData:
+    stats = {"rows": 0, "dropped_too_long": 0, "truncated": 0, "dropped_long_prompt": 0, "dropped_no_labels": 0,
+             "dropped_duplicates": 0, "cache_hit": False, "cache_dir": None}  # fmt: skip
+    train = read_group(recipe.datasets, "datasets", recipe, tokenizer, stats, progress)
+    evaluation = read_group(recipe.test_datasets, "test_datasets", recipe, tokenizer, stats, progress) \
+        if recipe.test_datasets else None  # fmt: skip
+    if recipe.dataset_exact_deduplication:
+        seen: set[tuple] = set()
+        for group in (train, evaluation or []):
+            kept = []
+            for row in group:
+                key = tuple(sorted(row.items()))
+                stats["dropped_duplicates"] += key in seen
+                if key not in seen:
+                    seen.add(key)
+                    kept.append(row)
+            group[:] = kept
+    if not train:
+        raise UserError(f"no usable preference rows: {stats['rows']} read, {stats['dropped_too_long']} longer than "
+                        f"sequence_len {recipe.sequence_len}, {stats['dropped_long_prompt']} with a prompt over "
+                        f"max_prompt_len", "raise sequence_len (or max_prompt_len), or set excess_length_strategy: "
+                        "truncate")  # fmt: skip
+    if recipe.shuffle_merged_datasets and not recipe.curriculum_sampling:
+        random.Random(recipe.seed).shuffle(train)
+    if recipe.val_set_size:
+        evaluation, train = split_eval(train, recipe.val_set_size)
+    if recipe.rl == "kto":
+        labels = {bool(row["label"]) for row in train}
+        if len(labels) < 2:
+            which = "desirable" if True in labels else "undesirable"
+            raise UserError(f"rl: kto needs desirable and undesirable completions; every training row is {which}",
+                            "check the label field (true for desirable)")  # fmt: skip
+    stats.update(train_examples=len(train), eval_examples=len(evaluation) if evaluation else 0, train_rows=len(train))
+    return PreparedData(train, evaluation or None, stats)
