@@ -6,7 +6,7 @@ PYTEST = $(PYTHON) -m pytest
 WORKERS ?= 2
 PARALLEL = -n $(WORKERS) --dist loadfile
 
-.PHONY: install test test-unit test-all test-gpu lint format demo bench docs fixtures
+.PHONY: install test test-unit test-all test-gpu gpu-proof lint format demo bench docs fixtures
 
 install:
 	$(PYTHON) -m pip install --quiet torch==2.13.0
@@ -25,6 +25,11 @@ test-all: install
 # On a machine with a CUDA device (tests/gpu/README: how to get the stack there); writes tests/gpu/last-run.md
 test-gpu:
 	$(PYTEST) tests/gpu -m gpu -v
+
+# On the lent GPU machine: the GPU tier, the throughput benchmark and the memory calibration in parts that resume
+# across calls (state in .gpu-proof/); a dated section goes into tests/gpu/RESULTS.md. GPU_PROOF_ARGS: e.g. --budget 500
+gpu-proof:
+	python3 scripts/gpu_proof.py $(GPU_PROOF_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check llmtune tests benchmarks

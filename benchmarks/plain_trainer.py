@@ -48,13 +48,16 @@ class Timer(TrainerCallback):
 class CountingCollator(DataCollatorForLanguageModeling):
     real: list[int] = []
     padded: list[int] = []
-    hashes: list[str] = []  # of each batch's input_ids, compared with llmtune's step by step
+    hashes: list[str] = []  # of each batch's rows (their real tokens), compared with llmtune's step by step
 
     def __call__(self, features, return_tensors=None):
         batch = super().__call__(features, return_tensors)
         self.real.append(int(batch["attention_mask"].sum()))
         self.padded.append(int(batch["input_ids"].numel()))
-        self.hashes.append(hashlib.sha256(batch["input_ids"].numpy().tobytes()).hexdigest()[:16])
+        digest = hashlib.sha256()  # row by row, as llmtune hashes them: the same rows in any layout hash alike
+        for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True):
+            digest.update(ids[mask.bool()].numpy().tobytes() + b"|")
+        self.hashes.append(digest.hexdigest()[:16])
         return batch
 
 

@@ -87,7 +87,7 @@ def run_llmtune(model: Path, data: Path, work: Path, steps: int, batch: int, seq
     }  # fmt: skip
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "LLMTUNE_BATCH_HASHES": "1"}  # each step's input_ids hash, to compare with the plain script's
+    env = {**os.environ, "LLMTUNE_BATCH_HASHES": "1"}  # each step's rows hashed, to compare with the plain script's
     subprocess.run([sys.executable, "-m", "llmtune", "train", str(path)], check=True, capture_output=True, timeout=3600,
                    env=env)  # fmt: skip
     return json.loads((work / "out" / "metrics.json").read_text())
@@ -158,10 +158,10 @@ def main() -> None:
         total, trainable = metrics["total_parameters"], metrics["trainable_parameters"]
         frozen = total - trainable if lora else 0
         flops_per_token = (4 * frozen + 6 * trainable) if lora else 6 * total
-        # MFU: model FLOPs of the tokens each run processed (padding included) over its measured time
-        padded = sum(metrics["step_padded_tokens"][WARMUP:steps])
-        mfu_l = flops_per_token * padded / sum(l_seconds[WARMUP:]) / peak["float32"]
-        mfu_p = flops_per_token * padded / sum(p_seconds[WARMUP:]) / peak["float32"]
+        # MFU: model FLOPs of the tokens each run computed (its padding included: llmtune's padding-free batches
+        # compute none) over its measured time
+        mfu_l = flops_per_token * sum(metrics["step_padded_tokens"][WARMUP:steps]) / sum(l_seconds[WARMUP:]) / peak["float32"]
+        mfu_p = flops_per_token * sum(plain["padded_tokens"][WARMUP:steps]) / sum(p_seconds[WARMUP:]) / peak["float32"]
         ratio = l_tps / p_tps
         spread = f"{min(pair_ratios):.2f}-{max(pair_ratios):.2f}"
         # an effect is claimed only when every repeat agrees on its side of 1.0

@@ -207,6 +207,7 @@ def ask_all(given: dict[str, Any], ask: Asker, given_preference: dict[str, Any] 
     offered = [key for key in STRATEGIES if not (pref and key in preference.SPLIT_STRATEGIES)]
     estimate_line = _choose_strategy(answers, ask, want("strategy"), want, draft, offered)
     _strategy_details(answers, ask, want)
+    _offer_async_checkpoint(answers, ask, want, draft)
     if want("output_dir"):
         default = (preference.default_output_dir(answers, pref) if pref
                    else f"./outputs/{answers.base_model.rstrip('/').split('/')[-1].lower()}-{answers.method}")  # fmt: skip
@@ -319,6 +320,29 @@ def _strategy_details(answers: Answers, ask: Asker, want: Callable[[str], bool])
             answers.pipeline_schedule = ask.select("Pipeline schedule:", [("1f1b", "1F1B (less activation memory)"),
                                                    ("gpipe", "GPipe"), ("interleaved_1f1b", "interleaved 1F1B (smaller bubble)")],
                                                    "1f1b")  # fmt: skip
+
+
+ASYNC_FROM_PARAMETERS = 1e9  # a full fine-tune's synchronous save stops every GPU for a while from here on
+
+
+def _offer_async_checkpoint(answers: Answers, ask: Asker, want: Callable[[str], bool], draft) -> None:
+    """Background checkpoints (async_checkpoint), offered for large full fine-tunes where the strategy allows them
+    (not DeepSpeed, FSDP1 or pipelines); yes by default there."""
+    if not want("async_checkpoint") or answers.method != "full":
+        return
+    if answers.strategy.startswith("zero") or answers.strategy == "pipeline" or (
+        answers.strategy.startswith("fsdp") and answers.fsdp_version == 1
+    ):
+        return
+    from llmtune.plan.model_facts import read_model_facts
+
+    facts = read_model_facts(draft.base_model)
+    if facts is None or facts.total_params() < ASYNC_FROM_PARAMETERS:
+        return
+    size = facts.total_params() * 16 / 2**30  # fp32 weights and Adam's two moments: what a checkpoint writes
+    answers.async_checkpoint = ask.confirm(
+        f"Write checkpoints in the background (async_checkpoint)? A synchronous save stops every GPU while about "
+        f"{size:.0f} GB are written; in the background they stop only for the copy to host memory", True)  # fmt: skip
 
 
 def run_config(given: dict[str, Any], output: Path, yes: bool, force: bool) -> tuple[Path, list[str]]:

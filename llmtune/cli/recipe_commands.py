@@ -102,6 +102,9 @@ def plan(
         typer.Option("--write", help="Also write accelerate_config.yaml, deepspeed.json and plan.json here."),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    rdzv_endpoint: Annotated[
+        Optional[str], typer.Option("--rdzv-endpoint", help="host:port of the etcd server (rdzv_backend: etcd).")
+    ] = None,
 ) -> None:
     """Show what a run would do: strategy, sizes, generated configs, the command for each machine."""
     import json
@@ -112,6 +115,10 @@ def plan(
     from llmtune.recipe import load_recipe
 
     loaded = load_recipe(recipe)
+    if rdzv_endpoint:
+        if loaded.recipe.rdzv_backend != "etcd":
+            raise UserError("--rdzv-endpoint is the etcd server of rdzv_backend: etcd", "set rdzv_backend: etcd")
+        loaded.recipe = loaded.recipe.model_copy(update={"rdzv_endpoint": rdzv_endpoint})
     cluster = cluster_from_flags(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device,
                                  rehearse, launcher, hostfile, no_ssh)  # fmt: skip
     the_plan = make_plan(loaded.recipe, cluster, config_dir=str(write) if write else None)
@@ -194,6 +201,10 @@ def config_command(
     ) = None,
     fsdp_state_dict_type: _ask_option("--fsdp-state-dict-type", "FULL_STATE_DICT or SHARDED_STATE_DICT.") = None,
     fsdp_offload_params: _ask_option("--fsdp-offload-params", "Offload FSDP parameters to CPU.", bool) = None,
+    async_checkpoint: Annotated[Optional[bool], typer.Option(
+        "--async-checkpoint/--no-async-checkpoint", show_default=False,
+        help="Write checkpoints in the background (offered for large full fine-tunes; not DeepSpeed, FSDP1 or "
+        "pipelines).")] = None,  # fmt: skip
     pipeline_stages: _ask_option("--pipeline-stages", "Pipeline stages.", int) = None,
     pipeline_schedule: _ask_option("--pipeline-schedule", "gpipe, 1f1b or interleaved_1f1b.") = None,
     context_parallel_size: _ask_option("--context-parallel-size", "Ranks that split each row.", int) = None,

@@ -54,6 +54,17 @@ def train(
     rdzv_timeout: Annotated[
         Optional[int], typer.Option("--rdzv-timeout", min=1, help="Seconds to wait for every machine to join.")
     ] = None,
+    rdzv_endpoint: Annotated[
+        Optional[str], typer.Option("--rdzv-endpoint", help="host:port of the etcd server (rdzv_backend: etcd).")
+    ] = None,
+    profile: Annotated[
+        bool,
+        typer.Option(
+            "--profile",
+            help="Trace 5 steps after the warm-up with torch's profiler (OUT/llmtune/profile/) "
+            "and print the GPU's idle fraction; the recipe's profiler_steps sets another count.",
+        ),
+    ] = False,
     verbose: Annotated[
         bool,
         typer.Option(
@@ -92,7 +103,16 @@ def train(
     from llmtune.recipe import load_recipe
 
     loaded = load_recipe(recipe)
-    overrides = {k: v for k, v in {"max_restarts": max_restarts, "rdzv_timeout": rdzv_timeout}.items() if v is not None}
+    overrides = {k: v for k, v in {"max_restarts": max_restarts, "rdzv_timeout": rdzv_timeout,
+                                   "rdzv_endpoint": rdzv_endpoint}.items() if v is not None}  # fmt: skip
+    if rdzv_endpoint and loaded.recipe.rdzv_backend != "etcd":
+        raise UserError(
+            "--rdzv-endpoint is the etcd server of rdzv_backend: etcd", "set rdzv_backend: etcd in the recipe"
+        )
+    if profile and not loaded.recipe.profiler_steps:
+        from llmtune.recipe.training import PROFILE_STEPS
+
+        overrides["profiler_steps"] = PROFILE_STEPS
     if overrides:
         loaded.recipe = loaded.recipe.model_copy(update=overrides)
     check_trackers(loaded.recipe)

@@ -65,6 +65,7 @@ def _request_stop(stop_file: Path) -> None:
 def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float, verbose: bool) -> int:
     cluster = plan.cluster
     checked_in: dict[str, str] = {}  # what the check-in tells this machine's ranks (own disk, machine rank, address)
+    etcd_run = None  # (endpoint, job, generation) of an etcd rendezvous
     if cluster.launcher == "deepspeed" and cluster.ssh and cluster.num_machines > 1:
         from llmtune.launch.remote import check_ssh_hosts
 
@@ -80,6 +81,20 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
         local = local_address_towards(cluster.main_process_ip)
         if local:  # unknown (e.g. machine 0's name doesn't resolve yet): torch's own guess, not a wrong address
             os.environ.setdefault("PET_LOCAL_ADDR", local)
+    elif cluster.num_machines > 1 and plan.rdzv_backend == "etcd":
+        # the rendezvous lives in etcd: checked before anything starts, and this launch's id agreed through it
+        from llmtune.launch import etcd
+
+        endpoint = _etcd_endpoint(plan)
+        version = etcd.check(endpoint, timeout=min(rdzv_timeout, 10))
+        job = plan.commands[cluster.machine_rank][plan.commands[cluster.machine_rank].index("--rdzv_id") + 1]
+        generation = etcd.generation(endpoint, job)
+        etcd_run = (endpoint, job, generation)
+        _log(f"etcd rendezvous at {endpoint} (etcd {version}, run {job}-{generation}): waiting up to "
+             f"{rdzv_timeout:.0f} s for {plan.min_machines or cluster.num_machines} to {cluster.num_machines} machines")  # fmt: skip
+        local = local_address_towards(endpoint.rpartition(":")[0])
+        if local:  # the address the other machines reach this one at, if its ranks host the store
+            os.environ.setdefault("PET_LOCAL_ADDR", local)
     elif cluster.num_machines > 1:  # every machine checks in first: a missing one is named, not waited on forever
         if cluster.machine_rank == 0:
             checked_in = lobby.gather(plan, rdzv_timeout, _log)
@@ -88,6 +103,8 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
     elif plan.world_size > 1:
         check_port_free(cluster.main_process_port)
     command = plan.commands[cluster.machine_rank]
+    if etcd_run:
+        command = etcd.with_rdzv_id(command, str(etcd_run[2]))
     argv = executable_command(command, extra_launcher_args)
     from llmtune.train.progress import TIMELINE_ENV, launcher_marks, mark
 
@@ -113,6 +130,8 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
         watcher.start()
         code = supervise(process)
         watcher.join(timeout=10)
+    if etcd_run:  # this launch's rendezvous is closed now: a rerun of the command takes the next generation
+        etcd.mark_ended(*etcd_run)
     console.close()
     if training_report is not None:
         training_report.finish(code == 0)
@@ -127,6 +146,11 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
         here.add(cluster.main_process_ip)
     lost_ok = cluster.num_machines > 1  # a lost peer is another machine only when there are several
     return report(watcher, log_dir, rendezvous=rendezvous, local_addresses=here if lost_ok else None)  # fmt: skip
+
+
+def _etcd_endpoint(plan: Plan) -> str:
+    command = plan.commands[plan.cluster.machine_rank]
+    return command[command.index("--rdzv_endpoint") + 1]
 
 
 class _Report:

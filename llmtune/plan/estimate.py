@@ -77,6 +77,7 @@ class Estimate:
     recompute: float = 0.0  # gradient checkpointing: one layer's activations rebuilt during backward
     reserve: float = 0.0  # the caching allocator's: blocks cached but idle at the peak, and fragmentation
     reference: float = 0.0  # preference training's frozen reference model (estimate_preference), on this GPU
+    staging: float = 0.0  # async_checkpoint: this rank's model and optimizer states copied to host memory (in cpu)
     reference_where: str = ""  # how this row holds it, or why there is none ("" without preference training)
     basis: str = "modelled"  # or "measured on H100": whether a recorded GPU run covers this row (estimate_basis)
     basis_reason: str = ""  # why a row is modelled
@@ -231,6 +232,19 @@ def estimate(
 ) -> list[Estimate]:
     """One Estimate per strategy, per GPU. `mixed` overrides the recipe's precision (CPU rehearsals run fp32);
     `expandable` the allocator mode, which otherwise follows PYTORCH_CUDA_ALLOC_CONF as the workers will."""
+    rows = _estimate(recipe, facts, data_parallel, gpus_per_machine, stages, mixed, expandable)
+    if recipe.async_checkpoint:
+        per_machine = max(1, min(max(1, data_parallel), gpus_per_machine))
+        share = trainable_parameters(recipe, facts) / max(1, facts.total_params())
+        for row in rows:
+            if not row.name.startswith("ZeRO"):  # (refused there: DeepSpeed writes its own checkpoints)
+                row.staging = row.optimizer + row.params * min(1.0, share)
+                row.cpu += row.staging * per_machine
+    return rows
+
+
+def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: int, stages: int,
+              mixed: bool | None, expandable: bool | None) -> list[Estimate]:  # fmt: skip
     mixed = is_mixed(recipe) if mixed is None else mixed
     params, grads, optimizer = _states(recipe, facts, mixed, deepspeed=False)
     zp, zg, zo = _states(recipe, facts, mixed, deepspeed=True)

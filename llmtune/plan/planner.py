@@ -25,7 +25,7 @@ from llmtune.plan.model_facts import ModelFacts, read_model_facts
 from llmtune.plan.pipeline import bubble_fraction, split_layers
 from llmtune.plan.resume import resumed_accumulation
 from llmtune.recipe import Recipe
-from llmtune.recipe.kernels import INSTALL_HINT, Kernels, liger_requested, resolve_kernels
+from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, liger_requested, resolve_kernels
 
 STRATEGY_TITLES = {
     "single": "single process", "ddp": "DDP (data parallel)", "zero1": "DeepSpeed ZeRO-1",
@@ -187,6 +187,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         _check_muon_offload(recipe)
     if recipe.relora:
         notes.append(_check_relora(recipe, strategy))
+    if recipe.async_checkpoint:
+        notes.append(_check_async_checkpoint(recipe, strategy, facts))
     if pipeline and recipe.precision == "fp16":  # refused in rehearsal too: the GPU run would refuse it
         raise UserError("pipeline runs take bf16 or fp32: fp16 needs loss scaling, which the pipeline loop does not do",
                         "set bf16: true (or fp16: false)")  # fmt: skip
@@ -251,7 +253,11 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         notes.append("activation offloading: not on the CPU rehearsal (activations are in host memory already)"
                      if cluster.rehearsal else "activation offloading: each checkpointed layer's input is held in "
                      "pinned CPU memory (transformers' checkpoint offload); slower steps, less GPU memory")  # fmt: skip
-    kernels = _kernels(recipe, cluster, precision, strategy)
+    kernels = _kernels(recipe, cluster, precision, strategy, mesh)
+    kernels.optimizer = fused_optimizer(recipe, cluster.device, strategy, deepspeed_config)
+    if kernels.optimizer:
+        kernels.notes.append(f"optimizer: {kernels.optimizer} for the recipe's {recipe.optimizer} (the same AdamW, "
+                             "fused into one kernel per step on CUDA)")  # fmt: skip
     notes += kernels.notes
     if recipe.qat:
         notes += _qat_notes(recipe)
@@ -260,9 +266,23 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         accelerate = build_accelerate_config(
             strategy, cluster, precision, ds_path, int(strategy[-1]) if ds_path else 0, fsdp, recipe.rdzv_backend
         )
-    if recipe.rdzv_backend == "c10d" and cluster.num_machines == 1:
-        raise UserError("rdzv_backend: c10d is for jobs on several machines (it gathers machines, not processes)",
-                        "on one machine, max_restarts alone restarts the ranks after a crash")  # fmt: skip
+    if recipe.rdzv_backend in ELASTIC and cluster.num_machines == 1:
+        raise UserError(f"rdzv_backend: {recipe.rdzv_backend} is for jobs on several machines (it gathers machines, "
+                        "not processes)", "on one machine, max_restarts alone restarts the ranks after a crash")  # fmt: skip
+    if recipe.rdzv_backend == "etcd":
+        if not recipe.rdzv_endpoint:
+            raise UserError("rdzv_backend: etcd needs rdzv_endpoint: host:port of the etcd server",
+                            "set rdzv_endpoint in the recipe or pass --rdzv-endpoint, e.g. 10.0.0.5:2379")  # fmt: skip
+        if strategy != "ddp":
+            raise UserError(f"rdzv_backend: etcd with {STRATEGY_TITLES[strategy]} is not supported: llmtune runs "
+                            "torchrun's elastic agent directly for it, with DDP ranks only",
+                            "use DDP (no deepspeed/fsdp/pipeline keys), or rdzv_backend: c10d")  # fmt: skip
+        notes.append(f"rendezvous: etcd at {recipe.rdzv_endpoint} (torchrun's etcd-v2 backend), off the training "
+                     "machines: the job survives losing any machine, machine 0 included, down to "
+                     f"{recipe.min_machines or cluster.num_machines} machine(s); every machine must reach it")  # fmt: skip
+    elif recipe.rdzv_backend == "c10d":
+        notes.append(f"rendezvous: c10d; its store lives on machine 0 ({cluster.main_process_ip}), so losing machine 0 "
+                     "ends the job whatever max_restarts says (rdzv_backend: etcd keeps it off the training machines)")  # fmt: skip
     resumed = resumed_accumulation(recipe, strategy, world, data_parallel, mesh, STRATEGY_TITLES, offload)
     if resumed:  # the checkpoint it resumes was saved on another world size: keep its global batch
         accumulation = resumed.accumulation
@@ -291,12 +311,13 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
                      f"next-token probabilities (power {recipe.eaft_alpha})")  # fmt: skip
     env = _environment(cluster, strategy)
     if cluster.launcher == "deepspeed":
-        if recipe.rdzv_backend == "c10d" or recipe.max_restarts:
-            raise UserError("rdzv_backend: c10d and max_restarts are torchrun's; DeepSpeed's launcher has neither",
+        if recipe.rdzv_backend in ELASTIC or recipe.max_restarts:
+            raise UserError(f"rdzv_backend: {recipe.rdzv_backend} and max_restarts are torchrun's; DeepSpeed's launcher "
+                            "has neither",
                             "use --launcher accelerate for an elastic job")  # fmt: skip
         # DeepSpeed's launcher exports only a few variables to the machines it starts: the rest go in this file
         env["DS_ENV_FILE"] = str(Path(config_dir) / "deepspeed_env")
-    if recipe.rdzv_backend == "c10d":
+    if recipe.rdzv_backend in ELASTIC:
         # a fresh TCP store for the ranks of every rendezvous round: a machine that restarted (its restart count
         # back at 0) and the survivors (at 1) then meet in the same clean store, instead of stale keys of the dead
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -307,6 +328,38 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         recipe.min_machines if recipe.min_machines and recipe.min_machines < cluster.num_machines else None,
         kernels.to_dict(), mesh, shared_output,
     )  # fmt: skip
+
+
+def _check_async_checkpoint(recipe: Recipe, strategy: str, facts: ModelFacts | None) -> str:
+    """async_checkpoint runs through torch's distributed checkpoint; refused where the engine writes its own
+    checkpoints or the Trainer's format is needed. Returns the plan's note, with the host memory it stages into."""
+    refusals = {
+        "zero": ("DeepSpeed writes ZeRO checkpoints itself; its decoupled checkpoint engine (DeepSpeed >= 0.17) "
+                 "writes through its async_io op (libaio), which llmtune doesn't drive yet",
+                 "remove async_checkpoint (ZeRO checkpoints are then written synchronously), or use fsdp_version: 2"),
+        "fsdp1": ("FSDP1's sharded checkpoints go through accelerate's synchronous save", "use fsdp_version: 2"),
+        "pipeline": ("pipeline stages checkpoint in llmtune's own loop, synchronously", "remove async_checkpoint"),
+    }  # fmt: skip
+    key = "zero" if strategy.startswith("zero") else strategy
+    if key in refusals:
+        why, hint = refusals[key]
+        raise UserError(f"async_checkpoint is not supported here: {why}", hint)
+    if recipe.early_stopping_patience:
+        raise UserError("async_checkpoint with early_stopping_patience is not supported: keeping the best checkpoint "
+                        "reloads it in the Trainer's own format", "remove one of them")  # fmt: skip
+    if recipe.save_strategy == "no":
+        return "async_checkpoint: no effect (save_strategy: no)"
+    size = ""
+    if facts is not None:
+        from llmtune.plan.estimate import estimate
+
+        row = next(r for r in estimate(recipe, facts, 1, 1) if r.name == "single / DDP")
+        staged = row.staging / 2**30
+        shown = f"{staged:.1f} GiB" if staged >= 0.1 else f"{row.staging / 2**20:.1f} MiB"
+        size = f" (up to {shown} per rank, less where the states are sharded)"
+    return (f"async_checkpoint: each checkpoint's model and optimizer states are copied to pinned host memory{size} "
+            "and written by a background thread while training goes on; a checkpoint counts for resume once every "
+            "rank has finished writing it, and a save waits for the previous write")  # fmt: skip
 
 
 def _check_relora(recipe: Recipe, strategy: str) -> str:
@@ -344,11 +397,23 @@ def _check_muon_offload(recipe: Recipe) -> None:
                     "adamw_torch")  # fmt: skip
 
 
-def _kernels(recipe: Recipe, cluster: Cluster, precision: str, strategy: str) -> Kernels:
+def _torch_has_varlen() -> bool:
+    """torch >= 2.10 has torch.nn.attention.varlen; read from the installed version, not imported (the plan stays
+    torch-free)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(part) for part in version("torch").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (2, 10)
+
+
+def _kernels(recipe: Recipe, cluster: Cluster, precision: str, strategy: str, mesh: dict | None) -> Kernels:
     """The fast path as the GPU run will take it (shown by `llmtune plan`); in rehearsal, notes that it is off."""
     # Looked up, not imported: the plan stays fast and torch-free. The worker imports it for real.
     flash = not cluster.rehearsal and importlib.util.find_spec("flash_attn") is not None
-    kernels = resolve_kernels(recipe, cluster.device, precision, strategy, flash)
+    kernels = resolve_kernels(recipe, cluster.device, precision, strategy, flash, _torch_has_varlen(), mesh)
     if kernels.liger_on and importlib.util.find_spec("liger_kernel") is None:
         kernels.notes.append(f"liger-kernel is not installed here; the GPU run needs it: {INSTALL_HINT}")
     return kernels
@@ -375,8 +440,8 @@ def _check_elastic_sizes(recipe: Recipe, cluster: Cluster, strategy: str, global
     least = recipe.min_machines
     if least is None:
         return
-    if recipe.rdzv_backend != "c10d":
-        raise UserError("min_machines needs rdzv_backend: c10d (torchrun's elastic rendezvous)")
+    if recipe.rdzv_backend not in ELASTIC:
+        raise UserError("min_machines needs rdzv_backend: c10d or etcd (torchrun's elastic rendezvous)")
     if least > cluster.num_machines:
         raise UserError(f"min_machines {least} is more than --num-machines {cluster.num_machines}")
     if least == cluster.num_machines:
@@ -428,7 +493,9 @@ def _command(strategy: str, config_dir: str, machine_rank: int, recipe: Recipe, 
             return ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *restarts,
                     "-m", "llmtune.train", plan_file]  # fmt: skip
         return ["python", "-m", "llmtune.train", plan_file]
-    if recipe.rdzv_backend == "c10d" and recipe.min_machines and recipe.min_machines < cluster.num_machines:
+    if recipe.rdzv_backend == "etcd" or (
+        recipe.rdzv_backend == "c10d" and recipe.min_machines and recipe.min_machines < cluster.num_machines
+    ):
         return _torchrun_elastic_command(plan_file, config_dir, machine_rank, recipe, cluster)
     rendezvous = ["--rdzv_conf", f"timeout={recipe.rdzv_timeout}"] if cluster.num_machines > 1 else []
     if recipe.rdzv_backend == "c10d":
@@ -458,6 +525,17 @@ def _deepspeed_command(plan_file: str, config_dir: str, machine_rank: int, clust
     return [*command, "--no_local_rank", "--module", "llmtune.train", plan_file]
 
 
+ELASTIC = ("c10d", "etcd")  # torchrun's elastic rendezvous backends
+
+
+def etcd_job_id(recipe: Recipe) -> str:
+    """The rendezvous id every machine of this job derives alike (from the output folder it names); the launcher
+    appends the launch's generation (llmtune/launch/etcd.py)."""
+    import hashlib
+
+    return "llmtune-" + hashlib.sha1(recipe.output_dir.encode()).hexdigest()[:12]
+
+
 def _c10d_conf(recipe: Recipe, machine_rank: int) -> str:
     # join_timeout: how long a round waits for machines (also a restarted one to come back); last_call: once enough
     # have joined, how long late ones may still make this round. Machine 0 (whose address is the endpoint) hosts
@@ -470,11 +548,20 @@ def _c10d_conf(recipe: Recipe, machine_rank: int) -> str:
 
 def _torchrun_elastic_command(plan_file: str, config_dir: str, machine_rank: int, recipe: Recipe,
                               cluster: Cluster) -> list[str]:  # fmt: skip
-    """torchrun itself, for a world that may shrink or grow: accelerate launch fixes --nnodes to one number."""
+    """torchrun itself, for a world that may shrink or grow: accelerate launch fixes --nnodes to one number. With
+    etcd the rendezvous lives in the etcd server; its run id gets the launch's generation at launch (an etcd
+    rendezvous, once closed by a finished or failed job, takes no one again)."""
+    least = recipe.min_machines or cluster.num_machines
+    if recipe.rdzv_backend == "etcd":
+        conf = (f"join_timeout={recipe.rdzv_timeout},last_call_timeout=2,close_timeout=10,"
+                f"read_timeout={recipe.rdzv_timeout}")  # fmt: skip
+        rendezvous = ["--rdzv_backend", "etcd-v2", "--rdzv_endpoint", recipe.rdzv_endpoint,
+                      "--rdzv_id", etcd_job_id(recipe), "--rdzv_conf", conf]  # fmt: skip
+    else:
+        rendezvous = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{cluster.main_process_ip}:{cluster.main_process_port}",
+                      "--rdzv_conf", _c10d_conf(recipe, machine_rank)]  # fmt: skip
     return [
-        "python", "-m", "torch.distributed.run", "--nnodes", f"{recipe.min_machines}:{cluster.num_machines}",
-        "--nproc_per_node", str(cluster.processes_per_machine), "--rdzv_backend", "c10d",
-        "--rdzv_endpoint", f"{cluster.main_process_ip}:{cluster.main_process_port}",
-        "--rdzv_conf", _c10d_conf(recipe, machine_rank), "--max_restarts", str(recipe.max_restarts),
+        "python", "-m", "torch.distributed.run", "--nnodes", f"{least}:{cluster.num_machines}",
+        "--nproc_per_node", str(cluster.processes_per_machine), *rendezvous, "--max_restarts", str(recipe.max_restarts),
         "--tee", "3", "--log_dir", str(Path(config_dir) / "logs"), "-m", "llmtune.train", plan_file,
     ]  # fmt: skip

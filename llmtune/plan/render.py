@@ -47,6 +47,12 @@ def summary_lines(plan: Plan, recipe) -> list[tuple[str, str]]:
     ]
     if plan.kernels.get("summary"):
         rows.append(("kernels", plan.kernels["summary"]))
+    if plan.kernels.get("batches"):
+        rows.append(("batches", plan.kernels["batches"]["summary"]))
+    if plan.kernels.get("loader"):
+        from llmtune.recipe.kernels import Kernels
+
+        rows.append(("data loading", Kernels(plan.cluster.device, loader=plan.kernels["loader"]).loading_line()))
     if plan.zero_stage:
         zero = plan.deepspeed_config["zero_optimization"]
         rows.append(("zero", f"stage {zero['stage']}, offload optimizer: "
@@ -97,9 +103,17 @@ def command_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _etcd_endpoint(plan: Plan) -> str | None:
+    """The etcd server of an etcd rendezvous, as the commands name it."""
+    for command in plan.commands:
+        if "--rdzv_endpoint" in command and "etcd-v2" in command:
+            return command[command.index("--rdzv_endpoint") + 1]
+    return None
+
+
 def _ranks(plan: Plan, machine: int) -> str:
     per = plan.cluster.processes_per_machine
-    if plan.rdzv_backend == "c10d":
+    if plan.rdzv_backend in ("c10d", "etcd"):
         return f"{per} rank(s), numbered at the rendezvous"
     first = machine * per
     return f"rank {first}" if per == 1 else f"ranks {first}..{first + per - 1}"
@@ -117,13 +131,17 @@ def where_lines(plan: Plan, recipe_path: str) -> list[str]:
     hosts = cluster.hosts or tuple([cluster.main_process_ip] + [f"machine-{i}" for i in range(1, machines)])
     hostfile = cluster.hostfile or "HOSTFILE"
     size = f"--num-machines {machines} --num-processes {plan.world_size}"
-    lines = [f"accelerate (torchrun underneath; rendezvous {plan.rdzv_backend} at {address}):"]
+    elastic = plan.rdzv_backend in ("c10d", "etcd")
+    at = _etcd_endpoint(plan) or address
+    lines = [f"accelerate (torchrun underneath; rendezvous {plan.rdzv_backend} at {at}):"]
     for m in range(machines):
         lines.append(f"  on {hosts[m]}: llmtune train {recipe}{device} {size} --machine-rank {m} "
                      f"--main-process-ip {cluster.main_process_ip} --main-process-port {cluster.main_process_port}"
-                     f"  -> {'torchrun' if plan.min_machines else 'accelerate launch'} -> {_ranks(plan, m)}")  # fmt: skip
-    if plan.rdzv_backend == "c10d":
-        lines.append("deepspeed: not with rdzv_backend: c10d (DeepSpeed's launcher has no elastic rendezvous)")
+                     f"  -> {'torchrun' if plan.min_machines or _etcd_endpoint(plan) else 'accelerate launch'} -> "
+                     f"{_ranks(plan, m)}")  # fmt: skip
+    if elastic:
+        lines.append(f"deepspeed: not with rdzv_backend: {plan.rdzv_backend} (DeepSpeed's launcher has no elastic "
+                     "rendezvous)")  # fmt: skip
     else:
         lines.append(
             f"deepspeed over ssh (hostfile {hostfile}, `host slots={cluster.processes_per_machine}` per line):"

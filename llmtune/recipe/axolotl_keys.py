@@ -62,7 +62,7 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         debug comet_experiment_config comet_experiment_key comet_mode comet_online comet_project_name
         comet_workspace use_comet trackio_project_name trackio_run_name trackio_space_id use_trackio
         use_otel_metrics otel_metrics_host otel_metrics_port mlflow_run_name hf_mlflow_log_artifacts
-        include_tokens_per_second include_tkps profiler_steps profiler_steps_start eval_table_size
+        include_tokens_per_second include_tkps eval_table_size
         eval_max_new_tokens generate_samples num_generation_samples generation_do_sample
         generation_max_new_tokens generation_prompt_ratio generation_temperature generation_top_k
         generation_top_p do_bench_eval bench_dataset bench_split do_causal_lm_eval eval_causal_lm_metrics
@@ -97,7 +97,7 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         fp32_norm_classes expert_parallel_size expert_parallel_backend
         expert_parallel_fallback_on_unsupported expert_parallel_num_nvl_bytes expert_parallel_num_rdma_bytes
         expert_parallel_token_capacity accelerator_config heads_k_stride ring_attn_func
-        ddp_broadcast_buffers dataloader_prefetch_factor torchdistx_path
+        ddp_broadcast_buffers torchdistx_path
     """,
     ),
     **_no_effect(
@@ -270,7 +270,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "use load_in_4bit with adapter: qlora",
         "load_4bit",
     ),
-    **_refused("padding-free batch flattening", "use sample_packing: true", "batch_flattening"),
 }
 
 # bnb_config_kwargs entries: llmtune's key for each, or None where llmtune decides (from the precision).

@@ -267,7 +267,14 @@ class DataKeys(Section):
     )
     sample_packing: bool = Field(False, description="Pack several examples per row, with no attention between them.")
     eval_sample_packing: bool | None = Field(None, description="Pack eval rows too (default: as sample_packing).")
-    pad_to_sequence_len: bool = Field(False, description="Pad every row to sequence_len (fixed shapes).")
+    pad_to_sequence_len: bool = Field(False, description="Pad every row to sequence_len (fixed shapes); with "
+                                      "padding-free batches, pad each micro-batch to micro_batch_size x sequence_len "
+                                      "tokens (one pad segment no token attends to).")  # fmt: skip
+    batch_flattening: bool | Literal["auto"] | None = Field(
+        None, description="Padding-free batches: a micro-batch is its rows concatenated, positions restarting per "
+        "row, read by a varlen attention kernel (no pad token computed, no attention mask). Default (or auto): on "
+        "wherever the model and the plan allow it; false: padded rows with an attention mask; true: required.",
+    )  # fmt: skip
     train_on_inputs: bool = Field(False, description="Also train on prompt tokens (no -100 labels).")
     default_system_message: str | None = Field(
         None, description="sharegpt with conversation chatml or llama3, when chat_template names the same template: "

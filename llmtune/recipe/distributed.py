@@ -103,12 +103,18 @@ class DistributedKeys(Section):
         description="After a rank crashes, restart all ranks up to N times "
         "(torchrun's elastic agent); they resume from the last complete checkpoint.",
     )
-    rdzv_backend: Literal["static", "c10d"] = Field(
+    rdzv_backend: Literal["static", "c10d", "etcd"] = Field(
         "static",
-        description="Rendezvous: static (fixed machine ranks, every machine checks in first) or c10d "
+        description="Rendezvous: static (fixed machine ranks, every machine checks in first), c10d "
         "(torchrun's elastic rendezvous at --main-process-ip:--main-process-port: machines may join in any "
-        "order and a restarted machine rejoins; with max_restarts the job survives it).",
+        "order and a restarted machine rejoins; with max_restarts the job survives it; its store lives on "
+        "machine 0, so losing machine 0 ends the job) or etcd (the same elastic rendezvous kept in an etcd server "
+        "off the training machines, rdzv_endpoint: the job survives the loss of any machine, machine 0 included).",
     )
+    rdzv_endpoint: str | None = Field(
+        None, description="rdzv_backend: etcd: host:port of the etcd server (its v2 API: etcd --enable-v2=true); "
+        "also --rdzv-endpoint.",
+    )  # fmt: skip
     min_machines: int | None = Field(
         None,
         gt=0,
@@ -173,6 +179,13 @@ class DistributedKeys(Section):
             if not self.fsdp_enabled or self.resolved_fsdp()[0] != 2:
                 raise ValueError("context parallelism without FSDP2 is not supported (accelerate's context parallel "
                                  "shards with FSDP2): set fsdp_version: 2")  # fmt: skip
+        if self.rdzv_endpoint:  # (etcd without one is refused by the planner: --rdzv-endpoint may still give it)
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"rdzv_endpoint '{self.rdzv_endpoint}' is not host:port (e.g. 10.0.0.5:2379)")
+            if self.rdzv_backend != "etcd":
+                raise ValueError("rdzv_endpoint is the etcd server of rdzv_backend: etcd; set that too, or remove it "
+                                 "(c10d's endpoint is --main-process-ip:--main-process-port)")  # fmt: skip
         config = self.fsdp_config
         if config and config.version and self.fsdp_version and config.version != self.fsdp_version:
             raise ValueError(f"fsdp_version is {self.fsdp_version} but fsdp_config.version is {config.version}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmtune.errors import UserError
+from llmtune.recipe.batches import Batches, resolve_batches
 
 LIGER_PLUGIN = "axolotl.integrations.liger.LigerPlugin"
 CCE_PLUGIN = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
@@ -83,6 +84,9 @@ class Kernels:
     notes: list[str] = field(default_factory=list)
     off_in_rehearsal: list[str] = field(default_factory=list)  # keys that apply on GPUs only
     attention_fallback: str | None = None  # why flash_attention_2 became sdpa
+    batches: Batches | None = None  # padding-free or padded micro-batches, and the attention kernel that reads them
+    optimizer: str | None = None  # the optim name the Trainer gets, where llmtune chose a faster twin of the recipe's
+    loader: dict = field(default_factory=dict)  # TrainingArguments for data loading (workers, prefetch, pinning)
 
     @property
     def liger_on(self) -> list[str]:
@@ -94,7 +98,7 @@ class Kernels:
         parts = []
         if self.liger_on:
             parts.append("liger " + ", ".join(SHOWN.get(n, n) for n in self.liger_on))
-        if self.attention:
+        if self.attention and not (self.batches and self.batches.padding_free):  # the batches row names it
             over_packed = " (varlen over packed rows)" if self.attention == "flash_attention_2" else ""
             parts.append(f"attention {self.attention}{over_packed}")
         if self.compile:
@@ -108,14 +112,29 @@ class Kernels:
             "attention": self.attention,
             "compile": self.compile,
             "summary": self.describe(),
+            "batches": self.batches.to_dict() if self.batches else None,
+            "optimizer": self.optimizer,
+            "loader": self.loader,
         }
 
+    def loading_line(self) -> str:
+        """The plan's data-loading row."""
+        workers = self.loader.get("dataloader_num_workers", 0)
+        if not workers:
+            return "in the training process (0 workers)" + ("" if self.device == "cuda" else ", CPU rehearsal")
+        pinned = self.loader.get("dataloader_pin_memory")
+        return (f"{workers} worker(s) per rank collate {self.loader.get('dataloader_prefetch_factor') or 2} batch(es) "
+                f"ahead each" + ("; pinned, copied to the GPU with non_blocking" if pinned else ""))  # fmt: skip
 
-def resolve_kernels(recipe, device: str, precision: str, strategy: str | None, flash_attn_installed: bool) -> Kernels:
+
+def resolve_kernels(recipe, device: str, precision: str, strategy: str | None, flash_attn_installed: bool,
+                    varlen_available: bool = True, mesh: dict | None = None) -> Kernels:  # fmt: skip
     """What the recipe's fast-path keys become on this device. Raises UserError for a combination that can't run."""
     kernels = Kernels(device, liger=liger_requested(recipe))
     _loss_kernels(recipe, strategy, kernels)
     _plugin_notes(recipe, kernels)
+    kernels.batches = resolve_batches(recipe, device, precision, strategy, flash_attn_installed, varlen_available, mesh)
+    kernels.loader = loader_arguments(recipe, device)
     kernels.attention = _attention(recipe, device, precision, strategy, flash_attn_installed, kernels)
     kernels.compile = compile_arguments(recipe, device)
     if recipe.torch_compile and strategy == "pipeline":
@@ -186,9 +205,12 @@ def _attention(recipe, device: str, precision: str, strategy: str | None, flash_
     else:
         return "flash_attention_2"
     key = "flash_attention" if recipe.flash_attention else "attn_implementation: flash_attention_2"
-    kernels.attention_fallback = (
-        f"{key}: {reason}; sdpa runs instead, with the block mask that keeps packed examples apart"
+    instead = (
+        f"{kernels.batches.describe().split('attention: ')[-1]} reads the padding-free batches instead"
+        if kernels.batches and kernels.batches.padding_free
+        else "sdpa runs instead, with the block mask that keeps packed examples apart"
     )
+    kernels.attention_fallback = f"{key}: {reason}; {instead}"
     kernels.notes.append(kernels.attention_fallback)
     return "sdpa"
 
@@ -200,4 +222,35 @@ def compile_arguments(recipe, device: str) -> dict:
     arguments = {"torch_compile": True, "torch_compile_backend": recipe.torch_compile_backend or "inductor"}
     if recipe.torch_compile_mode:
         arguments["torch_compile_mode"] = recipe.torch_compile_mode
+    return arguments
+
+
+def fused_optimizer(recipe, device: str, strategy: str | None, deepspeed_config: dict | None) -> str | None:
+    """adamw_torch_fused where the recipe names plain adamw_torch and the Trainer builds the optimizer on CUDA
+    (the same AdamW maths, one fused kernel instead of a loop of small ones); None where nothing changes."""
+    if recipe.optimizer != "adamw_torch" or device != "cuda" or strategy == "pipeline":
+        return None
+    if deepspeed_config and "optimizer" in deepspeed_config:
+        return None  # DeepSpeed's own (CPU) Adam runs the step
+    fsdp = recipe.resolved_fsdp()
+    if fsdp and fsdp[1].offload_params:
+        return None  # the step runs on CPU shards
+    return "adamw_torch_fused"
+
+
+def loader_arguments(recipe, device: str) -> dict:
+    """Data loading: on GPUs, workers collate the next batches while the GPU runs a step, into pinned memory the
+    copy to the GPU reads without blocking; in the CPU rehearsal, in the training process (workers would only
+    compete for the same cores)."""
+    workers = (
+        recipe.dataloader_num_workers if recipe.dataloader_num_workers is not None else (2 if device == "cuda" else 0)
+    )
+    pinned = bool(recipe.dataloader_pin_memory and device == "cuda")
+    arguments = {"dataloader_num_workers": workers, "dataloader_pin_memory": pinned,
+                 "dataloader_persistent_workers": workers > 0}  # fmt: skip
+    if workers:
+        arguments["dataloader_prefetch_factor"] = recipe.dataloader_prefetch_factor or 2
+    elif recipe.dataloader_prefetch_factor:
+        raise UserError("dataloader_prefetch_factor needs data-loading workers (dataloader_num_workers > 0)",
+                        "set dataloader_num_workers, or remove dataloader_prefetch_factor")  # fmt: skip
     return arguments

@@ -32,6 +32,11 @@ REPORT_TARGETS = ("none", "tensorboard", "wandb", "mlflow")
 OFFLOADED_CHECKPOINTING = ("unsloth", "offload", "offload_disk")
 
 
+# `llmtune train --profile`: steps traced, and the step after which tracing starts (the warm-up is not the run)
+PROFILE_STEPS = 5
+PROFILE_START = 2
+
+
 class TrainingKeys(Section):
     output_dir: str = Field("./outputs", description="Where checkpoints, the final model and reports go.")
     micro_batch_size: int = Field(1, gt=0, description="Rows per device per forward pass.")
@@ -86,6 +91,11 @@ class TrainingKeys(Section):
     saves_per_epoch: int | None = Field(None, gt=0, description="Checkpoints per epoch.")
     save_total_limit: int | None = Field(None, gt=0, description="Keep at most this many checkpoints.")
     save_only_model: bool = Field(False, description="Checkpoints without optimizer state (can't resume exactly).")
+    async_checkpoint: bool = Field(
+        False, description="llmtune's: stage each checkpoint's model and optimizer states in (pinned) host memory and "
+        "write them in the background while training goes on (torch's distributed checkpoint); a checkpoint counts "
+        "for resume once every rank's write has finished. Not with DeepSpeed, FSDP1 or pipelines.",
+    )  # fmt: skip
     eval_strategy: Literal["steps", "epoch", "no"] | None = Field(None, description="When to evaluate.")
     eval_steps: float | None = Field(None, gt=0, description="Evaluate every N steps (or a fraction of all steps).")
     evals_per_epoch: int | None = Field(None, ge=0, description="Evaluations per epoch (0: no evaluation).")
@@ -116,8 +126,19 @@ class TrainingKeys(Section):
                                       "time (embeddings, head and norms always train); a full fine-tune, one process.")  # fmt: skip
     lisa_step_interval: int = Field(20, gt=0, description="LISA: choose new layers every this many optimizer steps.")
     lisa_layers_attribute: str = Field("model.layers", description="LISA: where the model keeps its layer list.")
-    dataloader_num_workers: int = Field(0, ge=0, description="Data-loading worker processes per rank.")
-    dataloader_pin_memory: bool = Field(True, description="Pin host memory for faster copies to GPU.")
+    dataloader_num_workers: int | None = Field(
+        None, ge=0, description="Data-loading worker processes per rank (default: 2 on GPUs, so batches are "
+        "collated ahead of the step; 0 in CPU rehearsal).",
+    )  # fmt: skip
+    dataloader_pin_memory: bool = Field(True, description="Pin host memory (batches then copy to the GPU "
+                                        "asynchronously, non_blocking).")  # fmt: skip
+    dataloader_prefetch_factor: int | None = Field(None, gt=0, description="Batches each data-loading worker "
+                                                   "prepares ahead (default 2; needs workers).")  # fmt: skip
+    profiler_steps: int | None = Field(None, gt=0, description="Record this many steps with torch's profiler "
+                                       "(`llmtune train --profile` records 5): a trace under "
+                                       "output_dir/llmtune/profile and the GPU's idle fraction.")  # fmt: skip
+    profiler_steps_start: int | None = Field(None, ge=0, description="The step after which profiling starts "
+                                             "(default 2: after the warm-up steps).")  # fmt: skip
     report_to: list[Literal[REPORT_TARGETS]] | None = Field(None, description="Trackers: tensorboard, wandb, mlflow.")  # type: ignore[valid-type]
     use_tensorboard: bool = Field(False, description="Log to tensorboard (under output_dir/runs).")
     use_mlflow: bool = Field(False, description="Log to mlflow.")

@@ -64,6 +64,7 @@ class Answers:
     pipeline_schedule: str = "1f1b"
     tensor_parallel_size: int = 2
     context_parallel_size: int = 2
+    async_checkpoint: bool = False
     output_dir: str = "./outputs/run"
 
     @property
@@ -171,9 +172,10 @@ def closing_blocks(answers: Answers, label: str) -> list[str]:
         if keys
         else []
     )
-    blocks.append(block("Where the model, checkpoints and report go (auto-resumes from here).",
-                        {"output_dir": answers.output_dir, "save_strategy": "steps", "save_steps": 200,
-                         "save_total_limit": 2}))  # fmt: skip
+    saving = {"output_dir": answers.output_dir, "save_strategy": "steps", "save_steps": 200, "save_total_limit": 2}
+    if answers.async_checkpoint:  # written by a background thread while training goes on
+        saving["async_checkpoint"] = True
+    blocks.append(block("Where the model, checkpoints and report go (auto-resumes from here).", saving))
     return blocks
 
 

@@ -87,6 +87,7 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
     epoch_steps = steps_per_epoch(train_rows, plan)
     precision = plan["precision"]
     rehearsal = plan["cluster"]["device"] == "cpu"
+    kernels = plan.get("kernels") or {}
     save_strategy, save_steps = _every(recipe.save_steps, recipe.saves_per_epoch, epoch_steps)
     save_strategy = recipe.save_strategy or save_strategy
     eval_strategy, eval_steps = _every(recipe.eval_steps, recipe.evals_per_epoch, epoch_steps)
@@ -102,7 +103,8 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
         gradient_accumulation_steps=plan["gradient_accumulation_steps"],
         num_train_epochs=recipe.num_epochs,
         max_steps=recipe.max_steps or -1,
-        optim="adamw_torch" if recipe.optimizer == "muon" else recipe.optimizer,  # muon: the trainer builds it
+        # muon: the trainer builds it; adamw_torch on CUDA: the fused twin where the plan chose it
+        optim="adamw_torch" if recipe.optimizer == "muon" else (kernels.get("optimizer") or recipe.optimizer),
         learning_rate=recipe.learning_rate,
         lr_scheduler_type=scheduler,
         lr_scheduler_kwargs=scheduler_kwargs,
@@ -137,8 +139,9 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
         eval_steps=eval_steps,
         train_sampling_strategy=_sampling(recipe),
         neftune_noise_alpha=recipe.neftune_noise_alpha,
-        dataloader_num_workers=recipe.dataloader_num_workers,
-        dataloader_pin_memory=recipe.dataloader_pin_memory and not rehearsal,
+        **(kernels.get("loader") or {"dataloader_num_workers": 0, "dataloader_pin_memory": False}),
+        # pinned batches are copied to the GPU without blocking the host (accelerate's non_blocking)
+        accelerator_config={"non_blocking": bool((kernels.get("loader") or {}).get("dataloader_pin_memory"))},
         report_to=recipe.trackers or "none",
         run_name=recipe.wandb_name,
         ddp_timeout=recipe.ddp_timeout,
@@ -152,5 +155,6 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
         kwargs.update(load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False)
         if kwargs["save_strategy"] != kwargs["eval_strategy"] or kwargs["save_steps"] != (eval_steps or 500):
             kwargs.update(save_strategy=eval_strategy, save_steps=eval_steps or 500)
+    kwargs["accelerator_config"] = {**kwargs["accelerator_config"], **extra.pop("accelerator_config", {})}
     kwargs.update(extra)
     return (config_class or TrainingArguments)(**kwargs)

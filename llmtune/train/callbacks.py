@@ -130,14 +130,15 @@ class ProgressLines(TrainerCallback):
 class StopOnRequest(TrainerCallback):
     """Save a checkpoint at the end of the current step and stop, when asked: `kill -USR1` to `llmtune train`, or
     the sbatch script on Slurm's warning before the time limit, leaves <config_dir>/stop-requested. Each machine's
-    first rank looks for it after every step; one all-reduce makes every rank stop after the same step."""
+    first rank looks for it after every step; one all-reduce of a host flag (over gloo, never waiting for the GPU)
+    makes every rank stop after the same step."""
 
     def __init__(self, config_dir: str) -> None:
         self.config_dir = config_dir
         self.stopped_at: int | None = None
 
     def on_step_end(self, args, state, control, **kwargs):
-        asked = collectives.any_rank(checkpoints.stop_requested(self.config_dir))
+        asked = collectives.any_rank_on_host(checkpoints.stop_requested(self.config_dir))
         if asked and state.global_step < state.max_steps:
             control.should_save = True
             control.should_training_stop = True
@@ -184,3 +185,50 @@ class LossWatchdog(TrainerCallback):
             self.stopped_at = state.global_step
             control.should_training_stop = True
         return control
+
+
+class HostSyncWatch(TrainerCallback):
+    """Tests only (LLMTUNE_TEST_SYNC_DEBUG=1, on CUDA): torch's sync debug mode over whole steps after the warm-up,
+    from one step's beginning to the next's (the step, its callbacks and the next batch's loading), so a GPU test can
+    prove no host sync happens inside a step. `syncs`: where each synchronizing call was made, and how often."""
+
+    def __init__(self, first_step: int = 3) -> None:
+        self.first_step = first_step
+        self.syncs: dict[str, int] = {}
+        self.steps_watched = 0
+        self._catcher = None
+
+    def _close(self) -> None:
+        import torch
+
+        if self._catcher is None:
+            return
+        torch.cuda.set_sync_debug_mode(0)
+        for warning in self._records:
+            if "synchroniz" in str(warning.message):
+                where = f"{warning.filename}:{warning.lineno}"
+                self.syncs[where] = self.syncs.get(where, 0) + 1
+        self._catcher.__exit__(None, None, None)
+        self._catcher = None
+        self.steps_watched += 1
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        import warnings
+
+        import torch
+
+        self._close()
+        if not torch.cuda.is_available() or state.global_step + 1 < self.first_step:
+            return
+        self._catcher = warnings.catch_warnings(record=True)
+        self._records = self._catcher.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        import torch
+
+        if self._catcher is not None:  # the last step's window is cut at the end of training, unwatched
+            torch.cuda.set_sync_debug_mode(0)
+            self._catcher.__exit__(None, None, None)
+            self._catcher = None

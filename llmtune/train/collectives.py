@@ -104,6 +104,45 @@ def any_rank(flag: bool) -> bool:
     return sum_values([float(flag)])[0] > 0
 
 
+_host_group = None  # a gloo group for host-side flags, where the default group communicates on GPUs
+
+
+def any_rank_on_host(flag: bool) -> bool:
+    """`any_rank` without touching the GPU: the flag travels as a CPU tensor over gloo (a group of its own beside
+    NCCL, created the first time every rank asks), so reading the result never waits for the GPU's queued work.
+    Called at the same point by every rank (after each step)."""
+    if not active():
+        return flag
+    import torch
+
+    global _host_group
+    dist = _dist()
+    if device().type == "cpu":  # the rehearsal: the default gloo group already lives on the host
+        group = None
+    else:
+        if _host_group is None:
+            _host_group = dist.new_group(backend="gloo")
+        group = _host_group
+    value = torch.tensor([float(flag)], dtype=torch.float64)
+    dist.all_reduce(value, group=group)
+    return value.item() > 0
+
+
+_checkpoint_group = None
+
+
+def checkpoint_group():
+    """A gloo group for DCP's background checkpoint writer (None without a process group): apart from the training's
+    collectives and from the host flags, since the writer's thread runs beside both. Every rank creates it at the
+    same point (the first async checkpoint, or the trainer's set-up)."""
+    global _checkpoint_group
+    if not active():
+        return None
+    if _checkpoint_group is None:
+        _checkpoint_group = _dist().new_group(backend="gloo")
+    return _checkpoint_group
+
+
 def all_gather_objects(obj) -> list:
     """Every rank's `obj`, on every rank (picklable reports)."""
     if not active():

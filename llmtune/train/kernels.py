@@ -45,7 +45,9 @@ def kernels_for(recipe, precision: str, device: str | None = None) -> Kernels:
     device = device or current_device()
     strategy = "pipeline" if recipe.pipeline_parallel_size > 1 else None
     flash = device == "cuda" and recipe.attn_implementation == "flash_attention_2" and flash_attn_importable()
-    return resolve_kernels(recipe, device, precision, strategy, flash)
+    from llmtune.train.varlen import torch_varlen
+
+    return resolve_kernels(recipe, device, precision, strategy, flash, varlen_available=torch_varlen() is not None)
 
 
 def apply_kernels(model, kernels: Kernels, log) -> None:
@@ -54,7 +56,7 @@ def apply_kernels(model, kernels: Kernels, log) -> None:
     if kernels.attention == "flash_attention_2":
         keep_packed_rows_apart(model)
     parts = [f"liger {', '.join(applied)} ({model.config.model_type})"] if applied else []
-    if kernels.attention:
+    if kernels.attention and not (kernels.batches and kernels.batches.padding_free):  # the batches line names it
         parts.append(f"attention {kernels.attention}")
     if kernels.compile:
         parts.append(f"torch.compile {kernels.compile['torch_compile_backend']} (by the Trainer)")

@@ -88,11 +88,11 @@ class PreferenceMixin:
             ids, mask = inputs["input_ids"], inputs.get("attention_mask")
             rows = int(ids.shape[0]) // (2 if self.recipe.rl in PAIRED_BATCH else 1)
             real = int(mask.sum()) if mask is not None else int(ids.numel())
-            return ids, mask, rows, real
+            return ids, mask, rows, real, None
         ids, mask = inputs["chosen_input_ids"], inputs.get("chosen_attention_mask")  # ORPO and CPO
         other = inputs.get("rejected_attention_mask")
         real = sum(int(m.sum()) for m in (mask, other) if m is not None)
-        return ids, mask, int(ids.shape[0]), real
+        return ids, mask, int(ids.shape[0]), real, None
 
 
 def trainer_class(rl: str) -> type:

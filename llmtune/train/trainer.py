@@ -6,25 +6,33 @@ import errno
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 from transformers import Trainer
 
 from llmtune.errors import UserError
 from llmtune.train import checkpoints, collectives
+from llmtune.train.async_checkpoint import AsyncCheckpointing
 from llmtune.train.callbacks import NONFINITE_HINT, NonFiniteLoss, _test_kill
-from llmtune.train.data.collate import REAL_TOKENS
+from llmtune.train.data.collate import REAL_TOKENS, ROW_BYTES, ROW_LENGTHS
 
 
-def _log_rows(input_ids, mask, step: int) -> None:
+def row_tokens(input_ids, mask, lengths) -> list:
+    """Each row of a micro-batch as its real token ids (CPU tensors): padded rows under their attention mask,
+    packed rows whole, a padding-free batch cut at its rows' lengths. The same rows give the same list whatever
+    the layout."""
+    if lengths is not None:
+        return list(input_ids.cpu().reshape(-1)[: sum(lengths)].split(lengths))
+    return [ids[mask[i].cpu().bool()] if mask is not None else ids for i, ids in enumerate(input_ids.cpu())]
+
+
+def _log_rows(rows: list, step: int) -> None:
     """Tests only (LLMTUNE_TEST_ROW_LOG=<folder>): each rank appends the step it trains and a hash of each row of its
-    micro-batch (the tokens under the attention mask), so a test can prove no row was trained twice or skipped."""
+    micro-batch (its real tokens), so a test can prove no row was trained twice or skipped."""
     import hashlib
 
-    rows = []
-    for index, ids in enumerate(input_ids.cpu()):
-        kept = ids[mask[index].cpu().bool()] if mask is not None else ids
-        rows.append(hashlib.sha256(kept.numpy().tobytes()).hexdigest()[:16])
+    rows = [hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16] for ids in rows]
     folder = Path(os.environ["LLMTUNE_TEST_ROW_LOG"])
     with open(folder / f"rank{os.environ.get('RANK', 0)}.jsonl", "a") as log:
         log.write(json.dumps({"step": step, "rows": rows}) + "\n")
@@ -68,7 +76,7 @@ def _weights_finite(model) -> bool:
     return True
 
 
-class LlmtuneTrainer(Trainer):
+class LlmtuneTrainer(AsyncCheckpointing, Trainer):
     tokens_seen = 0
     padded_seen = 0
     rows_seen = 0
@@ -77,7 +85,7 @@ class LlmtuneTrainer(Trainer):
     batch_hash = None  # hashlib object while StepStats records batch hashes
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        ids, mask, rows, real = self._batch_view(inputs)
+        ids, mask, rows, real, lengths = self._batch_view(inputs)
         if self.rank_reports is None and self.plan is not None:
             from llmtune.train.ranks import check_first_batch
 
@@ -85,20 +93,25 @@ class LlmtuneTrainer(Trainer):
         self.tokens_seen += real
         self.rows_seen += rows
         self.padded_seen += int(ids.numel())
+        hashed = inputs.pop(ROW_BYTES, None)  # the rows' tokens, whatever the layout, read on the host
         if self.batch_hash is not None:
-            self.batch_hash.update(ids.cpu().numpy().tobytes())
+            if hashed is None:  # a collator that doesn't hash (reward pairs): the batch, one device copy
+                hashed = b"".join(row.numpy().tobytes() + b"|" for row in row_tokens(ids, mask, lengths))
+            self.batch_hash.update(hashed)
         if "LLMTUNE_TEST_ROW_LOG" in os.environ:
-            _log_rows(ids, mask, self.state.global_step + 1)
+            _log_rows(row_tokens(ids, mask, lengths), self.state.global_step + 1)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._nonfinite_guard(loss)
         return loss
 
     def _batch_view(self, inputs) -> tuple:
-        """(token ids to fingerprint, attention mask, rows, real tokens) of a micro-batch."""
+        """(token ids to fingerprint, attention mask, rows, real tokens, row lengths of a padding-free batch) of a
+        micro-batch; the collator's counts are Python numbers (no device sync)."""
         pairs = self.recipe is not None and self.recipe.reward_model  # a pair is two sequences of the batch
         ids = inputs["input_ids"]
-        rows = int(ids.shape[0]) // (2 if pairs else 1)
-        return ids, inputs.get("attention_mask"), rows, int(inputs.pop(REAL_TOKENS, 0))
+        lengths = inputs.pop(ROW_LENGTHS, None)
+        rows = len(lengths) if lengths is not None else int(ids.shape[0]) // (2 if pairs else 1)
+        return ids, inputs.get("attention_mask"), rows, int(inputs.pop(REAL_TOKENS, 0)), lengths
 
     def _nonfinite_guard(self, loss) -> None:
         """Remember (without a device sync) whether any loss since the last check was NaN/inf."""
@@ -127,7 +140,11 @@ class LlmtuneTrainer(Trainer):
         return super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial):
-        """Write into a staging folder, then (all ranks done) mark it complete and rename it into place."""
+        """Write into a staging folder, then (all ranks done) mark it complete and rename it into place. With
+        async_checkpoint the states are written in the background and the checkpoint is published later, when every
+        rank's write has finished (llmtune/train/async_checkpoint.py)."""
+        began = time.perf_counter()
+        waited = self.wait_for_previous_write() if self.async_saver is not None else 0.0
         self._check_finite()  # a NaN/inf model is never checkpointed
         step = self.state.global_step
         staging_root = Path(self.args.output_dir) / checkpoints.STAGING
@@ -140,8 +157,12 @@ class LlmtuneTrainer(Trainer):
         self._staging = True
         try:
             super()._save_checkpoint(model, trial)
-            if self._tensor_parallel_resumable():
-                self._save_tensor_parallel_state(str(staged))
+            if self._tensor_parallel_resumable():  # the Trainer saved no optimizer (save_only_model): llmtune does
+                if self.async_saver is not None:
+                    self.start_async_write(staged, trainable_only=True)
+                    self._save_rng_state(str(staged))
+                else:
+                    self._save_tensor_parallel_state(str(staged))
         except (OSError, RuntimeError) as err:
             if not _disk_full(err, Path(self.args.output_dir)):
                 raise
@@ -155,11 +176,28 @@ class LlmtuneTrainer(Trainer):
         finally:
             self._staging = False
         _test_kill("LLMTUNE_TEST_KILL_IN_SAVE", step)
+        self.checkpoint_times = self.checkpoint_times if self.checkpoint_times is not None else []
+        record = {"step": step, "async": self.async_saver is not None, "waited_seconds": round(waited, 4)}
+        self.checkpoint_times.append(record)
+        # what the marker says of this allocation and of the rows trained up to this step (a collective)
+        info = {"step": step, "world_size": self.accelerator.num_processes, **self._allocation()}
+        if self.async_saver is not None:  # published once every rank's background write has finished
+            self._deferred = (staged, final, {**info, "format": "dcp-async"})
+            record["stall_seconds"] = round(time.perf_counter() - began - waited, 4)
+            return
+        self._publish(staged, final, info)
+        record["stall_seconds"] = record["write_seconds"] = round(time.perf_counter() - began - waited, 4)
+
+    def _publish(self, staged: Path, final: Path, info: dict) -> None:
+        """Every rank's files are written: the marker, the rename into place, rotation. Called by every rank."""
+        from llmtune.train import manifest
+
+        staging_root = staged.parent
+        machines = self.plan["cluster"]["num_machines"] if self.plan else 1
         self.accelerator.wait_for_everyone()
         # Rank 0 publishes first; then, on machines with their own disk (not shared storage), each machine's first
         # rank publishes its copy. Publishing at once from every machine raced on shared storage: one machine's
         # "replace the same step saved again" moved away the checkpoint another had just put in place.
-        info = {"step": step, "world_size": self.accelerator.num_processes, **self._allocation()}
         if machines > 1:
             if manifest.own_disk() and self.accelerator.is_local_main_process:
                 manifest.complete_deepspeed_copy(staged)
@@ -221,47 +259,42 @@ class LlmtuneTrainer(Trainer):
     # Tensor parallel: transformers can't checkpoint the optimizer of a model it sharded at load (the Trainer runs
     # with save_only_model, which still writes the whole weights for users). For resume llmtune saves the model's
     # and the optimizer's DTensor states with torch's distributed checkpoint (each rank its shards, under the names
-    # the live model has, whatever transformers converted at load), the scheduler and the RNG state.
-    TP_STATE = "tp_state"
+    # the live model has, whatever transformers converted at load), the scheduler and the RNG state. Async
+    # checkpoints (any strategy but ZeRO, FSDP1 and pipelines) hold the same states, written in the background.
 
     def _tensor_parallel_resumable(self) -> bool:
         return bool(self.plan and self.plan["strategy"] == "tp" and self.recipe and not self.recipe.save_only_model)
 
-    def _tp_optimizer_state(self) -> dict:
-        """This rank's optimizer state as DCP keys it (initialised first if the optimizer has not stepped yet)."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.model, getattr(self.optimizer, "optimizer", self.optimizer))
-
     def _save_tensor_parallel_state(self, folder: str) -> None:
         import torch
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        states = {"model": get_model_state_dict(self.model), "optimizer": self._tp_optimizer_state()}
-        dcp.save(states, checkpoint_id=os.path.join(folder, self.TP_STATE))
+        from llmtune.train import dcp_checkpoint
+
+        dcp_checkpoint.save(self.model, self.optimizer, Path(folder) / dcp_checkpoint.TP_STATE)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
         self._save_rng_state(folder)
 
-    def _tp_folder(self, checkpoint) -> str | None:
-        folder = os.path.join(checkpoint, self.TP_STATE) if checkpoint else None
-        return folder if self._tensor_parallel_resumable() and folder and os.path.isdir(folder) else None
+    def _dcp_folder(self, checkpoint):
+        """The checkpoint's DCP states (a tensor-parallel or an async checkpoint), or None."""
+        from llmtune.train import dcp_checkpoint
+
+        folder = dcp_checkpoint.folder_of(checkpoint)
+        if folder is None or (folder.name == dcp_checkpoint.TP_STATE and not self._tensor_parallel_resumable()):
+            return None
+        return folder
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        folder = self._tp_folder(resume_from_checkpoint)
+        folder = self._dcp_folder(resume_from_checkpoint)
         if folder is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        from llmtune.train import dcp_checkpoint
 
-        state = {"model": get_model_state_dict(self.model)}
-        dcp.load(state, checkpoint_id=folder)
-        set_model_state_dict(self.model, state["model"])
+        dcp_checkpoint.load_model(self.model, folder, trainable_only=folder.name == dcp_checkpoint.STATE)
         return None
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        folder = self._tp_folder(checkpoint)
+        folder = self._dcp_folder(checkpoint)
         if folder is None:
             from llmtune.train.fsdp_resume import load_optimizer_and_scheduler
 
@@ -270,12 +303,11 @@ class LlmtuneTrainer(Trainer):
                 return None
             return super()._load_optimizer_and_scheduler(checkpoint)
         import torch
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        state = {"optimizer": self._tp_optimizer_state()}  # the templates DCP loads into
-        dcp.load(state, checkpoint_id=folder)
-        set_optimizer_state_dict(self.model, getattr(self.optimizer, "optimizer", self.optimizer), state["optimizer"])
+        from llmtune.train import dcp_checkpoint
+
+        dcp_checkpoint.load_optimizer(self.model, self.optimizer, folder,
+                                      trainable_only=folder.name == dcp_checkpoint.STATE)  # fmt: skip
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
         return None
 
@@ -309,6 +341,10 @@ class LlmtuneTrainer(Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs.pop(REAL_TOKENS, None)
+        inputs.pop(ROW_BYTES, None)
+        inputs.pop(
+            ROW_LENGTHS, None
+        )  # the Trainer weighs each eval batch's loss by the loader's batch size, flat or not
         if self.recipe is not None and self.recipe.reward_model:  # one margin per pair, not one score per sequence
             import torch
 

@@ -53,8 +53,7 @@ def _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_ori
     reports = gather({"rank": rank.rank, "stage": grid.stage, "replica": grid.replica, "schedule": result["schedule"],
                       "stage_indices": result["stage_indices"], "layer_indices": result["layer_indices"],
                       "local_parameters": local_parameter_numel(result["stage_module"]), "world_size": rank.world_size,
-                      "libraries": libraries.imported(),
-                      **cuda_peaks()})  # fmt: skip
+                      "libraries": libraries.imported(), **cuda_peaks()})  # fmt: skip
     state = gather_state_dict(result)
     history = result["history"]
     metrics = {
@@ -214,6 +213,23 @@ def _preference_trainer(recipe, plan, model, args, data, tokenizer, source, call
     return build_trainer(recipe, model, reference, args, data, tokenizer, callbacks)
 
 
+def _batches(recipe: Recipe, plan: dict, model):
+    """The plan's batch layout on this rank: padding-free batches where the loaded model's attention takes them
+    (the model is switched to the varlen kernel), padded rows elsewhere; said in one line."""
+    from llmtune.recipe.batches import PADDED, Batches
+    from llmtune.train import varlen
+    from llmtune.train.kernels import kernels_for
+
+    batches = kernels_for(recipe, plan["precision"], plan["cluster"]["device"]).batches
+    if batches.padding_free and not varlen.apply(model, batches.attention):
+        why = varlen.unsupported(model)
+        if recipe.batch_flattening is True:
+            raise UserError(f"batch_flattening: true can't run with this model: {why}", "remove batch_flattening")
+        batches = Batches(PADDED, reason=why)
+    log(f"batches: {batches.describe()}")
+    return batches
+
+
 def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     _library_bars_off()
     from accelerate import PartialState
@@ -230,7 +246,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         TestKillAfterSave,
     )  # fmt: skip
     from llmtune.train.checkpoints import clear_staging, resume_point
-    from llmtune.train.data.collate import Collator
+    from llmtune.train.data.collate import Collator, FlatCollator
     from llmtune.train.data.prepare import prepare_data
     from llmtune.train.model import load_model, load_tokenizer, model_source
     from llmtune.train.objectives import LayerSampling, eaft_for
@@ -293,7 +309,11 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     if args is None:
         return _train_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_origin, trainable, total)
     pad_to = recipe.sequence_len if recipe.pad_to_sequence_len else None
-    collator = Collator(tokenizer.pad_token_id, pad_to, multiple_of=2 * cp if cp > 1 else 1, mask=cp == 1)
+    batches = _batches(recipe, plan, model)
+    if batches.padding_free:
+        collator = FlatCollator(tokenizer.pad_token_id, pad_to)
+    else:
+        collator = Collator(tokenizer.pad_token_id, pad_to, multiple_of=2 * cp if cp > 1 else 1, mask=cp == 1)
     loss_func, metrics_func = eaft_for(recipe), None
     if recipe.reward_model or recipe.process_reward_model:
         from llmtune.train.data.reward import PairCollator, pairwise_loss, reward_metrics
@@ -338,6 +358,21 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         trainer.add_callback(relora)
     step_stats = StepStats(trainer)
     trainer.add_callback(step_stats)
+    if recipe.async_checkpoint:
+        trainer.enable_async_checkpoints(on_cuda=plan["cluster"]["device"] == "cuda")
+    sync_watch = None
+    if os.environ.get("LLMTUNE_TEST_SYNC_DEBUG") == "1":
+        from llmtune.train.callbacks import HostSyncWatch
+
+        sync_watch = HostSyncWatch()
+        trainer.add_callback(sync_watch)
+    profiler = None
+    if recipe.profiler_steps:
+        from llmtune.train.profile import DEFAULT_START, ProfileSteps
+
+        start = recipe.profiler_steps_start if recipe.profiler_steps_start is not None else DEFAULT_START
+        profiler = ProfileSteps(output_dir / "llmtune" / "profile", rank.rank, recipe.profiler_steps, start)
+        trainer.add_callback(profiler)
     stop = StopOnRequest(plan["config_dir"])
     trainer.add_callback(stop)
     if recipe.loss_watchdog_threshold is not None:
@@ -376,7 +411,11 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
                      "peak_rss_at_load_bytes": loaded_rss, **cuda_peaks(),
                      **({"sequence_seen": seen.lengths} if cp > 1 else {}),
                      "optimizer_class": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
-                     "libraries": libraries.imported(),
+                     "optimizer_fused": bool(getattr(getattr(trainer.optimizer, "optimizer", trainer.optimizer),
+                                                     "defaults", {}).get("fused")),
+                     "libraries": libraries.imported(), **({"profile": profiler.report} if profiler else {}),
+                     **({"host_syncs": sync_watch.syncs, "sync_steps_watched": sync_watch.steps_watched}
+                        if sync_watch else {}),
                      **engine_report(trainer), **_reference_report(trainer, recipe)})  # fmt: skip
     trainer._check_finite()
     _full_state_dict_for_final_save(trainer)
@@ -396,7 +435,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         packing_efficiency=stats.get("packing_efficiency"), data=stats, ranks=_merge_reports(trainer.rank_reports, shards),
         log_history=trainer.state.log_history, recipe_fingerprint=recipe_fingerprint(recipe),
         step_seconds=step_stats.seconds, step_real_tokens=step_stats.real, step_padded_tokens=step_stats.padded,
-        step_batch_hashes=step_stats.hashes or None,
+        step_batch_hashes=step_stats.hashes or None, batches=batches.to_dict(), checkpoints=trainer.checkpoint_times,
         first_step_end_unix=step_stats.first_step_end_unix,
         startup_seconds=_startup(step_stats.first_step_end_unix),
         resumed_from=resume, **_planned_memory(recipe, plan),
@@ -405,6 +444,9 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         from llmtune.train.rl import summary
 
         metrics["preference"] = summary(recipe, trainer.state.log_history, shards[0])
+    if profiler:
+        metrics["profile"] = profiler.report
+        log(profiler.line())
     if lisa:
         metrics["lisa"] = {"layers": len(lisa.layers), "draws": lisa.history}
     if relora:

@@ -40,8 +40,9 @@ def reload_logits(output_dir: Path, probe: Path, four_bit: bool = False):
     [
         ("full", {}),
         ("lora", {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True, "learning_rate": 1e-2}),
+        # padded rows, as asked: the padding-free default is not the only path that trains and saves
         ("qlora", {"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16,
-                   "lora_target_linear": True, "learning_rate": 1e-2}),
+                   "lora_target_linear": True, "learning_rate": 1e-2, "batch_flattening": False}),
     ],
 )  # fmt: skip
 def test_single_process_training_learns_and_saves(make_recipe, tmp_path, method, changes):
@@ -49,7 +50,9 @@ def test_single_process_training_learns_and_saves(make_recipe, tmp_path, method,
     probe = tmp_path / "probe.safetensors"
     # the LoRA run's launcher (the CLI process) is timed import by import: what it imported is listed on its stderr
     flags = ("-X", "importtime") if method == "lora" else ()
-    result = llmtune("train", recipe, env={"LLMTUNE_PROBE_FILE": str(probe)}, timeout=900, python_flags=flags)
+    profile = ("--profile",) if method == "full" else ()  # 5 steps traced after the 2 warm-up steps
+    result = llmtune("train", recipe, *profile, env={"LLMTUNE_PROBE_FILE": str(probe)}, timeout=900,
+                     python_flags=flags)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     cli_imports, stderr = split_import_times(result.stderr)
     if flags:  # the launcher plans, starts the rank and draws the report: no torch, no optional library
@@ -73,6 +76,19 @@ def test_single_process_training_learns_and_saves(make_recipe, tmp_path, method,
     assert metrics["tokens_per_second_steady"] == pytest.approx(sum(real[warm:]) / sum(seconds[warm:]), rel=1e-3)
     # the loss falls on a small repeated set
     assert sum(history[-3:]) / 3 < history[0] - 0.5, history
+    # padding-free by default: every token computed is a real one; padded rows (asked for) compute padding
+    padded = metrics["step_padded_tokens"]
+    if method == "qlora":
+        assert metrics["batches"]["layout"] == "padded" and sum(padded) > sum(real), metrics["batches"]
+    else:
+        assert metrics["batches"]["layout"] == "padding-free" and metrics["batches"]["kernel"] == "sdpa_per_row"
+        assert padded == real
+    if profile:  # the trace is torch's Chrome trace; on the CPU there is no GPU to be idle, and it says so
+        report = metrics["profile"]
+        assert report["steps"] == [3, 7] and report["gpu_idle"] is None and report["seconds"] > 0, report
+        events = json.loads(Path(report["trace"]).read_text())["traceEvents"]
+        assert any("aten::mm" in str(event.get("name")) for event in events)
+        assert "profile: steps 3-7 took" in result.stderr and "no GPU here" in result.stderr
     output_dir = Path(yaml.safe_load(recipe.read_text())["output_dir"])
     weights = "adapter_model.safetensors" if method != "full" else "model.safetensors"
     assert (output_dir / weights).stat().st_size > 0

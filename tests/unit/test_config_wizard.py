@@ -200,3 +200,17 @@ def test_model_splitting_strategies_write_a_mesh_that_plans(run_cli, tmp_path, c
     assert plan.code == 0, plan.err
     planned = json.loads(plan.out)
     assert planned["mesh"] == mesh and planned["data_parallel_size"] == 2  # not the world size
+
+
+def test_large_full_fine_tunes_are_offered_background_checkpoints_where_the_strategy_allows(run_cli, tmp_path, chat_file,
+                                                                                           model_dir):  # fmt: skip
+    def written(*flags) -> dict:
+        output = tmp_path / f"r{len(list(tmp_path.glob('r*.yaml')))}.yaml"
+        result = run_cli("config", "--yes", "-o", output, "--base-model", model_dir, "--dataset", chat_file,
+                         "--method", "full", "--gpus-per-machine", "8", *flags)  # fmt: skip
+        assert result.code == 0, result.err
+        return yaml.safe_load(output.read_text())
+
+    assert written("--strategy", "fsdp")["async_checkpoint"] is True  # 8B: yes by default, and it plans
+    assert "async_checkpoint" not in written("--strategy", "fsdp", "--no-async-checkpoint")
+    assert "async_checkpoint" not in written("--strategy", "zero3")  # DeepSpeed writes its own checkpoints

@@ -737,6 +737,44 @@ def test_flash_varlen_kwargs():
            "no longer passes **kwargs on to attention: the packed rows' boundaries would not reach flash attention")  # fmt: skip
 
 
+def test_varlen_attention_no_mask():
+    """A flat batch through a tiny Llama: the registered function gets the collator's boundaries and no mask."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llmtune.train import varlen
+    from llmtune.train.data.collate import REAL_TOKENS, ROW_LENGTHS, FlatCollator
+
+    seen = []
+    real = varlen.varlen_attention
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((attention_mask, kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")))
+        return real(module, query, key, value, attention_mask, **kwargs)
+
+    from transformers import AttentionInterface
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+    AttentionInterface.register("llmtune_varlen", spy)
+    try:
+        model.set_attn_implementation("llmtune_varlen")
+        batch = FlatCollator(0)([{"input_ids": [3, 4, 5], "labels": [3, 4, 5]}, {"input_ids": [6, 7], "labels": [6, 7]}])
+        batch.pop(REAL_TOKENS), batch.pop(ROW_LENGTHS)
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        varlen.register()
+    expect(bool(seen), "varlen-attention-no-mask", "transformers", "AttentionInterface.register",
+           "no longer routes the model's attention to a registered function")  # fmt: skip
+    mask, bounds, longest = seen[0]
+    expect(mask is None, "varlen-attention-no-mask", "transformers", "masking_utils.create_causal_mask",
+           "now builds a mask for an attention implementation with no mask function (padding-free steps pay for it)")  # fmt: skip
+    expect(bounds is not None and bounds.tolist() == [0, 3, 5] and longest == 3, "varlen-attention-no-mask",
+           "transformers", "LlamaModel.forward(**kwargs)", "no longer passes the batch's cu_seq_lens_q/max_length_q "
+           "down to attention: padding-free rows would attend to each other")  # fmt: skip
+
+
 def test_tensor_flatten():
     import torch
     from torch import nn
