@@ -330,8 +330,10 @@ def _offer_async_checkpoint(answers: Answers, ask: Asker, want: Callable[[str], 
     (not DeepSpeed, FSDP1 or pipelines); yes by default there."""
     if not want("async_checkpoint") or answers.method != "full":
         return
-    if answers.strategy.startswith("zero") or answers.strategy == "pipeline" or (
-        answers.strategy.startswith("fsdp") and answers.fsdp_version == 1
+    if (
+        answers.strategy.startswith("zero")
+        or answers.strategy == "pipeline"
+        or (answers.strategy.startswith("fsdp") and answers.fsdp_version == 1)
     ):
         return
     from llmtune.plan.model_facts import read_model_facts

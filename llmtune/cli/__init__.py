@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from llmtune import __version__
-from llmtune.cli import checkpoint_cmd, post_commands, recipe_commands, rehearse_cmd, train_commands
+from llmtune.cli import checkpoint_cmd, doctor_cmd, post_commands, recipe_commands, rehearse_cmd, train_commands
 from llmtune.errors import EXIT_USER_ERROR, UserError
 
 app = typer.Typer(
@@ -30,6 +30,7 @@ COMMANDS = [
     (recipe_commands.validate, "validate"),
     (recipe_commands.plan, "plan"),
     (train_commands.train, "train"),
+    (doctor_cmd.doctor, "doctor"),
     (rehearse_cmd.rehearse, "rehearse"),
     (train_commands.preprocess, "preprocess"),
     (recipe_commands.estimate, "estimate"),

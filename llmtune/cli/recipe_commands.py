@@ -201,10 +201,15 @@ def config_command(
     ) = None,
     fsdp_state_dict_type: _ask_option("--fsdp-state-dict-type", "FULL_STATE_DICT or SHARDED_STATE_DICT.") = None,
     fsdp_offload_params: _ask_option("--fsdp-offload-params", "Offload FSDP parameters to CPU.", bool) = None,
-    async_checkpoint: Annotated[Optional[bool], typer.Option(
-        "--async-checkpoint/--no-async-checkpoint", show_default=False,
-        help="Write checkpoints in the background (offered for large full fine-tunes; not DeepSpeed, FSDP1 or "
-        "pipelines).")] = None,  # fmt: skip
+    async_checkpoint: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--async-checkpoint/--no-async-checkpoint",
+            show_default=False,
+            help="Write checkpoints in the background (offered for large full fine-tunes; not DeepSpeed, FSDP1 or "
+            "pipelines).",
+        ),
+    ] = None,  # fmt: skip
     pipeline_stages: _ask_option("--pipeline-stages", "Pipeline stages.", int) = None,
     pipeline_schedule: _ask_option("--pipeline-schedule", "gpipe, 1f1b or interleaved_1f1b.") = None,
     context_parallel_size: _ask_option("--context-parallel-size", "Ranks that split each row.", int) = None,

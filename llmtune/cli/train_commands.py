@@ -57,6 +57,14 @@ def train(
     rdzv_endpoint: Annotated[
         Optional[str], typer.Option("--rdzv-endpoint", help="host:port of the etcd server (rdzv_backend: etcd).")
     ] = None,
+    preflight: Annotated[
+        bool,
+        typer.Option(
+            "--preflight",
+            help="Before launching, run `llmtune doctor`'s quick checks (stack, devices, "
+            "storage, ports, collectives' correctness) on every rank; stop if they find a problem.",
+        ),
+    ] = False,
     profile: Annotated[
         bool,
         typer.Option(
@@ -134,11 +142,18 @@ def train(
         typer.echo(f"{'memory':>14}  {fit}", err=True)
     for note in [*the_plan.notes, *loaded.notes]:
         typer.echo(f"{'note':>14}  {note}", err=True)
+    if preflight:
+        from llmtune.doctor.run import run_doctor
+
+        if run_doctor(loaded, cluster, loaded.recipe.rdzv_timeout, json_output=False, quick=True):
+            raise UserError("the preflight found a problem (above); nothing was trained",
+                            "fix it, then run the same command again (llmtune doctor gives the full checks)")  # fmt: skip
     write_plan_files(Path(the_plan.config_dir), files)
     code = run(the_plan, ctx.args, loaded.recipe.rdzv_timeout, verbose=verbose)
     if code:
-        # 2: a user error the worker already explained; 128+N: stopped by signal N (130 for Ctrl-C); else 1
-        raise typer.Exit(code if code == EXIT_USER_ERROR or code > 128 else 1)
+        # 2: a user error the worker already explained; 3: a stalled run, named and stopped (launch/hangs.py);
+        # 128+N: stopped by signal N (130 for Ctrl-C); else 1
+        raise typer.Exit(code if code in (EXIT_USER_ERROR, 3) or code > 128 else 1)
 
 
 def preprocess(recipe: RecipeArg) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtune.errors import EXIT_USER_ERROR
+from llmtune.launch.hangs import MARK, parse
 
 RANK_LINE = re.compile(r"^\[rank(\d+)\]:")
 RANK_PREFIXES = re.compile(r"^(?:\[rank\d+\]: ?)+")  # torchrun's prefix, and torch's own before a rank's traceback
@@ -78,6 +79,7 @@ class StderrWatcher(threading.Thread):
         self.last_error: dict[int, str] = {}
         self.lost_peers: list[str] = []  # addresses gloo lost its connection to, first seen first
         self.tracebacks: dict[int, list[str]] = {}  # a rank's traceback, held until its last line says what it is
+        self.stalls = None  # launch/hangs.py's Stalls: the ranks' stall reports (set by the runner)
 
     def run(self) -> None:
         for text, transient in records(self.stream):
@@ -88,6 +90,11 @@ class StderrWatcher(threading.Thread):
                 self.log.write(text + "\n")
                 self.log.flush()
             line = text + "\n"
+            if self.stalls is not None and MARK in line:  # a rank's stall report: collated, not shown as it is
+                found = parse(line)
+                if found is not None:
+                    self.stalls.add(found)
+                    continue
             match = RANK_LINE.match(line)
             user_error = bool(match) and line[match.end() :].startswith("error: ")
             lost = LOST_PEER.search(line)

@@ -127,9 +127,21 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
         watcher = StderrWatcher(
             process.stdout, console=console, log=log, hold_tracebacks=torchrun and "--standalone" not in command
         )
+        from llmtune.launch.hangs import EXIT_STALLED, Stalls, summary, write_report
+
+        watcher.stalls = Stalls(cluster.processes_per_machine)
         watcher.start()
-        code = supervise(process)
+        code = supervise(process, stop_when=watcher.stalls.due)
         watcher.join(timeout=10)
+    if watcher.stalls.reports:  # a stalled run: named and ended here, not by NCCL's timeout half an hour later
+        console.close()
+        lines = summary(watcher.stalls.reports)
+        write_report(plan.config_dir, lines)
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+        if etcd_run:
+            etcd.mark_ended(*etcd_run)
+        return EXIT_STALLED
     if etcd_run:  # this launch's rendezvous is closed now: a rerun of the command takes the next generation
         etcd.mark_ended(*etcd_run)
     console.close()
@@ -193,9 +205,10 @@ class _Report:
             _log(self.result)
 
 
-def supervise(process: subprocess.Popen, grace: float = 10.0) -> int:
-    """Wait for the launched group; on SIGINT/SIGTERM stop all of it (SIGTERM, then SIGKILL after `grace`).
-    (SIGUSR1, a request to checkpoint and stop, is handled by `run` for the whole launch.)
+def supervise(process: subprocess.Popen, grace: float = 10.0, stop_when=None) -> int:
+    """Wait for the launched group; on SIGINT/SIGTERM stop all of it (SIGTERM, then SIGKILL after `grace`); the same
+    when `stop_when()` says so (a stalled run). (SIGUSR1, a request to checkpoint and stop, is handled by `run` for
+    the whole launch.)
 
     The signal handler only sends signals: waiting inside it would re-enter Popen.wait and deadlock.
     """
@@ -212,6 +225,10 @@ def supervise(process: subprocess.Popen, grace: float = 10.0) -> int:
                 code = process.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
+                if stop_when is not None and not stop_requested and stop_when():
+                    stop_requested.append((signal.SIGTERM, time.monotonic()))
+                    _signal_group(process, signal.SIGTERM)
+                    grace = min(grace, 3.0)  # stalled ranks won't finish anything: don't wait on them
                 if stop_requested and time.monotonic() - stop_requested[0][1] > grace:
                     _signal_group(process, signal.SIGKILL)
     finally:

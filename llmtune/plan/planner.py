@@ -266,6 +266,9 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         accelerate = build_accelerate_config(
             strategy, cluster, precision, ds_path, int(strategy[-1]) if ds_path else 0, fsdp, recipe.rdzv_backend
         )
+    if cluster.num_machines > 1:
+        notes.append("several machines: check them first with `llmtune doctor` and the same flags (stack, GPUs, "
+                     "storage, network, collectives), or add --preflight to llmtune train")  # fmt: skip
     if recipe.rdzv_backend in ELASTIC and cluster.num_machines == 1:
         raise UserError(f"rdzv_backend: {recipe.rdzv_backend} is for jobs on several machines (it gathers machines, "
                         "not processes)", "on one machine, max_restarts alone restarts the ranks after a crash")  # fmt: skip

@@ -97,6 +97,11 @@ class DistributedKeys(Section):
         "attention through accelerate; FSDP2 and sdpa attention; unpacked rows).",
     )  # fmt: skip
     ddp_timeout: int = Field(1800, gt=0, description="Seconds a collective may wait before the job fails.")
+    stall_timeout: int | None = Field(
+        None, gt=0, description="Seconds without a finished optimizer step before every rank reports where it is and "
+        "the launcher names the rank that is behind and ends the job (default: 5x the median step, at least 5 "
+        "minutes; 10 before the first step ends).",
+    )  # fmt: skip
     max_restarts: int = Field(
         0,
         ge=0,

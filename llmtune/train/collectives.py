@@ -12,6 +12,23 @@ calls a collective directly.
 from __future__ import annotations
 
 _device = None  # torch.device of this rank's collectives, set by configure()
+_recent: list[tuple[int, str, float]] = []  # the last collectives this module issued: (number, name, unix time)
+_issued = 0
+
+
+def _note(name: str) -> None:
+    """Remember a collective as it is entered (hang reports name the last ones: llmtune/train/watchdog.py)."""
+    import time
+
+    global _issued
+    _issued += 1
+    _recent.append((_issued, name, time.time()))
+    del _recent[:-16]
+
+
+def recent() -> list[dict]:
+    """The last collectives llmtune entered on this rank, oldest first (the engines' own are not among them)."""
+    return [{"number": n, "name": name, "at": at} for n, name, at in _recent]
 
 
 class MisplacedTensor(RuntimeError):
@@ -87,6 +104,7 @@ def all_reduce(value, group=None):
     """Sum `value` over the ranks of `group` in place (checked to be on the communication device)."""
     if active():
         check(value)
+        _note("all_reduce")
         _dist().all_reduce(value, group=group)
     return value
 
@@ -124,6 +142,7 @@ def any_rank_on_host(flag: bool) -> bool:
             _host_group = dist.new_group(backend="gloo")
         group = _host_group
     value = torch.tensor([float(flag)], dtype=torch.float64)
+    _note("all_reduce (host flag)")
     dist.all_reduce(value, group=group)
     return value.item() > 0
 
@@ -143,11 +162,39 @@ def checkpoint_group():
     return _checkpoint_group
 
 
+def all_gather_tensors(value) -> list:
+    """Every rank's copy of `value` (same shape on every rank), in rank order."""
+    check(value)
+    _note("all_gather")
+    out = [value.new_empty(value.shape) for _ in range(world_size())]
+    _dist().all_gather(out, value)
+    return out
+
+
+def broadcast(value, src: int = 0):
+    """`value` from rank `src`, in place on every rank."""
+    check(value)
+    _note("broadcast")
+    _dist().broadcast(value, src=src)
+    return value
+
+
+def exchange_in_ring(outgoing, incoming) -> None:
+    """Send `outgoing` to the next rank while receiving `incoming` from the one before (a ring step)."""
+    check(outgoing)
+    check(incoming)
+    dist, world, me = _dist(), world_size(), rank()
+    _note("send/recv (ring)")
+    for request in (dist.isend(outgoing, (me + 1) % world), dist.irecv(incoming, (me - 1) % world)):
+        request.wait()
+
+
 def all_gather_objects(obj) -> list:
     """Every rank's `obj`, on every rank (picklable reports)."""
     if not active():
         return [obj]
     device()  # under NCCL the objects travel through the current CUDA device, which configure() set
+    _note("all_gather_object")
     gathered: list = [None] * world_size()
     _dist().all_gather_object(gathered, obj)
     return gathered
@@ -158,6 +205,7 @@ def gather_objects(obj, dst: int = 0) -> list | None:
     if not active():
         return [obj]
     dist = _dist()
+    _note("gather_object")
     gathered: list | None = [None] * world_size() if dist.get_rank() == dst else None
     dist.gather_object(obj, gathered, dst=dst)
     return gathered
@@ -173,6 +221,7 @@ def barrier() -> None:
     if not active():
         return
     dist = _dist()
+    _note("barrier")
     if dist.get_backend() == "nccl":
         dist.barrier(device_ids=[device().index])
     else:

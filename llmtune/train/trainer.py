@@ -48,6 +48,16 @@ class Rows:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict:
+        stall = os.environ.get("LLMTUNE_TEST_STALL_IN_LOADER")  # tests only: "rank:fetch:seconds"
+        if stall:
+            rank, fetch, seconds = stall.split(":")
+            self.fetched = getattr(self, "fetched", 0) + 1
+            if int(os.environ.get("RANK", 0)) == int(rank) and self.fetched == int(fetch):
+                import sys
+                import time
+
+                print(f"test hook: rank {rank} stalls in its data loader for {seconds} s", file=sys.stderr, flush=True)
+                time.sleep(float(seconds))
         return self.rows[index]
 
 

@@ -360,6 +360,9 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     trainer.add_callback(step_stats)
     if recipe.async_checkpoint:
         trainer.enable_async_checkpoints(on_cuda=plan["cluster"]["device"] == "cuda")
+    from llmtune.train.watchdog import StallWatchdog
+
+    trainer.add_callback(StallWatchdog(output_dir, rank.rank, recipe.stall_timeout))
     sync_watch = None
     if os.environ.get("LLMTUNE_TEST_SYNC_DEBUG") == "1":
         from llmtune.train.callbacks import HostSyncWatch
