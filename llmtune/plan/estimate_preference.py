@@ -19,7 +19,8 @@ from dataclasses import replace
 from llmtune.plan.model_facts import ModelFacts
 from llmtune.recipe.preference import WITH_REFERENCE
 
-NAMES = {"dpo": "DPO", "ipo": "IPO", "orpo": "ORPO", "kto": "KTO", "simpo": "SimPO"}
+NAMES = {"dpo": "DPO", "ipo": "IPO", "orpo": "ORPO", "kto": "KTO", "simpo": "SimPO", "grpo": "GRPO", "gdpo": "GDPO"}
+ONLINE = ("grpo", "gdpo")
 DEVICE = {"cpu": "CPU", "nvme": "NVMe"}
 FUSED_HEAD = ("dpo", "ipo", "kto")  # TRL 1.16's DPOTrainer and KTOTrainer call the model with fused_lm_head=True
 
@@ -33,6 +34,13 @@ def no_reference(recipe) -> str | None:
     trains without `rl:`)."""
     rl = method(recipe)
     if rl is None:
+        return None
+    if rl in ONLINE:  # TRL's GRPO keeps a reference only for its KL term (beta > 0; TRL's default beta is 0)
+        beta = (recipe.trl or {}).get("beta", recipe.rl_beta)
+        if not beta:
+            return "none: beta 0, no KL term (TRL's default)"
+        if recipe.adapter:
+            return "none: the base model with the adapter disabled is the reference"
         return None
     if rl not in WITH_REFERENCE:
         return f"none: {NAMES[rl]} is reference-free"
@@ -111,7 +119,7 @@ def forward_recipe(recipe):
     2 x micro_batch_size sequences. KTO's policy runs micro_batch_size completions with gradients and a KL batch of
     as many mismatched completions under no_grad; counted as 2x too, which overstates KTO's saved activations (the KL
     batch keeps none) and so errs on the side of not fitting."""
-    if method(recipe) is None:
+    if method(recipe) is None or method(recipe) in ONLINE:  # GRPO: one completion per sequence
         return recipe
     return recipe.model_copy(update={"micro_batch_size": 2 * recipe.micro_batch_size})
 
@@ -133,6 +141,13 @@ def batch_note(recipe) -> str:
     if rl is None:
         return ""
     micro = recipe.micro_batch_size
+    if rl in ONLINE:
+        from llmtune.recipe.online import generation_mode, trl_value
+
+        generations = trl_value(recipe, "num_generations", 8)
+        return (f"{NAMES[rl]} generates {generations} completions per prompt (up to "
+                f"{trl_value(recipe, 'max_completion_length', 512)} tokens, {generation_mode(recipe)}), then trains "
+                f"{micro} prompt+completion sequences per forward with the model's full logits")  # fmt: skip
     if rl == "kto":
         pairs = f"{micro} completions with gradients plus a KL batch of {micro} (counted as 2 x {micro} sequences)"
     else:

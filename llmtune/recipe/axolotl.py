@@ -32,7 +32,7 @@ from llmtune.recipe.base import unknown_key_message
 from llmtune.recipe.data import DatasetSpec
 from llmtune.recipe.distributed import FsdpConfig
 from llmtune.recipe.model import SPECIAL_TOKEN_NAMES
-from llmtune.recipe.preference import RL_METHODS, RL_NOT_YET
+from llmtune.recipe.preference import ONLINE_METHODS, RL_METHODS, RL_NOT_YET
 from llmtune.recipe.schema import Recipe
 from llmtune.recipe.training import OFFLOADED_CHECKPOINTING
 
@@ -110,7 +110,8 @@ def _rl_with_generation(raw: dict, path: Path) -> None:
     method = raw.get("rl")
     if isinstance(method, str) and method.lower() in RL_NOT_YET:
         raise UserError(f"{path}: rl: {method} ({RL_NOT_YET[method.lower()]}) is not supported yet: llmtune trains "
-                        f"{', '.join(RL_METHODS)} through TRL", "these learn from fixed preference data, not generations")  # fmt: skip
+                        f"{', '.join((*RL_METHODS, *ONLINE_METHODS))} through TRL",
+                        "EBFT is Axolotl's own method; GRPO (rl: grpo) is the closest llmtune trains")  # fmt: skip
 
 
 def _top_level(raw: dict, path: Path, notes: Notes) -> dict:

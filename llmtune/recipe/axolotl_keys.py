@@ -130,10 +130,10 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     **_no_effect(PERFORMANCE, "dpo_use_logits_to_keep dpo_use_liger_kernel"),
     **_no_effect(TRACKING, "dpo_generate_during_eval"),
     **_refused(
-        "RL with generation (GRPO, vLLM, NeMo Gym) and a separate reference adapter",
-        "llmtune trains dpo, ipo, orpo, kto and simpo (rl:); for those the reference is the base model itself",
+        "EBFT, NeMo Gym environments and a separate reference adapter",
+        "llmtune trains dpo, ipo, orpo, kto, simpo, grpo and gdpo (rl:); their reference is the base model itself",
         """
-        vllm ebft rl_adapter_ref_model hatchery nemo_gym_enabled nemo_gym_dir
+        ebft rl_adapter_ref_model hatchery nemo_gym_enabled nemo_gym_dir
         nemo_gym_auto_clone nemo_gym_config_paths nemo_gym_head_port nemo_gym_server_timeout
         nemo_gym_verify_timeout nemo_gym_run_timeout nemo_gym_datasets nemo_gym_auto_start
         nemo_gym_model_name nemo_gym_multi_turn nemo_gym_max_turns

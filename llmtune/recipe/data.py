@@ -84,7 +84,7 @@ TYPE_ALIASES = {
 # Axolotl's other prompt formats: kept apart from typos, so the error names what isn't supported.
 AXOLOTL_TYPES = (
     "creative_acr", "user_defined", "messages", "stepwise_supervised",
-    "bradley_terry", "dpo", "kto", "orpo", "ebft", "chatml", "llama3", "zephyr", "passthrough", "rwd", "_synthetic",
+    "bradley_terry", "dpo", "kto", "orpo", "ebft", "chatml", "llama3", "zephyr", "passthrough", "_synthetic",
     "sharegpt", "alpaca_w_system", "alpaca_chat", "context_qa",
 )  # fmt: skip
 DS_TYPES = ("json", "csv", "parquet", "arrow", "text")
@@ -103,6 +103,15 @@ class CustomFormat(Section):
     format: str = Field("{instruction} {input} ", description="Prompt template with {instruction} and {input}.")
     no_input_format: str = Field("{instruction} ", description="Prompt template when the input is empty.")
     field: str | None = Field(None, description="Accepted for Axolotl's schema; unused.")
+
+
+def is_transform(kind) -> bool:
+    """A dataset type that names a function in the user's file (module.function), not one of the known formats."""
+    if not isinstance(kind, str) or "." not in kind or "/" in kind or ":" in kind:
+        return False
+    family = kind.split(".")[0]
+    return family not in (*AXOLOTL_TYPES, *DATASET_TYPES, *LEGACY_TYPES, "chatml", "llama3", "user_defined",
+                          "passthrough", "chat_template")  # fmt: skip
 
 
 class DatasetSpec(Section):
@@ -176,6 +185,11 @@ class DatasetSpec(Section):
     def _dataset_empty(cls, value):
         return empty_to_none(value)
 
+    @property
+    def transform(self) -> bool:
+        """The type names a function in the user's file (module.function), GRPO's dataset transform."""
+        return is_transform(self.type)
+
     @field_validator("type")
     @classmethod
     def _known_type(cls, value):
@@ -186,6 +200,8 @@ class DatasetSpec(Section):
             base, _, style = value.partition(":")  # Axolotl's 'alpaca:chatml' prompt-style suffix
             base = TYPE_ALIASES.get(base, base)
             known = (*DATASET_TYPES, *LEGACY_TYPES)
+            if base not in known and is_transform(base):
+                return value  # module.function: a transform from the user's file (rl: grpo/gdpo, checked there)
             if base not in known and base.split(".")[0] in ("chatml", "llama3", "user_defined", "passthrough"):
                 raise ValueError(f"'{value}' is not one of the preference types llmtune converts; with rl: use one of "
                                  f"{', '.join(sorted(PREFERENCE_TYPES))}")  # fmt: skip

@@ -11,7 +11,9 @@ from pydantic import ValidationError
 from llmtune.errors import UserError
 from llmtune.recipe.axolotl import screen
 from llmtune.recipe.axolotl_keys import INTENDED, RENAMED
+from llmtune.recipe.online import user_functions
 from llmtune.recipe.paths import check_local_paths
+from llmtune.recipe.preference import ONLINE_METHODS
 from llmtune.recipe.schema import Recipe
 
 REFERENCE_HINT = "see docs/recipe-reference.md for every key"
@@ -73,6 +75,8 @@ def recipe_from_mapping(raw: dict, path: Path, check_files: bool = True) -> Load
         raise UserError(f"{path}: a value is nested too deeply", REFERENCE_HINT) from None
     if check_files:
         check_local_paths(recipe, path)
+        if recipe.rl in ONLINE_METHODS:  # the user's reward functions and transforms: imported, named if missing
+            user_functions(recipe, Path(path).resolve().parent)
     if recipe.trust_remote_code:
         notes.append(f"WARNING trust_remote_code: true: Python code shipped with {recipe.base_model} will run on "
                      "every rank; use it only for models whose code you trust")  # fmt: skip

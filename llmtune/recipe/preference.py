@@ -14,9 +14,10 @@ from pydantic import Field, field_validator
 from llmtune.errors import did_you_mean
 from llmtune.recipe.base import Section, empty_to_none
 
-RL_METHODS = ("dpo", "ipo", "orpo", "kto", "simpo")
-# Axolotl's other `rl:` values: on-policy RL with generation (issue 39) or Axolotl's own methods.
-RL_NOT_YET = {"grpo": "GRPO", "gdpo": "GDPO", "ebft": "EBFT"}
+RL_METHODS = ("dpo", "ipo", "orpo", "kto", "simpo")  # preference training: fixed pairs or labelled completions
+ONLINE_METHODS = ("grpo", "gdpo")  # online RL: generations scored by reward functions (llmtune/recipe/online.py)
+# Axolotl's other `rl:` values: its own methods.
+RL_NOT_YET = {"ebft": "EBFT"}
 # TRL 1.16 DPOConfig.loss_type values
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
                   "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")  # fmt: skip
@@ -79,8 +80,22 @@ class PreferenceFormat(Section):
     completion_format: str | None = None
 
 
+class VllmSection(Section):
+    """Axolotl's `vllm:` section: the engine `llmtune vllm-serve` starts (server mode) or TRL colocates."""
+
+    host: str = Field("0.0.0.0", description="Address the vLLM server listens on.")
+    port: int = Field(8000, gt=0, lt=65536, description="Its port.")
+    tensor_parallel_size: int = Field(1, gt=0, description="GPUs the server splits the model over.")
+    data_parallel_size: int = Field(1, gt=0, description="Model replicas the server runs.")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="Share of each GPU vLLM may take.")
+    dtype: str = Field("auto", description="vLLM's dtype (auto, bfloat16, float16).")
+    max_model_len: int | None = Field(None, gt=0, description="vLLM's context length (prompt + completion).")
+    enable_prefix_caching: bool | None = Field(None, description="vLLM's prefix caching.")
+
+
 class PreferenceKeys(Section):
-    rl: str | None = Field(None, description="Preference training after SFT: " + ", ".join(RL_METHODS) + " (TRL).")
+    rl: str | None = Field(None, description="Preference training after SFT: " + ", ".join(RL_METHODS) + "; online "
+                           "RL: " + ", ".join(ONLINE_METHODS) + " (TRL).")  # fmt: skip
     rl_beta: float | None = Field(None, description="How far the policy may move from the reference (TRL's beta); "
                                   "for IPO its tau.")  # fmt: skip
     dpo_loss_type: list[str] | None = Field(None, description="DPO's loss, or several combined with "
@@ -101,7 +116,11 @@ class PreferenceKeys(Section):
                                                   "training; no reference model is kept.")  # fmt: skip
     max_prompt_len: int | None = Field(None, gt=0, description="Drop pairs whose prompt is longer (tokens).")
     trl: dict[str, Any] | None = Field(None, description="Axolotl's TRL section: " + ", ".join(TRL_PREFERENCE_KEYS)
-                                       + " for preference training.")  # fmt: skip
+                                       + " for preference training; GRPO's generation and reward keys for grpo and "
+                                       "gdpo (llmtune/recipe/online.py).")  # fmt: skip
+    vllm: VllmSection | None = Field(None, description="grpo/gdpo with trl.use_vllm: the vLLM server or colocated "
+                                     "engine (host, port, tensor_parallel_size, gpu_memory_utilization, dtype, "
+                                     "max_model_len, enable_prefix_caching).")  # fmt: skip
 
     @field_validator("rl", mode="before")
     @classmethod
@@ -114,9 +133,9 @@ class PreferenceKeys(Section):
         value = str(value).lower() if value is not None else None
         if value in RL_NOT_YET:
             raise ValueError(f"rl: {value} ({RL_NOT_YET[value]}) is not supported yet: llmtune trains "
-                             f"{', '.join(RL_METHODS)} through TRL")  # fmt: skip
+                             f"{', '.join((*RL_METHODS, *ONLINE_METHODS))} through TRL")  # fmt: skip
         if value is not None:
-            _one_of(value, RL_METHODS, f"rl: {value} is not a preference method")
+            _one_of(value, (*RL_METHODS, *ONLINE_METHODS), f"rl: {value} is not a method llmtune trains")
         return value
 
     @field_validator("dpo_loss_type", mode="before")
@@ -135,14 +154,12 @@ class PreferenceKeys(Section):
         if value is not None and not isinstance(value, dict):
             raise ValueError("trl: is a mapping of TRL arguments, e.g. {beta: 0.1}")
         for key, item in (value or {}).items():
-            if key in TRL_PREFERENCE_KEYS or item in _INERT:
+            if key in TRL_PREFERENCE_KEYS or key in TRL_GRPO_KEYS or item in _INERT:
                 continue
-            if key in TRL_GRPO_KEYS:
-                raise ValueError(f"trl.{key} is a GRPO setting (generation, rewards, vLLM); llmtune trains "
-                                 f"{', '.join(RL_METHODS)}, and these take only {', '.join(TRL_PREFERENCE_KEYS)}")  # fmt: skip
             guess = did_you_mean(str(key), [*TRL_PREFERENCE_KEYS, *TRL_GRPO_KEYS])
             raise ValueError(f"unknown key 'trl.{key}'" + (f"; did you mean '{guess}'?" if guess else ""))
-        return {k: v for k, v in (value or {}).items() if k in TRL_PREFERENCE_KEYS and v is not None} or None
+        # a GRPO key under a preference method is refused by check(), which knows the method
+        return {k: v for k, v in (value or {}).items() if v is not None} or None
 
 
 def preference_type(kind) -> str:
@@ -181,18 +198,32 @@ def check(recipe) -> None:
     """What a recipe's `rl:` can go with; ValueError naming the key (the loader turns it into one line)."""
     set_keys = [key for key in KEY_METHODS if getattr(recipe, key) not in (None, False)]
     if not recipe.rl:
-        for key in (*set_keys, "rl_beta", "max_prompt_len", "trl"):
+        for key in (*set_keys, "rl_beta", "max_prompt_len", "trl", "vllm"):
             if getattr(recipe, key) not in (None, False):
-                raise ValueError(f"{key} belongs to preference training; set rl: ({', '.join(RL_METHODS)})")
+                raise ValueError(f"{key} belongs to preference training or online RL; set rl: "
+                                 f"({', '.join((*RL_METHODS, *ONLINE_METHODS))})")  # fmt: skip
         _datasets_without_rl(recipe)
         return
     rl = recipe.rl
     for key in set_keys:
         if rl not in KEY_METHODS[key]:
             raise ValueError(f"{key} belongs to rl: {' or '.join(KEY_METHODS[key])}, not rl: {rl}")
-    if recipe.trl and rl not in WITH_REFERENCE and any(k != "beta" for k in recipe.trl):
-        raise ValueError(f"trl.{next(k for k in recipe.trl if k != 'beta')} syncs a reference model, which rl: {rl} "
-                         "doesn't have (it is reference-free)")  # fmt: skip
+    if rl in ONLINE_METHODS:
+        from llmtune.recipe.online import check_online
+
+        check_online(recipe)
+        return
+    grpo_key = next((k for k, v in (recipe.trl or {}).items() if k in TRL_GRPO_KEYS and v not in _INERT), None)
+    if grpo_key:
+        raise ValueError(f"trl.{grpo_key} is a GRPO setting (generation, rewards, vLLM): it belongs to rl: grpo or "
+                         f"gdpo, and rl: {rl} takes only {', '.join(TRL_PREFERENCE_KEYS)}")  # fmt: skip
+    if recipe.vllm:
+        raise ValueError(f"vllm: with rl: {rl} is not supported: vLLM generates for rl: grpo or gdpo, and rl: {rl} "
+                         "learns from fixed data")  # fmt: skip
+    syncing = [k for k in recipe.trl or {} if k in TRL_PREFERENCE_KEYS and k != "beta"]
+    if syncing and rl not in WITH_REFERENCE:
+        raise ValueError(f"trl.{syncing[0]} syncs a reference model, which rl: {rl} doesn't have (it is "
+                         "reference-free)")  # fmt: skip
     if recipe.dpo_loss_weights and len(recipe.dpo_loss_weights) != len(recipe.dpo_loss_type or ["sigmoid"]):
         raise ValueError(f"dpo_loss_weights has {len(recipe.dpo_loss_weights)} weights for "
                          f"{len(recipe.dpo_loss_type or ['sigmoid'])} dpo_loss_type(s); give one per loss type")  # fmt: skip
@@ -256,6 +287,9 @@ def _datasets_without_rl(recipe) -> None:
     for group in ("datasets", "test_datasets"):
         for index, spec in enumerate(getattr(recipe, group) or []):
             kind = spec.type
+            if spec.transform:
+                raise ValueError(f"{group}[{index}].type {kind} names a transform in your file, which GRPO's data "
+                                 "takes: set rl: grpo (or gdpo), or use one of the dataset formats")  # fmt: skip
             side = "field_chosen" if spec.field_chosen else "field_rejected" if spec.field_rejected else None
             if side:
                 raise ValueError(f"{group}[{index}].{side} belongs to preference data; set rl: dpo (ipo, orpo, "

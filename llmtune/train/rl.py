@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from llmtune.recipe.preference import WITH_REFERENCE, beta, loss_types
+from llmtune.recipe.preference import ONLINE_METHODS, TRL_PREFERENCE_KEYS, WITH_REFERENCE, beta, loss_types
 from llmtune.train.trainer import LlmtuneTrainer
 
 PAIRED_BATCH = ("dpo", "ipo")  # TRL's DPO collator stacks chosen then rejected: input_ids is [2B, L]
@@ -20,6 +20,10 @@ PAIRED_BATCH = ("dpo", "ipo")  # TRL's DPO collator stacks chosen then rejected:
 
 def trl_classes(rl: str) -> tuple[type, type]:
     """(config class, TRL trainer class) for a method."""
+    if rl in ONLINE_METHODS:
+        from trl import GRPOConfig, GRPOTrainer
+
+        return GRPOConfig, GRPOTrainer
     if rl in ("dpo", "ipo"):
         from trl import DPOConfig, DPOTrainer
 
@@ -38,9 +42,48 @@ def trl_classes(rl: str) -> tuple[type, type]:
     return CPOConfig, CPOTrainer
 
 
-def config_arguments(recipe) -> dict:
+def online_arguments(recipe, device: str) -> dict:
+    """GRPO's config from Axolotl's trl: and vllm: sections. TRL's console table of completions is off: llmtune
+    writes the samples to completions.jsonl (llmtune/train/rewards.py)."""
+    from dataclasses import fields
+
+    from llmtune.errors import UserError
+    from llmtune.recipe.online import aggregation
+
+    config_class = trl_classes(recipe.rl)[0]
+    known = {f.name for f in fields(config_class)}
+    kwargs: dict = {}
+    for key, value in (recipe.trl or {}).items():
+        if key in ("reward_funcs", "rollout_func", "log_completions", "num_completions_to_print"):
+            continue
+        if key not in known:
+            import trl
+
+            raise UserError(f"trl.{key} is not a setting of TRL {trl.__version__}'s GRPO", "remove it")
+        kwargs[key] = value
+    kwargs.update(multi_objective_aggregation=aggregation(recipe), log_completions=False)
+    if recipe.rl_beta is not None and "beta" not in kwargs:
+        kwargs["beta"] = recipe.rl_beta
+    if recipe.dataset_processes:
+        kwargs["dataset_num_proc"] = recipe.dataset_processes
+    if device != "cuda":  # vLLM needs GPUs: the CPU rehearsal generates in the training process (the plan says so)
+        kwargs["use_vllm"] = False
+    elif kwargs.get("use_vllm") and recipe.vllm:
+        vllm = recipe.vllm
+        kwargs.setdefault("vllm_server_port", vllm.port)
+        kwargs.setdefault("vllm_tensor_parallel_size", vllm.tensor_parallel_size)
+        if vllm.gpu_memory_utilization:
+            kwargs.setdefault("vllm_gpu_memory_utilization", vllm.gpu_memory_utilization)
+        if vllm.max_model_len:
+            kwargs.setdefault("vllm_max_model_length", vllm.max_model_len)
+    return kwargs
+
+
+def config_arguments(recipe, device: str = "cuda") -> dict:
     """The method's keys as TRL's config fields (what TrainingArguments doesn't have)."""
     rl = recipe.rl
+    if rl in ONLINE_METHODS:
+        return online_arguments(recipe, device)
     kwargs: dict = {"max_length": recipe.sequence_len}
     if recipe.dataset_processes:
         kwargs["dataset_num_proc"] = recipe.dataset_processes
@@ -64,7 +107,9 @@ def config_arguments(recipe) -> dict:
             kwargs["cpo_alpha"] = recipe.cpo_alpha
     if rl in WITH_REFERENCE:
         kwargs["precompute_ref_log_probs"] = bool(recipe.precompute_ref_log_probs)
-        kwargs.update({k: v for k, v in (recipe.trl or {}).items() if k != "beta"})  # TR-DPO's reference sync
+        kwargs.update(
+            {k: v for k, v in (recipe.trl or {}).items() if k in TRL_PREFERENCE_KEYS and k != "beta"}
+        )  # TR-DPO
     return kwargs
 
 
@@ -81,9 +126,18 @@ def freeze(model):
 
 
 class PreferenceMixin:
-    """What llmtune counts of a preference batch: pairs (or KTO completions) as rows, real tokens from the masks."""
+    """What llmtune counts of a preference batch: pairs (or KTO completions) as rows, real tokens from the masks;
+    of a GRPO batch (its rows before generation): the completions it will generate, a fingerprint of the prompts."""
 
     def _batch_view(self, inputs) -> tuple:
+        if isinstance(inputs, list):  # GRPO: the micro-batch's rows, each a prompt to complete
+            import hashlib
+
+            import torch
+
+            digests = [hashlib.sha256(repr(row.get("prompt")).encode()).digest()[:7] for row in inputs]
+            ids = torch.tensor([[int.from_bytes(d, "big") for d in digests]])
+            return ids, None, len(inputs), 0, None
         if "input_ids" in inputs:  # DPO (pairs stacked) and KTO
             ids, mask = inputs["input_ids"], inputs.get("attention_mask")
             rows = int(ids.shape[0]) // (2 if self.recipe.rl in PAIRED_BATCH else 1)
@@ -110,10 +164,32 @@ def build_trainer(recipe, model, ref_model, args, data, tokenizer, callbacks):
     os.environ["TQDM_DISABLE"] = "1"
     train = Dataset.from_list(list(data.train))
     evaluation = Dataset.from_list(list(data.eval)) if data.eval else None
+    if recipe.rl in ONLINE_METHODS:
+        return _online_trainer(recipe, model, args, train, evaluation, tokenizer, callbacks)
     kwargs = {"ref_model": ref_model} if recipe.rl in WITH_REFERENCE else {}
     trainer = trainer_class(recipe.rl)(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                                        processing_class=tokenizer, callbacks=callbacks, **kwargs)  # fmt: skip
     _adapter_off_reference(trainer, recipe)
+    return trainer
+
+
+def _online_trainer(recipe, model, args, train, evaluation, tokenizer, callbacks):
+    """TRL's GRPOTrainer with the recipe's reward functions (checked, sampled) and rollout function. TRL keeps the
+    reference itself: none at beta 0, the adapter switched off for LoRA, else a frozen copy it prepares for the
+    strategy (ZeRO-3 partitions it)."""
+    from pathlib import Path
+
+    from llmtune.recipe.online import user_functions
+    from llmtune.train.rewards import reward_functions
+
+    folder = os.environ.get("LLMTUNE_RECIPE_DIR")
+    functions = user_functions(recipe, Path(folder) if folder else None)
+    rewards, samples = reward_functions(recipe, functions, Path(recipe.output_dir))
+    extra = {"rollout_func": functions["trl.rollout_func"]} if "trl.rollout_func" in functions else {}
+    trainer = trainer_class(recipe.rl)(model=model, reward_funcs=rewards, args=args, train_dataset=train,
+                                       eval_dataset=evaluation, processing_class=tokenizer, callbacks=callbacks,
+                                       **extra)  # fmt: skip
+    samples.trainer = trainer
     return trainer
 
 
@@ -150,7 +226,10 @@ def reference_report(trainer) -> dict:
             "reference_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad)}  # fmt: skip
 
 
-PREFERENCE_METRICS = ("rewards/", "logps/", "logits/", "nll_loss", "log_odds_ratio", "log_odds_chosen", "kl")
+PREFERENCE_METRICS = ("rewards/", "logps/", "logits/", "nll_loss", "log_odds_ratio", "log_odds_chosen", "kl",
+                      # GRPO's: the reward (mean, std, per function), the completions' lengths and truncated share,
+                      # the policy ratio's clipping, the entropy
+                      "reward", "completions/", "clip_ratio/", "entropy", "frac_reward_zero_std")  # fmt: skip
 
 
 def summary(recipe, log_history: list[dict], reference: dict) -> dict:

@@ -103,8 +103,11 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
         self.tokens_seen += real
         self.rows_seen += rows
         self.padded_seen += int(ids.numel())
-        hashed = inputs.pop(ROW_BYTES, None)  # the rows' tokens, whatever the layout, read on the host
+        # the rows' tokens, whatever the layout, read on the host (GRPO's inputs are its rows, a list)
+        hashed = inputs.pop(ROW_BYTES, None) if isinstance(inputs, dict) else None
         if self.batch_hash is not None:
+            if hashed is None and mask is None and lengths is None and isinstance(inputs, list):
+                hashed = ids.numpy().tobytes()  # GRPO: the prompts' fingerprint
             if hashed is None:  # a collator that doesn't hash (reward pairs): the batch, one device copy
                 hashed = b"".join(row.numpy().tobytes() + b"|" for row in row_tokens(ids, mask, lengths))
             self.batch_hash.update(hashed)

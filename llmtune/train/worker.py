@@ -210,7 +210,16 @@ def _preference_trainer(recipe, plan, model, args, data, tokenizer, source, call
         log("reference model: " + ("log-probs precomputed before training" if recipe.precompute_ref_log_probs else
                                    "the base model with the adapter switched off"
                                    if not recipe.lora_model_dir else "the starting adapter, copied and frozen"))  # fmt: skip
-    return build_trainer(recipe, model, reference, args, data, tokenizer, callbacks)
+    elif recipe.rl in ("grpo", "gdpo"):
+        beta = (recipe.trl or {}).get("beta", recipe.rl_beta)
+        log("reference model: " + ("none (beta 0, TRL's default: no KL term)" if not beta else "the base model with the adapter "
+                                   "switched off" if recipe.adapter else "a frozen copy TRL loads and places"))  # fmt: skip
+    try:
+        return build_trainer(recipe, model, reference, args, data, tokenizer, callbacks)
+    except ValueError as err:  # TRL refuses a combination when it builds the trainer (e.g. a LoRA on lm_head)
+        raise UserError(
+            f"rl: {recipe.rl}: TRL refuses this setup: {str(err).splitlines()[0]}", "change the key it names"
+        ) from None
 
 
 def _batches(recipe: Recipe, plan: dict, model):
@@ -262,7 +271,11 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         data = prepare_data(recipe, tokenizer, track)  # rl: preference rows as TRL's strings
     stats = data.stats
     mark("data")  # tokenizer, transformers, the data read and tokenized (or the cache read)
-    if recipe.rl:
+    if recipe.rl in ("grpo", "gdpo"):
+        log(f"data: {stats['train_examples']} train / {stats['eval_examples']} eval prompts (read; TRL generates "
+            f"their completions); {stats['dropped_too_long']} longer than sequence_len minus the completion budget "
+            "dropped")  # fmt: skip
+    elif recipe.rl:
         log(f"data: {stats['train_examples']} train / {stats['eval_examples']} eval preference rows (read; TRL "
             f"tokenizes them); {stats['dropped_too_long']} longer than sequence_len dropped, {stats['truncated']} to "
             f"be truncated, {stats['dropped_long_prompt']} with a prompt over max_prompt_len dropped")  # fmt: skip
@@ -282,9 +295,18 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         if recipe.rl:
             from llmtune.train.rl import config_arguments, trl_classes
 
-            method = {"config_class": trl_classes(recipe.rl)[0], **config_arguments(recipe)}
-        args = training_arguments(recipe, plan, len(data.train), data.eval is not None, **rank.training_kwargs,
-                                  **compile_arguments(recipe, plan["cluster"]["device"]), **method)  # fmt: skip
+            method = {"config_class": trl_classes(recipe.rl)[0],
+                      **config_arguments(recipe, plan["cluster"]["device"])}  # fmt: skip
+        try:
+            args = training_arguments(recipe, plan, len(data.train), data.eval is not None, **rank.training_kwargs,
+                                      **compile_arguments(recipe, plan["cluster"]["device"]), **method)  # fmt: skip
+        except ValueError as err:  # TRL's config refuses a combination (e.g. GRPO's batch vs num_generations)
+            if not recipe.rl:
+                raise
+            raise UserError(
+                f"rl: {recipe.rl}: TRL refuses these settings: {str(err).splitlines()[0]}",
+                "change the keys it names (trl: section, micro_batch_size, gradient_accumulation_steps)",
+            ) from None
     loading = time.time()
     model = attach_adapter(
         load_model(recipe, source, tokenizer, plan["precision"], device=plan["cluster"]["device"],
@@ -475,6 +497,8 @@ def main(argv: list[str]) -> int:
         return EXIT_USER_ERROR
     payload = json.loads(Path(argv[0]).read_text())
     recipe = Recipe.model_validate(payload["recipe"])
+    if payload.get("recipe_path"):  # where the recipe's own Python files are (GRPO's rewards and transforms)
+        os.environ.setdefault("LLMTUNE_RECIPE_DIR", str(Path(payload["recipe_path"]).resolve().parent))
     plan = payload["plan"]
     libraries.hide_unused(recipe, plan)
     try:

@@ -136,8 +136,8 @@ def test_a_key_without_effect_is_accepted_and_said_once(key):
 
 
 def test_capability_refusals_read_as_the_issue_asks():
-    assert "rl: grpo (GRPO) is not supported yet: llmtune trains dpo, ipo, orpo, kto, simpo" in refusal(rl="grpo")
-    assert "RL with generation (GRPO, vLLM" in refusal(vllm={"gpu_memory_utilization": 0.5})
+    assert "rl: ebft (EBFT) is not supported yet: llmtune trains dpo, ipo, orpo, kto, simpo, grpo, gdpo" in refusal(rl="ebft")
+    assert "vllm belongs to preference training or online RL; set rl:" in refusal(vllm={"gpu_memory_utilization": 0.5})
     assert "training vision and audio models is not supported (processor_type" in refusal(
         processor_type="AutoProcessor"
     )

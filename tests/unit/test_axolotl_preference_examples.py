@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from llmtune.recipe import load_recipe
-from llmtune.recipe.preference import RL_METHODS, PreferenceKeys, preference_type
+from llmtune.recipe.preference import ONLINE_METHODS, RL_METHODS, PreferenceKeys, preference_type
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "axolotl_recipes"
 RELEASE = "v0.18.0"
@@ -50,15 +50,31 @@ def raw(path: Path) -> dict:
 
 KEPT = sorted(CORPUS.glob("rl-*.yml"))
 PREFERENCE = [p for p in KEPT if raw(p)["rl"] in RL_METHODS and p != BITNET]
-# Axolotl's RL with generation: its examples, and a GRPO recipe in their style (v0.18.0 has no GRPO example)
-GENERATING = [p for p in KEPT if raw(p)["rl"] not in RL_METHODS] + [CORPUS / "refused-grpo.yml"]
+# Axolotl's online RL (GRPO, GDPO) validates with the reward file beside it; a GRPO recipe in their style too
+# (v0.18.0 has no GRPO example); EBFT, Axolotl's own method, is refused
+ONLINE = [p for p in KEPT if raw(p)["rl"] in ONLINE_METHODS] + [CORPUS / "grpo-vllm.yml"]
+GENERATING = [p for p in KEPT if raw(p)["rl"] not in (*RL_METHODS, *ONLINE_METHODS)]
 
 
 def test_every_rl_example_of_the_release_is_kept():
     assert sorted(source(p) for p in KEPT) == sorted(RL_EXAMPLES)
     assert {raw(p)["rl"] for p in PREFERENCE} == {"dpo", "kto", "orpo"}
-    assert {raw(p)["rl"] for p in GENERATING} == {"ebft", "gdpo", "grpo"}
-    assert len(PREFERENCE) == 8 and len(GENERATING) == 11
+    assert {raw(p)["rl"] for p in GENERATING} == {"ebft"} and {raw(p)["rl"] for p in ONLINE} == {"gdpo", "grpo"}
+    assert len(PREFERENCE) == 8 and len(GENERATING) == 9 and len(ONLINE) == 2
+
+
+@pytest.mark.parametrize("path", ONLINE, ids=[p.stem for p in ONLINE])
+def test_an_online_rl_example_validates_as_written_with_its_reward_file(path, run_cli, monkeypatch, tmp_path):
+    monkeypatch.chdir(CORPUS)
+    result = run_cli("validate", path.name)
+    assert result.code == 0, result.err
+    recipe = load_recipe(path).recipe
+    assert recipe.trl["reward_funcs"] == raw(path)["trl"]["reward_funcs"]
+    # without its Python file beside it, the recipe is one line naming the function it can't find
+    alone = tmp_path / path.name
+    alone.write_text(path.read_text())
+    missing = run_cli("validate", alone)
+    assert missing.code == 2 and missing.err.count("\n") == 1 and "trl.reward_funcs[0]" in missing.err
 
 
 @pytest.mark.parametrize("path", PREFERENCE, ids=[p.stem for p in PREFERENCE])

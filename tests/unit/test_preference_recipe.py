@@ -44,7 +44,9 @@ def test_axolotls_loss_shorthands_become_trls_loss_list():
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"rl": "grpo"}, "rl: grpo (GRPO) is not supported yet"),
+    ({"rl": "ebft"}, "rl: ebft (EBFT) is not supported yet"),
+    ({"rl": "dpo", "trl": {"num_generations": 4}}, "trl.num_generations is a GRPO setting"),
+    ({"rl": "grpo"}, "rl: grpo needs trl.reward_funcs"),
     ({"rl": "dop"}, "did you mean 'dpo'"),
     ({"rl": "kto", "datasets": [{"path": "x", "type": "chat_template.default"}]},
      "datasets[0].type chat_template.default is not a preference type for rl: kto"),
@@ -76,7 +78,7 @@ def test_what_trl_cant_honour_is_one_line_naming_the_key(changes, words):
 
 
 def test_preference_keys_and_data_without_rl_say_to_set_it():
-    assert "rl_beta belongs to preference training; set rl:" in refusal(rl_beta=0.1)
+    assert "rl_beta belongs to preference training or online RL; set rl:" in refusal(rl_beta=0.1)
     assert "datasets[0].type chatml.intel is preference data: set rl: dpo" in refusal(datasets=PAIRS)
     mapping = [{"path": "x", "type": {"field_prompt": "q", "field_chosen": "good", "field_rejected": "bad"}}]
     assert "is a preference mapping" in refusal(datasets=mapping)

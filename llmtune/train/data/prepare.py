@@ -233,6 +233,18 @@ def split_and_pack(recipe, groups: dict[str, list[dict]], stats: dict) -> Prepar
 
 
 def prepare_data(recipe, tokenizer, progress=no_progress) -> PreparedData:
+    from llmtune.recipe.preference import ONLINE_METHODS
+
+    if recipe.rl in ONLINE_METHODS:  # GRPO's prompts and reward columns, through the user's transforms
+        import os
+        from pathlib import Path
+
+        from llmtune.recipe.online import user_functions
+        from llmtune.train.data.online_rows import prepare_online_data
+
+        folder = os.environ.get("LLMTUNE_RECIPE_DIR")
+        return prepare_online_data(recipe, tokenizer, user_functions(recipe, Path(folder) if folder else None),
+                                   progress)  # fmt: skip
     if recipe.rl:  # preference rows stay strings: TRL's trainers tokenize them
         from llmtune.train.data.preference_rows import prepare_preference_data
 
