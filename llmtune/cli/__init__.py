@@ -41,6 +41,7 @@ COMMANDS = [
     (post_commands.chat, "chat"),
     (post_commands.report, "report"),
     (train_commands.slurm, "slurm"),
+    (train_commands.vllm_serve, "vllm-serve"),
     (checkpoint_cmd.checkpoint, "checkpoint"),
 ]
 # train passes what follows `--` (and flags it doesn't know) to the launcher

@@ -142,6 +142,14 @@ def train(
         typer.echo(f"{'memory':>14}  {fit}", err=True)
     for note in [*the_plan.notes, *loaded.notes]:
         typer.echo(f"{'note':>14}  {note}", err=True)
+    if loaded.recipe.rl in ("grpo", "gdpo") and not cluster.rehearsal:
+        from llmtune.recipe.online import generation_mode
+
+        if generation_mode(loaded.recipe) == "server" and cluster.machine_rank == 0:
+            from llmtune.launch.vllm_server import wait_for
+            from llmtune.train.progress import log
+
+            wait_for(loaded.recipe, str(recipe), log)
     if preflight:
         from llmtune.doctor.run import run_doctor
 
@@ -219,3 +227,14 @@ def slurm(
                    f"rank logs: {output_dir / 'llmtune' / 'logs'}")  # fmt: skip
     else:
         typer.echo(f"submit with: sbatch {script}")
+
+
+def vllm_serve(recipe: RecipeArg) -> None:
+    """Start TRL's vLLM server for a GRPO recipe in server mode (its vllm: section), on the GPUs this process sees:
+    run it before `llmtune train`, with CUDA_VISIBLE_DEVICES set to GPUs the training doesn't use."""
+    from llmtune.launch.vllm_server import serve
+    from llmtune.recipe import load_recipe
+
+    code = serve(load_recipe(recipe).recipe, str(recipe))
+    if code:
+        raise typer.Exit(code)

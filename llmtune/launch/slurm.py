@@ -42,6 +42,23 @@ class SlurmJob:
     cpus_per_task: int | None = None
     signal_seconds: int = 300
     device: str | None = None  # "cpu": rehearse on the nodes' CPUs (no --gpus-per-node)
+    vllm_gpus: int = 0  # GRPO with a vLLM server: the GPUs it takes (vllm.tensor_parallel_size x data_parallel_size)
+
+    @property
+    def server_node(self) -> bool:
+        """The vLLM server gets the allocation's last node to itself (several nodes), else the first GPUs of the
+        one node, the trainers the rest."""
+        return self.vllm_gpus > 0 and self.nodes > 1
+
+    @property
+    def training_nodes(self) -> int:
+        return self.nodes - 1 if self.server_node else self.nodes
+
+    @property
+    def training_processes(self) -> int:
+        if self.server_node:
+            return self.training_nodes * self.gpus_per_node
+        return self.nodes * self.gpus_per_node - self.vllm_gpus
 
     def check(self) -> None:
         if self.nodes < 1:
@@ -51,6 +68,14 @@ class SlurmJob:
                             "with --device cpu it is the number of CPU processes per node")  # fmt: skip
         if self.time is not None and not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", self.time):
             raise UserError(f"--time '{self.time}' is not a Slurm time", "write it like 30, 4:00:00 or 1-12:00:00")
+        if self.vllm_gpus and self.vllm_gpus > self.gpus_per_node:
+            raise UserError(f"the vLLM server takes {self.vllm_gpus} GPUs (vllm.tensor_parallel_size x "
+                            f"data_parallel_size), more than --gpus-per-node {self.gpus_per_node}",
+                            "ask for more GPUs per node, or a smaller vllm: section")  # fmt: skip
+        if self.vllm_gpus and not self.server_node and self.training_processes < 1:
+            raise UserError(f"--gpus-per-node {self.gpus_per_node} on 1 node leaves no GPU for training: the vLLM "
+                            f"server takes {self.vllm_gpus}",
+                            "ask for more GPUs per node, or --nodes 2 to give the server a node of its own")  # fmt: skip
         if self.job_name is not None and not re.fullmatch(r"[\w.+-]+", self.job_name):
             raise UserError(f"--job-name '{self.job_name}' has characters Slurm job names can't hold",
                             "use letters, digits, '.', '_', '+' and '-'")  # fmt: skip
@@ -61,7 +86,7 @@ def sbatch_script(recipe_path: Path, output_dir: Path, job: SlurmJob, workdir: P
     """The sbatch script text (pure: no file is read or written). `llmtune` is how the nodes start llmtune."""
     job.check()
     name = job.job_name or f"llmtune-{recipe_path.stem}"
-    processes = job.nodes * job.gpus_per_node
+    processes = job.training_processes
     directives = [
         f"--job-name={name}",
         f"--nodes={job.nodes}",
@@ -77,14 +102,19 @@ def sbatch_script(recipe_path: Path, output_dir: Path, job: SlurmJob, workdir: P
         f"--signal=B:USR1@{job.signal_seconds}",
     ]
     train = [*llmtune, "train", str(recipe_path), "--num-processes", str(processes),
-             "--num-machines", str(job.nodes)]  # fmt: skip
+             "--num-machines", str(job.training_nodes)]  # fmt: skip
     if job.device:
         train += ["--device", job.device]
     launch = " ".join(shlex.quote(part) for part in train)
     python = shlex.quote(llmtune[0]) if "python" in Path(llmtune[0]).name else "python3"
     header = "\n".join(f"#SBATCH {d}" for d in directives)
+    server, srun_nodes, visible = _vllm_server(recipe_path, output_dir, job, llmtune)
+    layout = (f"{job.nodes} node(s) x {job.gpus_per_node} process(es), one llmtune launcher per node"
+              if not job.vllm_gpus else f"{processes} training process(es) on {job.training_nodes} node(s), "
+              f"one launcher per node; a vLLM server on {job.vllm_gpus} GPU(s) "
+              + ("of the last node" if job.server_node else "of the node"))  # fmt: skip
     return f"""#!/bin/bash
-# Written by `llmtune slurm`: {job.nodes} node(s) x {job.gpus_per_node} process(es), one llmtune launcher per node.
+# Written by `llmtune slurm`: {layout}.
 # Submit with: sbatch {shlex.quote(str(script_path))}   (or `llmtune slurm ... --submit`)
 # output_dir must be on storage every node sees: {output_dir}
 {header}
@@ -115,14 +145,43 @@ requeue() {{
 }}
 trap requeue USR1
 
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c \\
-  "exec {launch} --machine-rank \\$SLURM_NODEID --main-process-ip $HEAD_ADDR --main-process-port $PORT" &
+{server}srun{srun_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c \\
+  "{visible}exec {launch} --machine-rank \\$SLURM_NODEID --main-process-ip $HEAD_ADDR --main-process-port $PORT" &
 SRUN_PID=$!
 wait "$SRUN_PID"
 STATUS=$?
 # `wait` returns early when USR1 arrives; the trap above then requeues. Otherwise this is the job's result.
 exit $STATUS
 """
+
+
+def _vllm_server(recipe_path: Path, output_dir: Path, job: SlurmJob, llmtune: list[str]) -> tuple[str, str, str]:
+    """The script's lines that start GRPO's vLLM server before the trainers (none without one), the trainers' srun
+    node options, and what each trainer's shell sets first (the GPUs it may use)."""
+    if not job.vllm_gpus:
+        return "", "", ""
+    serve = " ".join(shlex.quote(part) for part in [*llmtune, "vllm-serve", str(recipe_path)])
+    log = shlex.quote(str(output_dir / "slurm" / "vllm-server-$SLURM_JOB_ID.out")).replace("'", '"')
+    stop = "trap 'kill $VLLM_PID 2>/dev/null' EXIT  # the server ends with the job\n"
+    if job.server_node:
+        gpus = ",".join(str(i) for i in range(job.vllm_gpus))
+        return (f"""# The vLLM server (GRPO's generation) on the last node, alone; the trainers reach it by its address.
+SERVER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n 1)
+SERVER_ADDR=$(scontrol show node "$SERVER_NODE" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p' | head -n 1)
+export LLMTUNE_VLLM_SERVER_HOST=${{SERVER_ADDR:-$SERVER_NODE}}
+srun --nodes=1 --ntasks=1 --nodelist="$SERVER_NODE" bash -c "CUDA_VISIBLE_DEVICES={gpus} exec {serve}" \\
+  >{log} 2>&1 &
+VLLM_PID=$!
+{stop}
+""", f' --nodes={job.training_nodes} --exclude="$SERVER_NODE"', "")  # fmt: skip
+    server_gpus = ",".join(str(i) for i in range(job.vllm_gpus))
+    training_gpus = ",".join(str(i) for i in range(job.vllm_gpus, job.gpus_per_node))
+    return (f"""# The vLLM server (GRPO's generation) on GPUs {server_gpus} of this node; the trainers on GPUs {training_gpus}.
+# llmtune train waits for it to answer (trl.vllm_server_timeout).
+CUDA_VISIBLE_DEVICES={server_gpus} {serve} >{log} 2>&1 &
+VLLM_PID=$!
+{stop}
+""", "", f"CUDA_VISIBLE_DEVICES={training_gpus} ")  # fmt: skip
 
 
 def write_job(recipe_path: Path, recipe, job: SlurmJob, output: Path | None = None) -> Path:
@@ -132,11 +191,14 @@ def write_job(recipe_path: Path, recipe, job: SlurmJob, output: Path | None = No
     from llmtune.plan import make_plan
     from llmtune.plan.cluster import Cluster
     from llmtune.plan.files import atomic_write
+    from llmtune.recipe.online import generation_mode
 
+    if recipe.rl in ("grpo", "gdpo") and job.device != "cpu" and generation_mode(recipe) == "server":
+        job.vllm_gpus = recipe.vllm.tensor_parallel_size * recipe.vllm.data_parallel_size if recipe.vllm else 1
     job.check()
     # the plan must hold for this cluster shape (batch arithmetic, parallel sizes) before anything is written
     # (the login node's own GPUs don't matter: the cluster is described, not probed)
-    make_plan(recipe, Cluster(job.nodes * job.gpus_per_node, job.nodes, 0, "127.0.0.1", 29500, job.device or "cuda"))
+    make_plan(recipe, Cluster(job.training_processes, job.training_nodes, 0, "127.0.0.1", 29500, job.device or "cuda"))
     output_dir = Path(recipe.output_dir).resolve()
     script = (output or output_dir / "slurm" / "job.sbatch").resolve()
     text = sbatch_script(recipe_path.resolve(), output_dir, job, Path.cwd(), [sys.executable, "-m", "llmtune"], script)

@@ -25,6 +25,7 @@ EIGHT_BIT = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "lion_8bit", "p
 # check_fits and recommend() refuse a total above this share of the GPU: the calibration's lowest row was 0.5%
 # below reserved + context (FSDP2, issue 32), and nvidia-smi's memory.total includes memory no process can allocate
 FIT_FRACTION = 0.95
+DEFAULT_GPU_BYTES = 80 * 2**30  # where the plan has no GPU size to go by (llmtune estimate's default, 80GB)
 
 
 @dataclass(frozen=True)

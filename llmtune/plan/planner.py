@@ -26,6 +26,7 @@ from llmtune.plan.pipeline import bubble_fraction, split_layers
 from llmtune.plan.resume import resumed_accumulation
 from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, liger_requested, resolve_kernels
+from llmtune.recipe.preference import ONLINE_METHODS
 
 STRATEGY_TITLES = {
     "single": "single process", "ddp": "DDP (data parallel)", "zero1": "DeepSpeed ZeRO-1",
@@ -255,6 +256,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
                      "pinned CPU memory (transformers' checkpoint offload); slower steps, less GPU memory")  # fmt: skip
     kernels = _kernels(recipe, cluster, precision, strategy, mesh)
     kernels.optimizer = fused_optimizer(recipe, cluster.device, strategy, deepspeed_config)
+    if recipe.rl in ONLINE_METHODS:
+        kernels.generation, kernels.vllm_share = _generation(recipe, cluster, facts, data_parallel, precision)
     if kernels.optimizer:
         kernels.notes.append(f"optimizer: {kernels.optimizer} for the recipe's {recipe.optimizer} (the same AdamW, "
                              "fused into one kernel per step on CUDA)")  # fmt: skip
@@ -398,6 +401,25 @@ def _check_muon_offload(recipe: Recipe) -> None:
                     "matrix on the GPU, and FSDP2 offload keeps the shards and their gradients on the CPU, where NCCL "
                     "can't gather them", f"remove {key} (muon runs under FSDP2 without offload), or use optimizer: "
                     "adamw_torch")  # fmt: skip
+
+
+def _generation(recipe: Recipe, cluster: Cluster, facts, data_parallel: int, precision: str):
+    """GRPO's generation: the plan's lines on where it runs and what it takes, and colocated vLLM's share of each
+    GPU where llmtune computes it (llmtune/plan/generation.py)."""
+    from llmtune.plan import generation
+    from llmtune.plan.estimate import DEFAULT_GPU_BYTES, estimate
+    from llmtune.recipe.online import generation_mode
+
+    training = None
+    if facts is not None:
+        rows = estimate(recipe, facts, data_parallel, cluster.processes_per_machine)
+        training = rows[0].total if rows else None  # DDP's row: colocated vLLM shares a GPU with a whole replica
+    lines = generation.describe(recipe, "RECIPE", training, DEFAULT_GPU_BYTES, cluster.rehearsal, facts,
+                                data_parallel, precision in ("bf16", "fp16"))  # fmt: skip
+    share = None
+    if generation_mode(recipe) == "colocate" and not cluster.rehearsal:
+        share = generation.colocate_share(recipe, training or 0.0, DEFAULT_GPU_BYTES)
+    return lines, share
 
 
 def _torch_has_varlen() -> bool:

@@ -86,7 +86,11 @@ def preference_lines(plan: Plan, recipe) -> list[tuple[str, str]]:
     precision = preference.precision_name(plan.precision, plan.precision in ("bf16", "fp16"))
     where = preference.describe(recipe, row_for_plan(plan), plan.data_parallel_size,
                                 plan.cluster.processes_per_machine, precision)  # fmt: skip
-    return [("preference", preference.batch_note(recipe)), ("reference model", where)]
+    lines = [("online RL" if recipe.rl in preference.ONLINE else "preference", preference.batch_note(recipe)),
+             ("reference model", where)]  # fmt: skip
+    if recipe.rl in preference.ONLINE:
+        lines += [("generation", line) for line in plan.kernels.get("generation") or []]
+    return lines
 
 
 def command_lines(plan: Plan) -> list[str]:

@@ -7,7 +7,8 @@ KTO logs no accuracy, and skips the margin in a logging window that held only de
 
 from __future__ import annotations
 
-METHODS = {"dpo": "DPO", "ipo": "IPO", "orpo": "ORPO", "kto": "KTO", "simpo": "SimPO"}
+METHODS = {"dpo": "DPO", "ipo": "IPO", "orpo": "ORPO", "kto": "KTO", "simpo": "SimPO", "grpo": "GRPO", "gdpo": "GDPO"}
+ONLINE = ("grpo", "gdpo")  # GRPO logs its reward (mean over the generations) where DPO logs a margin
 REFERENCE_FREE = ("orpo", "simpo")
 SERIES = {"margin": "rewards/margins", "accuracy": "rewards/accuracies"}
 REFERENCES = {  # what llmtune.train.rl.reference_report recorded, in words
@@ -28,18 +29,26 @@ def preference_curves(history: list[dict]) -> dict | None:
     data = {name: {"train": _series(history, key), "eval": _series(history, "eval_" + key)}
             for name, key in SERIES.items()}  # fmt: skip
     margin = data["margin"]
-    return data if margin["train"]["step"] or margin["eval"]["step"] else None
+    if margin["train"]["step"] or margin["eval"]["step"]:
+        return data
+    reward = {"train": _series(history, "reward"), "eval": _series(history, "eval_reward")}
+    if reward["train"]["step"]:  # GRPO: its mean reward, in the same panel
+        empty = {"step": [], "value": []}
+        return {"margin": reward, "accuracy": {"train": empty, "eval": empty}, "kind": "reward"}
+    return None
 
 
 def plot_preference(axis, data: dict) -> None:
     """The margin on `axis`, the accuracy (0 to 1) on a twin axis when the method logs one."""
     margin, accuracy = data["margin"], data["accuracy"]
-    axis.plot(margin["train"]["step"], margin["train"]["value"], label="train reward margin", color="tab:purple")
+    what = "reward" if data.get("kind") == "reward" else "reward margin"  # GRPO's mean reward, or DPO's margin
+    axis.plot(margin["train"]["step"], margin["train"]["value"], label=f"train {what}", color="tab:purple")
     if margin["eval"]["step"]:
-        axis.plot(margin["eval"]["step"], margin["eval"]["value"], "o-", label="eval reward margin", color="tab:red")
-    axis.axhline(0.0, color="black", linewidth=0.8, alpha=0.5)  # above it, the chosen reply scores higher
+        axis.plot(margin["eval"]["step"], margin["eval"]["value"], "o-", label=f"eval {what}", color="tab:red")
+    if what == "reward margin":
+        axis.axhline(0.0, color="black", linewidth=0.8, alpha=0.5)  # above it, the chosen reply scores higher
     axis.set_xlabel("step")
-    axis.set_ylabel("reward margin")
+    axis.set_ylabel(what)
     axis.grid(alpha=0.3)
     lines, labels = axis.get_legend_handles_labels()
     if accuracy["train"]["step"] or accuracy["eval"]["step"]:
@@ -98,6 +107,8 @@ def preference_section(metrics: dict, recipe: dict, data: dict | None) -> str:
     method = recipe.get("rl") or block.get("method")
     if not method:
         return ""
+    if method in ONLINE:
+        return _online_section(method, recipe, block)
     empty = {"step": [], "value": []}  # a preference run with no logged margin still says what it was
     data = data or {name: {"train": empty, "eval": empty} for name in SERIES}
     rows = [("method", METHODS.get(method, method)), ("beta", _beta(recipe, block)),
@@ -117,4 +128,25 @@ def preference_section(metrics: dict, recipe: dict, data: dict | None) -> str:
         f"## Preference\n\n| | |\n| --- | --- |\n{table}\n\n"
         f"| TRL metric | first logged | last logged |\n| --- | --- | --- |\n{logged}\n\n"
         f"{note}. The loss plot shows them per step in a panel below the loss.\n\n"
+    )
+
+
+def _online_section(method: str, recipe: dict, block: dict) -> str:
+    """GRPO's summary: the method, its rewards and their aggregation, and TRL's numbers at the first and last step."""
+    trl = recipe.get("trl") or {}
+    aggregation = trl.get("multi_objective_aggregation") or ("normalize_then_sum" if method == "gdpo" else
+                                                             "sum_then_normalize")  # fmt: skip
+    rows = [("method", METHODS[method]), ("beta (KL weight)", _beta(recipe, block)),
+            ("reward functions", ", ".join(trl.get("reward_funcs") or []) or "not recorded"),
+            ("aggregation", aggregation), ("completions per prompt", trl.get("num_generations", 8))]  # fmt: skip
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    first, last = block.get("first") or {}, block.get("last") or {}
+    keys = [k for k in last if k == "reward" or k.startswith(("rewards/", "completions/mean_length",
+                                                              "completions/clipped_ratio", "kl"))]  # fmt: skip
+    logged = "\n".join(f"| {k} | {first.get(k, float('nan')):.4f} | {last[k]:.4f} |" for k in keys)
+    return (
+        f"## Online RL\n\n| | |\n| --- | --- |\n{table}\n\n"
+        f"| TRL metric | first logged | last logged |\n| --- | --- | --- |\n{logged}\n\n"
+        "The loss plot shows the mean reward per step in a panel below the loss; sample completions with each "
+        "function's reward are in completions.jsonl.\n\n"
     )

@@ -65,7 +65,7 @@ def _why_padded(recipe, strategy: str | None, mesh: dict | None) -> str | None:
     if mesh.get("context_parallel", 1) > 1 or recipe.context_parallel_size > 1:
         return "context parallelism splits each row across ranks in equal chunks"
     if recipe.rl:
-        return f"rl: {recipe.rl}: TRL's trainer pads each pair itself"
+        return f"rl: {recipe.rl}: TRL's trainer pads its batches itself"
     if recipe.reward_model or recipe.process_reward_model:
         return "a reward model scores each sequence from its own last token"
     if recipe.neftune_noise_alpha:

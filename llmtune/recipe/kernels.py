@@ -87,6 +87,8 @@ class Kernels:
     batches: Batches | None = None  # padding-free or padded micro-batches, and the attention kernel that reads them
     optimizer: str | None = None  # the optim name the Trainer gets, where llmtune chose a faster twin of the recipe's
     loader: dict = field(default_factory=dict)  # TrainingArguments for data loading (workers, prefetch, pinning)
+    generation: list[str] = field(default_factory=list)  # rl: grpo/gdpo: where generations run (plan/generation.py)
+    vllm_share: float | None = None  # colocated vLLM's share of each GPU, where the plan computed it
 
     @property
     def liger_on(self) -> list[str]:
@@ -115,6 +117,8 @@ class Kernels:
             "batches": self.batches.to_dict() if self.batches else None,
             "optimizer": self.optimizer,
             "loader": self.loader,
+            "generation": self.generation,
+            "vllm_share": self.vllm_share,
         }
 
     def loading_line(self) -> str:

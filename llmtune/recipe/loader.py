@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def recipe_from_mapping(raw: dict, path: Path, check_files: bool = True) -> Load
     if check_files:
         check_local_paths(recipe, path)
         if recipe.rl in ONLINE_METHODS:  # the user's reward functions and transforms: imported, named if missing
-            user_functions(recipe, Path(path).resolve().parent)
+            # (a rehearsal's copy of a recipe says where the original, and its Python files, are)
+            user_functions(recipe, Path(os.environ.get("LLMTUNE_RECIPE_DIR") or Path(path).resolve().parent))
     if recipe.trust_remote_code:
         notes.append(f"WARNING trust_remote_code: true: Python code shipped with {recipe.base_model} will run on "
                      "every rank; use it only for models whose code you trust")  # fmt: skip

@@ -85,6 +85,13 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
                 raise UserError(
                     f"{recipe_path}: deepspeed: {recipe.deepspeed} does not exist", "give a JSON file or a preset"
                 )
+    rewards = (recipe.trl or {}).get("reward_funcs")
+    if isinstance(rewards, list):  # a reward model's folder (module.function names are the loader's to import)
+        from llmtune.recipe.user_code import looks_like_function
+
+        for index, name in enumerate(rewards):
+            if isinstance(name, str) and (not looks_like_function(name) or on_disk(name, "trl.reward_funcs")):
+                rewards[index] = resolve(name, f"trl.reward_funcs[{index}]", recipe_path)
     for group in ("datasets", "test_datasets"):
         for index, spec in enumerate(getattr(recipe, group) or []):
             key = f"{group}[{index}].path"

@@ -47,7 +47,12 @@ TRL_GRPO_KEYS = frozenset("""
     vllm_importance_sampling_correction vllm_importance_sampling_mode vllm_importance_sampling_cap
     off_policy_mask_threshold use_bias_correction_kl reward_num_workers replay_buffer_size replay_recompute_logps
     reroll_start_fraction reroll_max_groups skip_zero_advantage_batches vllm_lora_sync
-""".split())  # fmt: skip
+    num_generations_eval shuffle_dataset pad_to_multiple_of steps_per_generation cache_implementation
+    vllm_model_impl vllm_structured_outputs_regex vllm_server_base_url vllm_group_port vllm_gpu_memory_utilization
+    vllm_max_model_length vllm_tensor_parallel_size delta sapo_temperature_neg sapo_temperature_pos top_entropy_quantile
+    entropy_coef vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min log_unique_prompts
+    max_tool_calling_iterations disable_dropout
+""".split())  # GRPOConfig's fields (TRL 1.16) and Axolotl's names; the worker checks them against TRL's own  # fmt: skip
 _INERT = (None, False, "", [], {})
 
 # Which method each key belongs to (a key set for another method is an error, not silently unused).

@@ -38,7 +38,7 @@ def resolve(name: str, folder: Path | None, key: str):
             module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name and module_name.startswith(err.name):
-            where = f"{candidate} or" if candidate is not None else ""
+            where = f"not {candidate}, nor" if candidate is not None else "not"
             raise UserError(f"{key}: {name}: no module {module_name} ({where} on the Python path)",
                             f"put {module_name.split('.')[-1]}.py beside the recipe") from None  # fmt: skip
         raise UserError(

@@ -213,6 +213,8 @@ def rehearse_recipe(recipe_path: Path, flags: ClusterFlags, options: RehearsalOp
     started = time.monotonic()
     timings: dict[str, float] = {}
     loaded = load_recipe(recipe_path)
+    # the rehearsal's recipe is written elsewhere: the original's own Python files (GRPO's rewards) stay where it is
+    os.environ["LLMTUNE_RECIPE_DIR"] = str(Path(recipe_path).resolve().parent)
     recipe = loaded.recipe
     stand_ins = rehearsal_data.parse_stand_ins(options.stand_in_data)
     clusters = _clusters(flags)

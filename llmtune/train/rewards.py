@@ -38,15 +38,16 @@ def _text(value) -> str:
 class Samples:
     """Shared by the wrappers of one run: each adds its rewards for the batch; the last one writes the samples."""
 
-    def __init__(self, output_dir: Path, names: list[str], every: int, count: int) -> None:
+    def __init__(self, output_dir: Path, names: list[str], every: int, count: int, last: str | None = None) -> None:
         self.path = Path(output_dir) / "completions.jsonl"
         self.names, self.every, self.count = names, max(1, every), count
+        self.last = last or names[-1]  # the last function TRL calls that llmtune wraps (not a reward model)
         self.pending: dict[str, list] = {}
         self.trainer = None
 
     def add(self, name: str, prompts, completions, rewards) -> None:
         self.pending[name] = rewards
-        if name != self.names[-1] or self.trainer is None or not self.count:
+        if name != self.last or self.trainer is None or not self.count:
             return
         step = self.trainer.state.global_step + 1
         if (step - 1) % self.every or int(os.environ.get("RANK", 0)):
@@ -123,10 +124,15 @@ def reward_functions(recipe, functions: dict, output_dir: Path) -> tuple[list, S
     names = reward_names(recipe)
     count = trl_value(recipe, "num_completions_to_print")
     count = (count if count is not None else 3) if trl_value(recipe, "log_completions", True) else 0
-    samples = Samples(output_dir, [n.rsplit(".", 1)[-1] for n in names], recipe.logging_steps or 1, int(count))
+    wrapped = [i for i in range(len(names)) if functions.get(f"trl.reward_funcs[{i}]")]
+    # a reward model (a folder or hub id) is TRL's to load, place and call: its metric is rewards/<its name>/mean,
+    # and its value in completions.jsonl is null (llmtune sees the functions' values, not the model's)
+    short = [n.rsplit(".", 1)[-1] if i in wrapped else Path(n).name for i, n in enumerate(names)]
+    samples = Samples(output_dir, short, recipe.logging_steps or 1, int(count) if wrapped else 0,
+                      last=short[wrapped[-1]] if wrapped else None)  # fmt: skip
     error_file = Path(output_dir) / "llmtune" / "logs" / "reward-error.txt"
     out = []
     for index, name in enumerate(names):
         function = functions.get(f"trl.reward_funcs[{index}]")
-        out.append(wrap(function, name.rsplit(".", 1)[-1], samples, error_file) if function else name)
+        out.append(wrap(function, short[index], samples, error_file) if function else name)
     return out, samples

@@ -42,7 +42,7 @@ def trl_classes(rl: str) -> tuple[type, type]:
     return CPOConfig, CPOTrainer
 
 
-def online_arguments(recipe, device: str) -> dict:
+def online_arguments(recipe, device: str, vllm_share: float | None = None) -> dict:
     """GRPO's config from Axolotl's trl: and vllm: sections. TRL's console table of completions is off: llmtune
     writes the samples to completions.jsonl (llmtune/train/rewards.py)."""
     from dataclasses import fields
@@ -68,22 +68,30 @@ def online_arguments(recipe, device: str) -> dict:
         kwargs["dataset_num_proc"] = recipe.dataset_processes
     if device != "cuda":  # vLLM needs GPUs: the CPU rehearsal generates in the training process (the plan says so)
         kwargs["use_vllm"] = False
-    elif kwargs.get("use_vllm") and recipe.vllm:
+    elif vllm_share and "vllm_gpu_memory_utilization" not in kwargs:  # colocated: the plan's share of each GPU
+        kwargs["vllm_gpu_memory_utilization"] = vllm_share
+    if device == "cuda" and kwargs.get("use_vllm") and recipe.vllm:
         vllm = recipe.vllm
-        kwargs.setdefault("vllm_server_port", vllm.port)
-        kwargs.setdefault("vllm_tensor_parallel_size", vllm.tensor_parallel_size)
+        if kwargs.get("vllm_mode", "server") == "server":
+            kwargs.setdefault("vllm_server_port", vllm.port)
+        else:  # colocated: the engine inside each training process splits the model this way
+            kwargs.setdefault("vllm_tensor_parallel_size", vllm.tensor_parallel_size)
         if vllm.gpu_memory_utilization:
             kwargs.setdefault("vllm_gpu_memory_utilization", vllm.gpu_memory_utilization)
         if vllm.max_model_len:
             kwargs.setdefault("vllm_max_model_length", vllm.max_model_len)
+    if device == "cuda" and kwargs.get("use_vllm") and kwargs.get("vllm_mode", "server") == "server":
+        from llmtune.launch.vllm_server import address
+
+        kwargs["vllm_server_host"] = address(recipe)[0]  # where `llmtune slurm` (or the recipe) put the server
     return kwargs
 
 
-def config_arguments(recipe, device: str = "cuda") -> dict:
+def config_arguments(recipe, device: str = "cuda", vllm_share: float | None = None) -> dict:
     """The method's keys as TRL's config fields (what TrainingArguments doesn't have)."""
     rl = recipe.rl
     if rl in ONLINE_METHODS:
-        return online_arguments(recipe, device)
+        return online_arguments(recipe, device, vllm_share)
     kwargs: dict = {"max_length": recipe.sequence_len}
     if recipe.dataset_processes:
         kwargs["dataset_num_proc"] = recipe.dataset_processes
@@ -190,6 +198,9 @@ def _online_trainer(recipe, model, args, train, evaluation, tokenizer, callbacks
                                        eval_dataset=evaluation, processing_class=tokenizer, callbacks=callbacks,
                                        **extra)  # fmt: skip
     samples.trainer = trainer
+    _adapter_off_reference(trainer, recipe)
+    if getattr(trainer, "ref_model", None) is not None:  # TRL's copy keeps requires_grad; it is never trained
+        getattr(trainer.ref_model, "module", trainer.ref_model).requires_grad_(False)
     return trainer
 
 
@@ -199,7 +210,8 @@ def _adapter_off_reference(trainer, recipe) -> None:
     the adapter switched off, with no second set of weights. An adapter loaded from lora_model_dir (the SFT
     result) stays copied: that adapter is the reference."""
     model = trainer.model
-    if recipe.rl in WITH_REFERENCE and recipe.adapter and not recipe.lora_model_dir:
+    with_reference = recipe.rl in WITH_REFERENCE or (recipe.rl in ONLINE_METHODS and beta(recipe))
+    if with_reference and recipe.adapter and not recipe.lora_model_dir:
         if "ref" in getattr(model, "peft_config", {}):
             model.delete_adapter("ref")
             model.set_adapter("default")
@@ -210,8 +222,11 @@ def reference_report(trainer) -> dict:
     parameters this rank keeps (its ZeRO-3 partition or FSDP shard, else the whole copy); none when the adapter's
     base (or precomputed log-probs) is the reference."""
     recipe = trainer.recipe
-    if recipe is None or recipe.rl not in WITH_REFERENCE:
+    online = recipe is not None and recipe.rl in ONLINE_METHODS
+    if recipe is None or (recipe.rl not in WITH_REFERENCE and not online):
         return {}
+    if online and not beta(recipe):  # GRPO at beta 0 (TRL's default) has no KL term and builds no reference
+        return {"reference": "none"}
     ref = getattr(trainer, "ref_model", None)
     if ref is None:
         kind = "precomputed" if recipe.precompute_ref_log_probs else "adapter_disabled"

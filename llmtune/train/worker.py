@@ -296,7 +296,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
             from llmtune.train.rl import config_arguments, trl_classes
 
             method = {"config_class": trl_classes(recipe.rl)[0],
-                      **config_arguments(recipe, plan["cluster"]["device"])}  # fmt: skip
+                      **config_arguments(recipe, plan["cluster"]["device"],
+                                         (plan.get("kernels") or {}).get("vllm_share"))}  # fmt: skip
         try:
             args = training_arguments(recipe, plan, len(data.train), data.eval is not None, **rank.training_kwargs,
                                       **compile_arguments(recipe, plan["cluster"]["device"]), **method)  # fmt: skip

@@ -21,7 +21,7 @@ from tiny import write_jsonl
 
 pytestmark = pytest.mark.integration
 
-REWARDS = '''
+REWARDS = """
 def _text(completion):
     return completion[0]["content"] if isinstance(completion, list) else completion
 
@@ -44,7 +44,13 @@ def say_transform(cfg, *args, **kwargs):
         return {"prompt": [{"role": "user", "content": "Say " + example["word"]}], "answer": example["word"]}
 
     return transform_fn, {"remove_columns": ["word"]}
-'''
+"""
+
+
+def last_reward(steps: list[dict]) -> float:
+    return steps[-1]["reward"]
+
+
 WORDS = ["apple", "river", "stone", "cloud", "green", "happy", "seven", "light"]
 
 
@@ -84,8 +90,14 @@ def test_a_lora_grpo_run_learns_what_its_reward_favours_and_records_it(workspace
     first, last = statistics.mean(e["reward"] for e in steps[:5]), statistics.mean(e["reward"] for e in steps[-5:])
     assert last > first + 1.0, [round(e["reward"], 2) for e in steps]  # shorter answers: a reward that rose
     entry = steps[0]
-    for key in ("reward_std", "rewards/short_reward/mean", "rewards/short_reward/std", "completions/mean_length",
-                "completions/clipped_ratio", "clip_ratio/region_mean"):
+    for key in (
+        "reward_std",
+        "rewards/short_reward/mean",
+        "rewards/short_reward/std",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "clip_ratio/region_mean",
+    ):
         assert isinstance(entry[key], float), key
     summary = metrics["preference"]
     assert summary["method"] == "grpo" and summary["last"]["reward"] == steps[-1]["reward"]
@@ -93,6 +105,11 @@ def test_a_lora_grpo_run_learns_what_its_reward_favours_and_records_it(workspace
     assert {s["step"] for s in samples} == set(range(1, 31)) and len(samples) == 60  # 2 per logging step
     assert samples[0]["prompt"].startswith("user: Say ") and isinstance(samples[0]["rewards"]["short_reward"], float)
     assert "reference model: none (beta 0" in result.stderr
+    report = workspace[0] / "short" / "report"
+    assert "## Online RL" in (report / "summary.md").read_text()  # and the reward's panel under the loss:
+    assert json.loads((report / "curves.json").read_text())["preference"]["margin"]["train"]["value"][
+        -1
+    ] == last_reward(steps)
 
 
 def test_two_zero2_ranks_see_their_own_prompts_and_a_fixed_seed_generates_the_same(workspace):
@@ -111,11 +128,80 @@ def test_two_zero2_ranks_see_their_own_prompts_and_a_fixed_seed_generates_the_sa
     assert "rewards/mentions_answer/mean" in metrics["log_history"][0]
 
 
+FSDP2 = {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}}
+FULL_TRAINING = {"adapter": None, "lora_r": None, "lora_alpha": None, "lora_target_linear": None, "learning_rate": 1e-4}
+
+
+@pytest.mark.parametrize(
+    "strategy, keys, engine, reference",
+    [
+        ("ddp-full", FULL_TRAINING, "ddp", "LlamaForCausalLM"),
+        ("zero3-full", {"deepspeed": "zero3", **FULL_TRAINING}, "deepspeed", "DeepSpeedEngine"),
+        ("fsdp2-lora", FSDP2, "fsdp2", "adapter_disabled"),
+    ],
+)
+def test_grpo_trains_on_every_strategy_with_its_reference_model(workspace, strategy, keys, engine, reference):
+    """beta > 0 brings the reference model: a frozen copy the strategy places for a full fine-tune, the adapter
+    switched off for LoRA. Two steps at 2 ranks: each rank really ran the strategy, on its own prompts, and saved."""
+    path = grpo(workspace, strategy, max_steps=2, micro_batch_size=4, gradient_accumulation_steps=2,
+                trl={"num_generations": 4, "max_completion_length": 8, "beta": 0.04,
+                     "reward_funcs": ["rwd.short_reward"]}, **keys)  # fmt: skip
+    result = llmtune("train", path, "--num-processes", "2", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(path)
+    ranks = metrics["ranks"]
+    assert metrics["world_size"] == 2 and metrics["steps"] == 2 and len(ranks) == 2
+    assert all(r["engine"] == engine for r in ranks), ranks
+    assert ranks[0]["first_batch"] != ranks[1]["first_batch"], "both ranks were given the same prompts"
+    assert all(r["reference"] == reference for r in ranks), ranks
+    if reference == "adapter_disabled":  # the fresh adapter off is the base model: no copy of it, on any rank
+        assert all(r["adapters"] == ["default"] for r in ranks), ranks
+    else:  # a frozen copy: whole on each DDP rank, half of it on each ZeRO-3 rank
+        total = metrics["total_parameters"]
+        share = total / 2 if engine == "deepspeed" else total
+        assert all(r["reference_local_parameters"] == pytest.approx(share, abs=64) for r in ranks), ranks
+        assert all(r["reference_trainable"] == 0 for r in ranks), ranks
+    steps = [e for e in metrics["log_history"] if "reward" in e]
+    assert len(steps) == 2 and all(isinstance(e["kl"], float) for e in steps)
+    # the reference is the starting policy: no divergence at the first step, some once the policy has moved
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[1]["kl"] > 1e-9, [e["kl"] for e in steps]
+    saved = workspace[0] / strategy
+    assert (saved / ("adapter_model.safetensors" if "lora" in strategy else "model.safetensors")).exists()
+
+
+def test_a_reward_model_by_path_scores_beside_a_function(workspace):
+    """A sequence-classification model's folder in trl.reward_funcs: TRL loads it and scores each completion with
+    it; its reward is logged under its folder's name. A folder that isn't there is refused before launch."""
+    import torch
+    from tiny import load_tokenizer, tiny_llama_config
+    from transformers import LlamaForSequenceClassification
+
+    root = workspace[0]
+    torch.manual_seed(1)
+    config = tiny_llama_config(512, hidden=32, intermediate=64)
+    config.num_labels, config.pad_token_id = 1, load_tokenizer().pad_token_id
+    LlamaForSequenceClassification(config).save_pretrained(str(root / "judge"))
+    load_tokenizer().save_pretrained(str(root / "judge"))
+    path = grpo(workspace, "judged", rewards=("rwd.short_reward", str(root / "judge")), max_steps=2)
+    result = llmtune("train", path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [e for e in read_metrics(path)["log_history"] if "reward" in e]
+    assert len(steps) == 2 and all(isinstance(e["rewards/judge/mean"], float) for e in steps)
+    assert all(e["rewards/judge/std"] > 0 for e in steps)  # the model scored each completion, not a constant
+    sample = json.loads((root / "judged" / "completions.jsonl").read_text().splitlines()[0])
+    assert set(sample["rewards"]) == {"short_reward", "judge"} and sample["rewards"]["judge"] is None
+    missing = grpo(workspace, "unjudged", rewards=("rwd.short_reward", "./no-such-judge"))
+    refused = llmtune("validate", missing, timeout=120)
+    assert refused.returncode == 2 and "trl.reward_funcs[1]: ./no-such-judge does not exist" in refused.stderr
+
+
 def test_a_reward_function_that_raises_is_one_line_naming_it(workspace):
     path = grpo(workspace, "broken", rewards=("rwd.short_reward", "rwd.broken_reward"), max_steps=2)
     result = llmtune("train", path, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: reward function broken_reward raised KeyError: 'answer' (prompt index 0 of the batch")
+    assert last.startswith(
+        "error: reward function broken_reward raised KeyError: 'answer' (prompt index 0 of the batch"
+    )
     assert "Traceback" not in result.stderr
     assert "KeyError" in (workspace[0] / "broken" / "llmtune" / "logs" / "reward-error.txt").read_text()

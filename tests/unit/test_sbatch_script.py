@@ -79,3 +79,37 @@ def test_cli_writes_the_script_or_refuses_an_impossible_plan(tmp_path):
     if shutil.which("sbatch") is None:
         no_slurm = run("--nodes", "1", "--submit", "--device", "cpu")
         assert no_slurm.returncode == 2 and "sbatch is not on PATH" in no_slurm.stderr
+
+
+def test_grpo_with_a_vllm_server_places_the_server_and_the_trainers(tmp_path):
+    """One node: the server on its first GPUs, the trainers on the rest. Several: the server on the last node, alone,
+    the trainers on the others, told its address. The server stops with the job; a job too small is refused."""
+    one = script(SlurmJob(1, 8, vllm_gpus=2))
+    assert "CUDA_VISIBLE_DEVICES=0,1 /opt/venv/bin/python -m llmtune vllm-serve" in one
+    assert "CUDA_VISIBLE_DEVICES=2,3,4,5,6,7 exec" in one and "--num-processes 6 --num-machines 1" in one
+    assert one.index("vllm-serve") < one.index("srun") and "trap 'kill $VLLM_PID 2>/dev/null' EXIT" in one
+    many = script(SlurmJob(3, 8, vllm_gpus=4))
+    assert "--num-processes 16 --num-machines 2" in many and '--nodes=2 --exclude="$SERVER_NODE"' in many
+    assert 'srun --nodes=1 --ntasks=1 --nodelist="$SERVER_NODE"' in many and "CUDA_VISIBLE_DEVICES=0,1,2,3" in many
+    assert "export LLMTUNE_VLLM_SERVER_HOST=" in many
+    for text in (one, many):
+        path = tmp_path / "job.sbatch"
+        path.write_text(text)
+        assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    with pytest.raises(UserError, match="leaves no GPU for training"):
+        script(SlurmJob(1, 2, vllm_gpus=2))
+    with pytest.raises(UserError, match="more than --gpus-per-node 4"):
+        script(SlurmJob(2, 4, vllm_gpus=8))
+
+
+def test_the_trainers_connect_where_the_script_put_the_server(monkeypatch):
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.rl import config_arguments
+
+    raw = {"base_model": "m", "rl": "grpo", "output_dir": "/o", "datasets": [{"path": "d.jsonl", "type": "rwd.t"}],
+           "trl": {"reward_funcs": ["rwd.r"], "use_vllm": True, "vllm_mode": "server"}, "vllm": {"port": 8011}}
+    recipe = recipe_from_mapping(raw, Path("r.yaml"), check_files=False).recipe
+    assert config_arguments(recipe, "cuda")["vllm_server_host"] == "127.0.0.1"
+    monkeypatch.setenv("LLMTUNE_VLLM_SERVER_HOST", "10.0.0.7")
+    arguments = config_arguments(recipe, "cuda")
+    assert arguments["vllm_server_host"] == "10.0.0.7" and arguments["vllm_server_port"] == 8011

@@ -1,0 +1,97 @@
+"""GRPO's generation placement, tested by configuration (vLLM needs GPUs): what the plan says and computes for
+in-process, colocated and server generation, what TRL's config receives, and the one-line refusals around
+`llmtune vllm-serve` and a server that never answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmtune.errors import UserError
+from llmtune.plan import make_cluster, make_plan
+from llmtune.plan.model_facts import ModelFacts
+from llmtune.recipe.loader import recipe_from_mapping
+
+FACTS = ModelFacts(model_type="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                   intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)  # fmt: skip
+
+
+def recipe(**trl):
+    raw = {"base_model": "org/model", "rl": "grpo", "output_dir": "/runs/g", "micro_batch_size": 4, "bf16": True,
+           "gradient_accumulation_steps": 2, "sequence_len": 1024, "adapter": "lora", "lora_target_linear": True,
+           "trl": {"reward_funcs": ["rwd.r"], "num_generations": 8, "max_completion_length": 256, **trl},
+           "datasets": [{"path": "d.jsonl", "type": "rwd.t"}]}  # fmt: skip
+    return recipe_from_mapping(raw, Path("r.yaml"), check_files=False).recipe
+
+
+def test_in_process_generation_names_its_batch_and_kv_cache():
+    from llmtune.plan import generation
+
+    r = recipe()
+    assert generation.generation_sequences(r, 2) == 8  # micro 4 x steps per generation (the accumulation, 2)
+    kv = generation.kv_cache_bytes(r, FACTS, 2, mixed=True)
+    assert kv == 2 * 16 * 8 * 64 * 2 * 1024 * 8  # keys+values x layers x kv heads x head size x bf16 x tokens x seqs
+    [line] = generation.describe(r, "g.yaml", None, 80 * 2**30, False, FACTS, 2, True)
+    assert "8 completions per prompt, up to 256 tokens, 8 sequences at once per rank; KV cache about 0.25 GB" in line
+
+
+def test_colocated_vllm_takes_what_training_leaves_and_the_worker_passes_it_on():
+    from llmtune.plan import generation
+    from llmtune.train.rl import config_arguments
+
+    r = recipe(use_vllm=True, vllm_mode="colocate")
+    assert generation.colocate_share(r, 40 * 2**30, 80 * 2**30) == 0.4  # 1 - 40/80 - the 0.10 margin
+    assert generation.colocate_share(recipe(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2),
+                                     40 * 2**30, 80 * 2**30) == 0.2  # the recipe's own wins  # fmt: skip
+    arguments = config_arguments(r, "cuda", vllm_share=0.4)
+    assert arguments["use_vllm"] and arguments["vllm_mode"] == "colocate"
+    assert arguments["vllm_gpu_memory_utilization"] == 0.4 and arguments["log_completions"] is False
+    assert config_arguments(r, "cpu")["use_vllm"] is False  # the rehearsal generates in the training process
+
+
+def test_server_mode_plans_the_server_command_and_the_wait():
+    raw = {"vllm": {"port": 8011, "tensor_parallel_size": 2, "gpu_memory_utilization": 0.9}}
+    r = recipe_from_mapping({**recipe(use_vllm=True, vllm_mode="server").model_dump(exclude_unset=True), **raw},
+                            Path("r.yaml"), check_files=False).recipe  # fmt: skip
+    plan = make_plan(r, make_cluster(2, device="cuda"))
+    text = "\n".join(plan.kernels["generation"])
+    assert "a vLLM server at 0.0.0.0:8011 on 2 GPU(s) of its own" in text and "waits up to 240 s" in text
+    assert (
+        "trl vllm-serve --model org/model --tensor-parallel-size 2" in text and "--gpu-memory-utilization 0.9" in text
+    )
+    from llmtune.train.rl import config_arguments
+
+    assert config_arguments(r, "cuda")["vllm_server_port"] == 8011
+    rehearsal = make_plan(r, make_cluster(2, device="cpu"))
+    assert "the CPU rehearsal generates in-process" in rehearsal.kernels["generation"][0]
+
+
+def test_vllm_serve_and_the_wait_are_one_line_when_they_cant_go_on(monkeypatch):
+    from llmtune.launch import vllm_server
+    from llmtune.launch.net import free_port
+
+    with pytest.raises(UserError, match="generates in-process: llmtune vllm-serve is for"):
+        vllm_server.serve(recipe(), "g.yaml")
+    port = free_port()
+    r = recipe(use_vllm=True, vllm_mode="server", vllm_server_port=port, vllm_server_timeout=2)
+    monkeypatch.setattr(vllm_server.time, "sleep", lambda s: None)
+    with pytest.raises(UserError, match=f"the vLLM server at 127.0.0.1:{port} did not answer within 2 s") as caught:
+        vllm_server.wait_for(r, "g.yaml", lambda line: None)
+    assert "llmtune vllm-serve g.yaml" in caught.value.hint
+
+
+@pytest.mark.parametrize(("trl", "words"), [
+    ({"reward_funcs": []}, "needs trl.reward_funcs"),
+    ({"reward_weights": [1.0, 2.0]}, "trl.reward_weights has 2 weights for 1 reward function"),
+    ({"num_generations": 1}, "needs at least 2"),
+    ({"vllm_mode": "server"}, "without trl.use_vllm: true"),
+    ({"multi_objective_aggregation": "mean"}, "is not one of sum_then_normalize, normalize_then_sum"),
+])  # fmt: skip
+def test_what_grpo_cant_honour_is_one_line_naming_the_key(trl, words):
+    with pytest.raises(UserError, match=words):
+        recipe(**trl)
+    with pytest.raises(UserError, match="rl: gdpo normalises each reward before summing"):
+        recipe_from_mapping({**recipe().model_dump(exclude_unset=True), "rl": "gdpo",
+                             "trl": {"reward_funcs": ["a.b"], "multi_objective_aggregation": "sum_then_normalize"}},
+                            Path("r.yaml"), check_files=False)  # fmt: skip
