@@ -143,8 +143,8 @@ def recipe_for(args, config: dict, model: Path, data: Path, out: Path) -> dict:
 
 
 def estimated(recipe_path: Path, model: Path, strategy: str, processes: int, gpu_memory: float):
-    from llmtune.plan.estimate import estimate_recipe
-    from llmtune.plan.model_facts import read_model_facts
+    from llmtune.plan.memory.facts import read_model_facts
+    from llmtune.plan.memory.fit import estimate_recipe
     from llmtune.recipe import load_recipe
 
     recipe = load_recipe(recipe_path).recipe

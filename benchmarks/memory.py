@@ -42,8 +42,8 @@ def main() -> None:
     args = bench_args()
     from tiny import make_tiny_model
 
-    from llmtune.plan.estimate import estimate
-    from llmtune.plan.model_facts import read_model_facts
+    from llmtune.plan.memory.facts import read_model_facts
+    from llmtune.plan.memory.peak import estimate
     from llmtune.recipe import Recipe
 
     results: dict = {}

@@ -25,7 +25,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from llmtune.recipe.loader import recipe_from_mapping
     from llmtune.train.data.prepare import split_and_pack, tokenize_with_cache
-    from llmtune.train.model import load_tokenizer
+    from llmtune.train.model.load import load_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

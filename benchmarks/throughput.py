@@ -70,7 +70,7 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 def smollm2_folder() -> Path | None:
     if not GGUF.exists():
         return None
-    from llmtune.train.gguf import materialize_gguf
+    from llmtune.train.model.gguf import materialize_gguf
 
     return materialize_gguf(GGUF, ROOT / ".demo" / "cache" / "gguf")  # the demo has already converted it
 

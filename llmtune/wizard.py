@@ -106,7 +106,7 @@ def _positive_int(value: str) -> str | None:
 
 
 def _size(value: str) -> str | None:
-    from llmtune.plan.estimate import parse_size
+    from llmtune.plan.memory.table import parse_size
 
     try:
         parse_size(value)
@@ -117,7 +117,8 @@ def _size(value: str) -> str | None:
 
 def _detected_gpus() -> tuple[int, str | None]:
     from llmtune.plan.cluster import count_local_gpus
-    from llmtune.plan.estimate import GB, gpu_memory_of_this_machine
+    from llmtune.plan.memory.buffers import GB
+    from llmtune.plan.memory.fit import gpu_memory_of_this_machine
 
     count = count_local_gpus()
     memory = gpu_memory_of_this_machine() if count else None
@@ -140,7 +141,7 @@ def _check_flags(given: dict[str, Any]) -> None:
             flag = "--" + name.replace("_", "-")
             raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, allowed))}")
     if given.get("gpu_memory") is not None:
-        from llmtune.plan.estimate import parse_size_option
+        from llmtune.plan.memory.table import parse_size_option
 
         parse_size_option("--gpu-memory", given["gpu_memory"])
 
@@ -250,8 +251,10 @@ def _draft_recipe(answers: Answers):
 
 def _choose_strategy(answers: Answers, ask: Asker, asking: bool, keep_default: Callable[[str], bool], draft,
                      offered: list[str]) -> str | None:  # fmt: skip
-    from llmtune.plan.estimate import GB, estimate_recipe, parse_size
-    from llmtune.plan.model_facts import read_model_facts
+    from llmtune.plan.memory.buffers import GB
+    from llmtune.plan.memory.facts import read_model_facts
+    from llmtune.plan.memory.fit import estimate_recipe
+    from llmtune.plan.memory.table import parse_size
 
     facts = read_model_facts(draft.base_model, fetch=True)
     estimate_line = None
@@ -259,7 +262,7 @@ def _choose_strategy(answers: Answers, ask: Asker, asking: bool, keep_default: C
     if facts is None:
         ask.show(f"(no estimate: the config of {draft.base_model} can't be read offline)")
     else:
-        from llmtune.plan.render import print_estimate
+        from llmtune.plan.memory.table import print_estimate
 
         report = estimate_recipe(draft, answers.gpus_per_machine, answers.num_machines, parse_size(answers.gpu_memory),
                                  None, answers.interconnect, facts=facts)  # fmt: skip
@@ -336,7 +339,7 @@ def _offer_async_checkpoint(answers: Answers, ask: Asker, want: Callable[[str], 
         or (answers.strategy.startswith("fsdp") and answers.fsdp_version == 1)
     ):
         return
-    from llmtune.plan.model_facts import read_model_facts
+    from llmtune.plan.memory.facts import read_model_facts
 
     facts = read_model_facts(draft.base_model)
     if facts is None or facts.total_params() < ASYNC_FROM_PARAMETERS:

@@ -22,7 +22,7 @@ def describe(folder: Path) -> list[str]:
     """One line per checkpoint of `folder` (an output_dir, or a checkpoint itself), oldest first."""
     from llmtune.plan.planner import STRATEGY_TITLES
     from llmtune.plan.resume import UNIVERSAL_DONE
-    from llmtune.train.checkpoints import complete_checkpoints, incomplete_checkpoints, read_marker, step_of
+    from llmtune.train.checkpoint.folders import complete_checkpoints, incomplete_checkpoints, read_marker, step_of
 
     if read_marker(folder) is not None or folder.name.startswith("checkpoint-"):
         found = [folder]
@@ -56,7 +56,7 @@ def reshard(target: Path | None) -> None:
     """Convert a checkpoint so that any world size loads it (a ZeRO checkpoint to DeepSpeed's universal one)."""
     from llmtune.plan.planner import STRATEGY_TITLES
     from llmtune.plan.resume import MOVABLE
-    from llmtune.train.checkpoints import last_complete, read_marker
+    from llmtune.train.checkpoint.folders import last_complete, read_marker
 
     if target is None:
         raise UserError(
@@ -79,7 +79,7 @@ def reshard(target: Path | None) -> None:
         typer.echo(f"{checkpoint.name} ({title}) needs no conversion: it loads on any world size as it is")
         return
     from llmtune.plan.resume import zero_tag
-    from llmtune.train.universal import convert, converted_folder
+    from llmtune.train.checkpoint.universal import convert, converted_folder
 
     if converted_folder(checkpoint):
         typer.echo(f"{checkpoint.name} was converted to DeepSpeed's universal checkpoint already")
@@ -95,7 +95,7 @@ def reshard(target: Path | None) -> None:
 def checkpoint(where: Where, target: Target = None) -> None:
     """Show a run's checkpoints (step, the world size and strategy that saved each, global batch, rows seen), or,
     with `reshard`, convert one so that any world size resumes it."""
-    from llmtune.train.checkpoints import last_complete
+    from llmtune.train.checkpoint.folders import last_complete
 
     if where == "reshard":
         reshard(target)

@@ -49,7 +49,7 @@ def merge(
 ) -> None:
     """Fold a LoRA/QLoRA adapter into its base (or consolidate a full fine-tune) into one HF model folder."""
     from llmtune.post.merge import merge_run
-    from llmtune.train.progress import track
+    from llmtune.train.runtime.progress import track
 
     if not run.is_dir():
         raise UserError(f"{run} is not a folder", "pass a run's output_dir")
@@ -78,7 +78,7 @@ def infer(
 
     from llmtune.post.generate import Sampling
     from llmtune.post.generate import infer as run_infer
-    from llmtune.train.progress import track
+    from llmtune.train.runtime.progress import track
 
     if prompt and file:
         raise UserError("--prompt and --file both given", "use one of them")

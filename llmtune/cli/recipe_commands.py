@@ -146,8 +146,8 @@ def estimate(
     json_output: Annotated[bool, typer.Option("--json", help="Print the estimates as JSON.")] = False,
 ) -> None:
     """Per-GPU memory under each strategy (ZeRO-paper accounting), what fits, and the recommended strategy."""
-    from llmtune.plan.estimate import estimate_recipe, parse_size_option
-    from llmtune.plan.render import print_estimate
+    from llmtune.plan.memory.fit import estimate_recipe
+    from llmtune.plan.memory.table import parse_size_option, print_estimate
     from llmtune.recipe import load_recipe
 
     if interconnect not in ("fast", "slow"):

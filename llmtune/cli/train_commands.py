@@ -99,7 +99,7 @@ def train(
         rehearse_from_train(recipe, num_processes, num_machines, machine_rank, main_process_ip, main_process_port,
                             device, launcher, hostfile, no_ssh, list(ctx.args))  # fmt: skip
         return
-    from llmtune.train.progress import mark
+    from llmtune.train.runtime.progress import mark
 
     mark("start")  # the command has parsed its flags (Python and the CLI's imports before this are not counted)
     from llmtune.launch.net import free_port
@@ -147,7 +147,7 @@ def train(
 
         if generation_mode(loaded.recipe) == "server" and cluster.machine_rank == 0:
             from llmtune.launch.vllm_server import wait_for
-            from llmtune.train.progress import log
+            from llmtune.train.runtime.progress import log
 
             wait_for(loaded.recipe, str(recipe), log)
     if preflight:
@@ -168,8 +168,8 @@ def preprocess(recipe: RecipeArg) -> None:
     """Tokenize the recipe's datasets into the cache (dataset_prepared_path), with a progress bar."""
     from llmtune.recipe import load_recipe
     from llmtune.train.data.prepare import split_and_pack, tokenize_with_cache
-    from llmtune.train.model import load_tokenizer, model_source
-    from llmtune.train.progress import track
+    from llmtune.train.model.load import load_tokenizer, model_source
+    from llmtune.train.runtime.progress import track
 
     loaded = load_recipe(recipe)
     source, _ = model_source(loaded.recipe)

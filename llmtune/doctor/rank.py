@@ -156,7 +156,7 @@ def collectives_report(device: str, groups: dict, quick: bool = False) -> dict:
     busbw: algbw x 2(n-1)/n) at three sizes, in the whole world and per kind of group; this rank's ring link."""
     import torch
 
-    from llmtune.train import collectives
+    from llmtune.train.runtime import collectives
 
     world, rank = collectives.world_size(), collectives.rank()
     where = collectives.device()
@@ -188,7 +188,7 @@ def _ring_link(world: int, rank: int, where, device: str) -> dict:
     at once): a slow rank or link shows as one slow pair."""
     import torch
 
-    from llmtune.train import collectives
+    from llmtune.train.runtime import collectives
 
     size = SIZES[device][-1]
     outgoing = torch.ones(size // 4, dtype=torch.float32, device=where)
@@ -206,7 +206,7 @@ def _ring_link(world: int, rank: int, where, device: str) -> dict:
 
 def groups_by_machine(ranks_by_host: dict[str, list[int]]):
     """(world, intra-node groups, the group of each node's first rank); every rank creates every group."""
-    from llmtune.train import collectives
+    from llmtune.train.runtime import collectives
 
     rank = collectives.rank()
     intra, mine = None, 1
@@ -232,7 +232,7 @@ def main(argv: list[str]) -> int:
     plan, recipe = payload["plan"], payload["recipe"]
     folder = Path(plan["config_dir"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    from llmtune.train import collectives
+    from llmtune.train.runtime import collectives
 
     collectives.configure(plan["cluster"]["device"], local_rank)
     import torch.distributed as dist

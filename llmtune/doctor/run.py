@@ -27,8 +27,9 @@ def needs(recipe, plan) -> tuple[float | None, float | None]:
     """(GPU bytes a rank needs, bytes of one checkpoint) from llmtune's estimate; None where the model's config
     can't be read here."""
     from llmtune.errors import UserError
-    from llmtune.plan.estimate import estimate as rows_for
-    from llmtune.plan.estimate import model_facts_for, row_for_plan, trainable_parameters
+    from llmtune.plan.memory.fit import model_facts_for, row_for_plan
+    from llmtune.plan.memory.peak import estimate as rows_for
+    from llmtune.plan.memory.states import trainable_parameters
 
     try:
         facts = model_facts_for(recipe)

@@ -113,7 +113,7 @@ class Console:
         if not self.verbose and rank and rank.group(1) == "0" and text[rank.end() :].startswith("[llmtune]"):
             text = text[rank.end() :]  # llmtune speaks from rank 0 only: the prefix says nothing
         if self.live:
-            from llmtune.train.progress import parse_step
+            from llmtune.train.runtime.progress import parse_step
 
             step = parse_step(RANK_PREFIX.sub("", text, count=1))
             if step:

@@ -1,4 +1,4 @@
-"""The launcher's side of hang triage (the ranks' side: llmtune/train/watchdog.py).
+"""The launcher's side of hang triage (the ranks' side: llmtune/train/runtime/watchdog.py).
 
 Each stalled rank prints one line, `[llmtune] stall: {json}`. The launcher collects them for a short window after
 the first (the ranks stopped together and time out together), names the rank that is behind (in data loading,
@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-MARK = "[llmtune] stall: "  # as llmtune/train/watchdog.py prints it (torch-free here)
+MARK = "[llmtune] stall: "  # as llmtune/train/runtime/watchdog.py prints it (torch-free here)
 WAITING = ("a collective", "backward (gradient all-reduce under DDP/FSDP/ZeRO)")
 EXIT_STALLED = 3
 

@@ -12,7 +12,7 @@ whose checkpoints need one shared output_dir (plan.shared_output_dir says why) i
 rank starts, rather than when a resume can't find the other machines' files.
 
 Own disks: a run whose checkpoints each machine can keep a copy of (DDP, ZeRO) goes on. Machine 0 tells each such
-machine so, and the launcher tells its ranks (train/manifest.py: that machine's first rank then writes what rank 0
+machine so, and the launcher tells its ranks (train/checkpoint/manifest.py: that machine's first rank then writes what rank 0
 alone writes on shared storage). Each machine also reports the checkpoint it would resume from and the files of its
 copy; machine 0 compares them with the manifest in the checkpoint's marker (which machine held which file when it
 was saved) and stops a run where some machine lacks its ranks' files, naming the files and who held them.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from llmtune.errors import UserError
 from llmtune.launch.net import bind_port
-from llmtune.train import manifest  # torch-free
+from llmtune.train.checkpoint import manifest  # torch-free
 
 HINT_JOIN = "start `llmtune train` with the same recipe and flags on every machine, each with its own --machine-rank"
 HINT_SHARED = ("put output_dir on a filesystem every machine mounts (the same path on each), or set save_only_model: "
@@ -70,7 +70,7 @@ def _recipe(plan) -> dict:
 
 
 def _resume_report(plan) -> dict | None:
-    """What this machine has of the checkpoint its ranks would resume from (train/manifest.py)."""
+    """What this machine has of the checkpoint its ranks would resume from (train/checkpoint/manifest.py)."""
     recipe = _recipe(plan)
     output_dir = Path(recipe.get("output_dir") or Path(plan.config_dir).parent)
     try:

@@ -67,8 +67,9 @@ def check_nvme_offload(plan, compatible=async_io_builds) -> None:
 
 def memory_check(recipe, plan, gpu_memory: str | None) -> str | None:
     """On GPUs (or when --gpu-memory is given), refuse a plan the estimate says can't fit; else the fit, in words."""
-    from llmtune.plan.estimate import check_fits, gpu_memory_of_this_machine, parse_size_option
-    from llmtune.plan.model_facts import read_model_facts
+    from llmtune.plan.memory.facts import read_model_facts
+    from llmtune.plan.memory.fit import check_fits, gpu_memory_of_this_machine
+    from llmtune.plan.memory.table import parse_size_option
 
     if gpu_memory is not None:
         memory = parse_size_option("--gpu-memory", gpu_memory)

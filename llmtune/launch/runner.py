@@ -17,7 +17,7 @@ from pathlib import Path
 from llmtune.launch import lobby
 from llmtune.launch.net import check_port_free, local_address_towards
 from llmtune.plan.planner import Plan
-from llmtune.train.checkpoints import STOP_FILE
+from llmtune.train.checkpoint.folders import STOP_FILE
 
 
 def executable_command(command: list[str], extra_launcher_args: list[str] | None = None) -> list[str]:
@@ -106,7 +106,7 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
     if etcd_run:
         command = etcd.with_rdzv_id(command, str(etcd_run[2]))
     argv = executable_command(command, extra_launcher_args)
-    from llmtune.train.progress import TIMELINE_ENV, launcher_marks, mark
+    from llmtune.train.runtime.progress import TIMELINE_ENV, launcher_marks, mark
 
     mark("plan")  # the recipe read, the plan made and written: the ranks start now
     # PYTHONUNBUFFERED: lines as printed

@@ -5,7 +5,6 @@ ranks, and says so in one line when it never answers."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import time
@@ -13,23 +12,14 @@ import urllib.error
 import urllib.request
 
 from llmtune.errors import UserError
-
-
-def address(recipe) -> tuple[str, int]:
-    from llmtune.recipe.online import trl_value
-
-    # `llmtune slurm` puts the server on a node of its own and tells the trainers where
-    host = os.environ.get("LLMTUNE_VLLM_SERVER_HOST") or trl_value(recipe, "vllm_server_host") or "127.0.0.1"
-    host = "127.0.0.1" if host == "0.0.0.0" else host  # the server listens everywhere; the client asks this machine
-    port = int(trl_value(recipe, "vllm_server_port") or (recipe.vllm.port if recipe.vllm else 8000))
-    return host, port
+from llmtune.plan.generation import server_address
 
 
 def wait_for(recipe, recipe_path: str, log) -> None:
     """Until the server answers /health, within trl.vllm_server_timeout (TRL's default 240 s)."""
     from llmtune.recipe.online import trl_value
 
-    host, port = address(recipe)
+    host, port = server_address(recipe)
     timeout = float(trl_value(recipe, "vllm_server_timeout", 240))
     log(f"waiting up to {timeout:.0f} s for the vLLM server at {host}:{port}")
     deadline = time.monotonic() + timeout

@@ -12,11 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmtune.errors import UserError
-from llmtune.plan.model_facts import ModelFacts
+from llmtune.plan.memory.buffers import MAX_LIVE_PARAMETERS
+from llmtune.plan.memory.facts import ModelFacts
 from llmtune.recipe.paths import on_disk, preset_for_axolotl_file
-
-# ZeRO-3's live-parameter budget in elements (DeepSpeed's default): the estimate counts it as gathered memory
-MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
 @dataclass(frozen=True)

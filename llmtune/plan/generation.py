@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 
 from llmtune.recipe.online import generation_mode, trl_value
@@ -96,3 +97,13 @@ def describe(recipe, recipe_path: str, training_bytes: float | None, gpu_bytes: 
             f"vllm-serve {shlex.quote(recipe_path)}   ({shlex.join(serve_command(recipe, recipe_path))})",
             f"on Slurm, `llmtune slurm {shlex.quote(recipe_path)}` places both: the server on the first {gpus} GPU(s) "
             "of one node (the trainers on the rest), or on a node of its own with --nodes 2 or more"]  # fmt: skip
+
+
+def server_address(recipe) -> tuple[str, int]:
+    """Where the trainers reach the vLLM server: `llmtune slurm`'s node for it, else the recipe's host (0.0.0.0,
+    where it listens, asked on this machine), and its port."""
+    # `llmtune slurm` puts the server on a node of its own and tells the trainers where
+    host = os.environ.get("LLMTUNE_VLLM_SERVER_HOST") or trl_value(recipe, "vllm_server_host") or "127.0.0.1"
+    host = "127.0.0.1" if host == "0.0.0.0" else host  # the server listens everywhere; the client asks this machine
+    port = int(trl_value(recipe, "vllm_server_port") or (recipe.vllm.port if recipe.vllm else 8000))
+    return host, port

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from llmtune.errors import UserError
 from llmtune.plan.cluster import Cluster
-from llmtune.plan.model_facts import NOT_ATTENTION_ONLY, ModelFacts
+from llmtune.plan.memory.facts import NOT_ATTENTION_ONLY, ModelFacts
 from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import CCE_PLUGIN, liger_requested
 

@@ -15,13 +15,13 @@ from llmtune.errors import UserError
 from llmtune.plan.accelerate_config import build_accelerate_config, fsdp_section
 from llmtune.plan.cluster import Cluster
 from llmtune.plan.deepspeed import build_deepspeed_config
+from llmtune.plan.memory.facts import ModelFacts, read_model_facts
 from llmtune.plan.mesh import (
     check_tensor_parallel_loss,
     hybrid_mesh,
     tensor_parallel_mesh,
     tensor_parallel_shared_output,
 )
-from llmtune.plan.model_facts import ModelFacts, read_model_facts
 from llmtune.plan.pipeline import bubble_fraction, split_layers
 from llmtune.plan.resume import resumed_accumulation
 from llmtune.recipe import Recipe
@@ -307,7 +307,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         notes.append(f"LISA: {recipe.lisa_n_layers} of the layers at {recipe.lisa_layers_attribute}, drawn again every "
                      f"{recipe.lisa_step_interval} steps (seeded), train at a time; embeddings, norms and head always")  # fmt: skip
     if recipe.lr_quadratic_warmup:
-        from llmtune.train.schedule import quadratic_warmup
+        from llmtune.recipe.training import quadratic_warmup
 
         notes.append("lr_quadratic_warmup: the warm-up rises as (step / warmup)^2, then cosine decay"
                      if quadratic_warmup(recipe) else f"lr_quadratic_warmup: no effect with lr_scheduler "
@@ -357,7 +357,7 @@ def _check_async_checkpoint(recipe: Recipe, strategy: str, facts: ModelFacts | N
         return "async_checkpoint: no effect (save_strategy: no)"
     size = ""
     if facts is not None:
-        from llmtune.plan.estimate import estimate
+        from llmtune.plan.memory.peak import estimate
 
         row = next(r for r in estimate(recipe, facts, 1, 1) if r.name == "single / DDP")
         staged = row.staging / 2**30
@@ -407,7 +407,8 @@ def _generation(recipe: Recipe, cluster: Cluster, facts, data_parallel: int, pre
     """GRPO's generation: the plan's lines on where it runs and what it takes, and colocated vLLM's share of each
     GPU where llmtune computes it (llmtune/plan/generation.py)."""
     from llmtune.plan import generation
-    from llmtune.plan.estimate import DEFAULT_GPU_BYTES, estimate
+    from llmtune.plan.memory.buffers import DEFAULT_GPU_BYTES
+    from llmtune.plan.memory.peak import estimate
     from llmtune.recipe.online import generation_mode
 
     training = None

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.train.checkpoints import last_complete, read_marker  # torch-free
+from llmtune.plan.checkpoint_layout import last_complete, read_marker
 
 # Checkpoints another world size loads, by family: DDP's hold every rank's full state (the model, the optimizer);
 # plain FSDP2's are torch distributed checkpoints (or one full state dict), which reshard on load; ZeRO's are
 # converted first to DeepSpeed's universal checkpoint (one file per parameter and state), which any data-parallel
-# size loads (llmtune/train/universal.py)
+# size loads (llmtune/train/checkpoint/universal.py)
 # (FSDP1's sharded optimizer state loaded onto 4 ranks from 2 failed in DCP's planner: tests/integration/test_fsdp1_resume.py)
 MOVABLE = {"single": "replicated", "ddp": "replicated", "fsdp2": "fsdp2", "zero1": "zero1", "zero2": "zero2",
            "zero3": "zero3"}  # fmt: skip

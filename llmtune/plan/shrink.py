@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.plan.model_facts import KNOWN_MODELS, ModelFacts, fetch_hub_config, find_config_json
+from llmtune.plan.memory.facts import KNOWN_MODELS, ModelFacts, fetch_hub_config, find_config_json
 
 MIN_LAYERS = 2  # more than one decoder layer: several FSDP units, ZeRO-3 fetching layer after layer
 MIN_HEADS = 2  # more than one head: the attention's reshapes across heads are exercised

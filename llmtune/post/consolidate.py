@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.post.shards import ShardWriter, iter_tensors
+from llmtune.train.model.shards import ShardWriter, iter_tensors
 
 
 @dataclass
@@ -23,7 +23,7 @@ class RunWeights:
 
 
 def find_weights(run: Path) -> RunWeights:
-    from llmtune.train.checkpoints import last_complete
+    from llmtune.train.checkpoint.folders import last_complete
 
     def kind_of(folder: Path) -> str | None:
         if (folder / "adapter_config.json").exists():

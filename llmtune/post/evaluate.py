@@ -28,7 +28,7 @@ class Target:
 
 def resolve_target(target: Path) -> Target:
     from llmtune.recipe import Recipe, load_recipe
-    from llmtune.train.model import model_source
+    from llmtune.train.model.load import model_source
 
     if target.is_dir():
         from llmtune.post.generate import refuse_reward_model
@@ -78,8 +78,8 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
     from transformers import AutoModelForCausalLM
 
     from llmtune.train.data.collate import REAL_TOKENS, Collator
-    from llmtune.train.model import load_tokenizer
-    from llmtune.train.progress import track
+    from llmtune.train.model.load import load_tokenizer
+    from llmtune.train.runtime.progress import track
 
     info = resolve_target(target)
     recipe = info.recipe
@@ -87,7 +87,7 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
     from llmtune.post.generate import inference_device
 
     device, dtype = inference_device()
-    from llmtune.train import linearize
+    from llmtune.train.model import linearize
 
     model = linearize.from_pretrained(AutoModelForCausalLM, info.model_dir, recipe if info.adapter_dir else None,
                                       dtype=dtype)  # fmt: skip
@@ -134,7 +134,7 @@ def _write(info: Target, results: dict) -> dict:
 def exact_match(model, tokenizer, pairs, batch_size: int, max_new_tokens: int | None, show: int) -> dict:
     import torch
 
-    from llmtune.train.progress import log, track
+    from llmtune.train.runtime.progress import log, track
 
     hits, samples = 0, []
     budget = max_new_tokens or max(len(a) for _, a in pairs) + 8

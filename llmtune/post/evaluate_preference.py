@@ -58,7 +58,7 @@ def _reference_model(info, model):
     from transformers import AutoModelForCausalLM
 
     from llmtune.post.generate import inference_device
-    from llmtune.train.model import model_source
+    from llmtune.train.model.load import model_source
 
     device, dtype = inference_device()
     base = AutoModelForCausalLM.from_pretrained(model_source(recipe)[0], dtype=dtype,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.post.shards import ShardWriter, iter_tensors, read_tensor
+from llmtune.train.model.shards import ShardWriter, iter_tensors, read_tensor
 
 
 @dataclass

@@ -60,7 +60,7 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
             adapter = str(path)
             if plan_file.exists():
                 from llmtune.recipe import Recipe
-                from llmtune.train.model import model_source
+                from llmtune.train.model.load import model_source
 
                 recipe = Recipe.model_validate(json.loads(plan_file.read_text())["recipe"])
                 model_dir = model_source(recipe)[0]
@@ -75,7 +75,7 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
         raise UserError(f"{target} is not a model folder", "pass a run's output_dir, a merged folder, or a hub id")
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
-        from llmtune.train import linearize
+        from llmtune.train.model import linearize
 
         model = linearize.from_pretrained(AutoModelForCausalLM, model_dir, recipe if adapter else None, dtype=dtype,
                                           trust_remote_code=trust_remote_code)  # fmt: skip

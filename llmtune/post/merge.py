@@ -5,7 +5,7 @@
 - Full fine-tune: the final model is re-sharded; when the final save is missing, the newest complete
   checkpoint is consolidated first (post/consolidate.py: DeepSpeed ZeRO partitions, FSDP sharded states).
 
-Reading and writing weights one tensor at a time is post/shards.py.
+Reading and writing weights one tensor at a time is train/model/shards.py.
 
 The folder gets sharded safetensors (+ model.safetensors.index.json), config, generation config,
 tokenizer and chat template, and a model card. It is written beside the target and renamed into
@@ -24,7 +24,7 @@ from pathlib import Path
 from llmtune.errors import UserError
 from llmtune.post.consolidate import RunWeights, find_weights, write_full_weights
 from llmtune.post.fold import fold_adapter
-from llmtune.post.shards import ShardWriter, base_folder
+from llmtune.train.model.shards import ShardWriter, base_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")  # fmt: skip
@@ -50,7 +50,7 @@ def _target_dtype(plan: dict, dtype: str | None):
 
 def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB", dtype: str | None = None,
               force: bool = False, progress: Callable = lambda items, _d, total=None: items) -> MergeResult:  # fmt: skip
-    from llmtune.plan.estimate import parse_size_option
+    from llmtune.plan.memory.table import parse_size_option
     from llmtune.recipe import Recipe
 
     plan_file = run / "llmtune" / "plan.json"
@@ -101,7 +101,7 @@ def _write_weights(recipe, weights: RunWeights, writer: ShardWriter, target, pro
     if weights.kind != "adapter":
         fused = None
         if recipe.llama4_linearized_experts:  # experts saved one Linear each: written back fused
-            from llmtune.train import linearize
+            from llmtune.train.model import linearize
 
             config = json.loads(((weights.folder if (weights.folder / "config.json").exists() else
                                   base_folder_of(recipe)) / "config.json").read_text())  # fmt: skip
@@ -145,7 +145,7 @@ def _copy_side_files(run: Path, config_dir: Path, staging: Path) -> None:
 
 
 def _card(recipe, plan: dict, weights: RunWeights, result: MergeResult) -> str:
-    from llmtune.train.model import head_of
+    from llmtune.train.model.load import head_of
 
     method = {"lora": "LoRA", "qlora": "QLoRA"}.get(recipe.adapter or "", "full fine-tune")
     what = (f"The {method} adapter folded into the base weights ({result.merged_modules} modules)"
@@ -162,6 +162,6 @@ def _card(recipe, plan: dict, weights: RunWeights, result: MergeResult) -> str:
 
 def base_folder_of(recipe) -> Path:
     """The folder of the recipe's base model (its local folder, or the hub snapshot)."""
-    from llmtune.train.model import model_source
+    from llmtune.train.model.load import model_source
 
     return base_folder(model_source(recipe)[0], recipe.revision_of_model)

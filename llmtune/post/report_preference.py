@@ -11,7 +11,7 @@ METHODS = {"dpo": "DPO", "ipo": "IPO", "orpo": "ORPO", "kto": "KTO", "simpo": "S
 ONLINE = ("grpo", "gdpo")  # GRPO logs its reward (mean over the generations) where DPO logs a margin
 REFERENCE_FREE = ("orpo", "simpo")
 SERIES = {"margin": "rewards/margins", "accuracy": "rewards/accuracies"}
-REFERENCES = {  # what llmtune.train.rl.reference_report recorded, in words
+REFERENCES = {  # what llmtune.train.rl.trainers.reference_report recorded, in words
     "adapter_disabled": "the base model with the adapter switched off (no second copy)",
     "precomputed": "its log-probs, computed once before training (no model kept)",
     "none": "none (a reference-free method)",

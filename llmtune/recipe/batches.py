@@ -21,7 +21,7 @@ from llmtune.errors import UserError
 
 PADDING_FREE = "padding-free"
 PADDED = "padded"
-# The attention implementation llmtune registers with transformers for padding-free batches (train/varlen.py).
+# The attention implementation llmtune registers with transformers for padding-free batches (train/model/varlen.py).
 VARLEN_ATTENTION = "llmtune_varlen"
 KERNELS = {
     "flash_attn": "flash-attn 2 varlen kernel (attn_implementation flash_attention_2)",

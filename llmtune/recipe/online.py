@@ -1,7 +1,7 @@
 """Online RL keys: `rl: grpo` and `rl: gdpo` (GRPO with each reward normalised per group before they are summed,
 TRL's multi_objective_aggregation: normalize_then_sum), with Axolotl's `trl:` section and `vllm:` section.
 
-TRL's GRPOTrainer runs them (llmtune/train/rl.py). What llmtune checks here, before anything starts, with one line
+TRL's GRPOTrainer runs them (llmtune/train/rl/trainers.py). What llmtune checks here, before anything starts, with one line
 naming the key: the reward functions and their weights, the generation sizes, where generation runs (in the
 training process, vLLM colocated, or a vLLM server), the dataset types (rows with a prompt, or a transform from the
 user's file), and the combinations TRL or the strategy can't run. The user's functions themselves are resolved by

@@ -1,6 +1,6 @@
 """Quantization-aware training (`qat:`), with Axolotl's keys and the dtype pairs torchao fake-quantizes.
 
-Pure and torch-free: the schema validates with it and the planner describes it; train/qat.py applies it.
+Pure and torch-free: the schema validates with it and the planner describes it; train/model/qat.py applies it.
 """
 
 from __future__ import annotations

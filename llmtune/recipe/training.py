@@ -15,7 +15,7 @@ OPTIMIZERS = (
     "paged_lion_8bit", "paged_lion_32bit", "adamw_torch_4bit", "adamw_torch_8bit", "ademamix", "ademamix_8bit",
     "paged_ademamix_32bit", "paged_ademamix_8bit",
 )  # fmt: skip
-# Optimizers llmtune builds itself (train/muon.py).
+# Optimizers llmtune builds itself (train/objectives/muon.py).
 OWN_OPTIMIZERS = ("muon",)
 # Optimizers Axolotl implements itself (its CustomSupportedOptimizers): named, so the error says what's missing.
 AXOLOTL_OPTIMIZERS = (
@@ -244,3 +244,8 @@ class TrainingKeys(Section):
         if self.wandb_project and self.wandb_mode != "disabled" and "wandb" not in chosen:
             chosen.append("wandb")
         return chosen
+
+
+def quadratic_warmup(recipe) -> bool:
+    """Axolotl applies lr_quadratic_warmup to the cosine schedule only (with or without a floor)."""
+    return bool(recipe.lr_quadratic_warmup) and recipe.lr_scheduler in ("cosine", "cosine_with_min_lr")

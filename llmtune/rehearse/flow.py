@@ -88,7 +88,7 @@ def rehearsal_mapping(recipe, model_dir: Path, tokenizer: str, sources, output: 
 def _stop_after_first_step(config_dir: Path) -> None:
     """Ask the ranks to checkpoint and stop after their first step, as `kill -USR1` does: the launcher clears an
     old request when it starts, so the request is made again right after that."""
-    from llmtune.train.checkpoints import STOP_FILE
+    from llmtune.train.checkpoint.folders import STOP_FILE
 
     stop = config_dir / STOP_FILE
     stop.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +176,7 @@ def _shrunken_model(recipe, gpu_plan, options: RehearsalOptions, online: bool, e
 
 def _stop_then_resume(plans: list, rehearsal, extra: list[str], timings: dict, echo) -> tuple[int, Path | None]:
     """Run 1 stops after its first step (a checkpoint); run 2, the same command, resumes from it and finishes."""
-    from llmtune.train.checkpoints import last_complete
+    from llmtune.train.checkpoint.folders import last_complete
 
     run_dir = Path(rehearsal.output_dir)
     mark = time.monotonic()
@@ -208,7 +208,7 @@ def rehearse_recipe(recipe_path: Path, flags: ClusterFlags, options: RehearsalOp
     from llmtune.rehearse import data as rehearsal_data
     from llmtune.rehearse.model import hub_reachable
     from llmtune.rehearse.report import build_report, print_report
-    from llmtune.train.progress import track
+    from llmtune.train.runtime.progress import track
 
     started = time.monotonic()
     timings: dict[str, float] = {}

@@ -105,8 +105,8 @@ def choose_tokenizer(recipe, gguf_tokenizer: str | None, stand_in: str | None, o
 
 
 def load_rehearsal_tokenizer(recipe, choice: TokenizerChoice):
-    """The tokenizer exactly as the ranks will load it (llmtune.train.model.load_tokenizer)."""
-    from llmtune.train.model import load_tokenizer
+    """The tokenizer exactly as the ranks will load it (llmtune.train.model.load.load_tokenizer)."""
+    from llmtune.train.model.load import load_tokenizer
 
     return load_tokenizer(recipe.model_copy(update={"tokenizer_config": choice.location}), choice.location)
 

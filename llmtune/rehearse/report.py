@@ -3,7 +3,7 @@ ranks saw distinct data, memory per rank (measured on the shrunken model beside 
 shape, then the estimate of the real one), the checkpoint's layout and size at full scale, and what the GPU run
 does that the rehearsal could not.
 
-Memory: `llmtune estimate`'s formulas (plan/estimate.py) are checked against what each rank really held
+Memory: `llmtune estimate`'s formulas (plan/memory/) are checked against what each rank really held
 (metrics.json ranks[].model_state_bytes) on the shrunken model, in fp32 as the rehearsal runs; the same formulas
 then give the real model's figure in the recipe's precision. Agreement within MEMORY_TOLERANCE is the check.
 """
@@ -38,7 +38,7 @@ def parallel_sizes(plan) -> dict:
 
 def full_scale_data(recipe, plan, data) -> dict:
     """The sampled rows' numbers at the recipe's sequence_len, and the full run's steps and tokens from them."""
-    from llmtune.train.arguments import steps_per_epoch
+    from llmtune.train.engine.arguments import steps_per_epoch
 
     stats = data.stats
     train_sources = [s for s in data.sources if s.label.startswith("datasets")]
@@ -89,7 +89,7 @@ def distinct_data(metrics: dict) -> dict:
 
 def memory(recipe, rehearsal, plan, shrunk, gpu_memory: float, metrics: dict) -> dict:
     """Measured model states per rank vs the estimate for the shrunken shape (fp32), and the full-scale figures."""
-    from llmtune.plan.estimate import estimate_recipe, row_for_plan
+    from llmtune.plan.memory.fit import estimate_recipe, row_for_plan
 
     cluster = plan.cluster
     name = row_for_plan(plan)
@@ -138,7 +138,8 @@ def _kind(relative: str) -> str:
 def checkpoint(recipe, plan, shrunk, folder: Path, trainable: int, total: int) -> dict:
     """The checkpoint's files (rank numbers folded into {r}) and their size at full scale: weights scale with the
     parameters they hold (in 16 bits where DeepSpeed keeps them so), optimizer states with the trainable ones."""
-    from llmtune.plan.estimate import is_mixed, trainable_parameters
+    from llmtune.plan.memory.compute import is_mixed
+    from llmtune.plan.memory.states import trainable_parameters
 
     full_trainable = trainable_parameters(recipe, shrunk.full)
     basis = (full_trainable / trainable) if recipe.adapter else (shrunk.full.total_params() / total)
@@ -192,7 +193,7 @@ def differences(recipe, rehearsal, plan, gpu_plan, shrunk, tokenizer, data) -> t
 
 def build_report(*, recipe, rehearsal, plan, gpu_plan, shrunk, full, tokenizer, data, metrics, checkpoint_dir,
                  merged, timings, notes, options) -> dict:  # fmt: skip
-    from llmtune.plan.estimate import parse_size_option
+    from llmtune.plan.memory.table import parse_size_option
 
     gpu_memory = parse_size_option("--gpu-memory", options.gpu_memory)
     losses = [e["loss"] for e in metrics.get("log_history", []) if "loss" in e]

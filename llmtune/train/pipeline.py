@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from llmtune.errors import UserError
-from llmtune.train import collectives
-from llmtune.train import pipeline_checkpoint as checkpoints
-from llmtune.train.checkpoints import resume_point, stop_requested
+from llmtune.train.checkpoint import stages as stage_files
+from llmtune.train.checkpoint.folders import stop_requested
 from llmtune.train.data.formats import IGNORE
-from llmtune.train.progress import step_line
+from llmtune.train.runtime import collectives
+from llmtune.train.runtime.progress import step_line
 
 NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_layer_norm")
 
@@ -168,13 +168,14 @@ def clip_global_norm(params: list[nn.Parameter], max_norm: float, grid: Grid, sk
     return total
 
 
-def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
-    """Run the pipeline loop; returns metrics for rank 0 (others return what they saw)."""
+def train_pipeline(recipe, plan: dict, model, data, tokenizer, log, checkpoints, resume: str | None) -> dict:
+    """Run the pipeline loop, from `resume` (a checkpoint) if given, saving through the checkpoint manager; returns
+    metrics for rank 0 (others return what they saw)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from llmtune.plan.pipeline import split_layers
     from llmtune.train.data.collate import REAL_TOKENS, Collator
-    from llmtune.train.schedule import make_scheduler
+    from llmtune.train.objectives.schedule import make_scheduler
 
     pipe = plan["pipeline"]
     stages, microbatches = pipe["stages"], pipe["microbatches"]
@@ -243,12 +244,10 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
     # Stages exchange activations in buffers whose shapes are fixed at the first step: pad every row to sequence_len.
     collate = Collator(tokenizer.pad_token_id, recipe.sequence_len)
     history, tokens_seen, started, start = [], 0, time.time(), 0
-    output_dir = Path(recipe.output_dir)
-    resume = resume_point(recipe, log)
     if resume is not None:
-        start, history = checkpoints.load(Path(resume), grid, params, optimizer, scheduler)
+        start, history = checkpoints.load_stages(resume, grid, params, optimizer, scheduler)
         log(f"resuming from {resume} at step {start}")
-    interval = checkpoints.save_interval(recipe, steps_per_epoch, total_steps)
+    interval = stage_files.save_interval(recipe, steps_per_epoch, total_steps)
     kill_in = int(os.environ.get("LLMTUNE_TEST_KILL_MID_STEP", 0))  # tests: SIGKILL one rank inside step k
     step_sleep = float(os.environ.get("LLMTUNE_TEST_STEP_SLEEP", 0))  # tests: slow steps, to signal a run mid-way
     stage_module.train()
@@ -271,7 +270,7 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
         else:
             schedule.step(target=mine["labels"].to(device), losses=losses)
         if kill_in == step + 1:  # forward and backward done, the update not: the worst moment to lose a rank
-            from llmtune.train.callbacks import _test_kill
+            from llmtune.train.runtime.hooks import test_kill as _test_kill
 
             _test_kill("LLMTUNE_TEST_KILL_MID_STEP", step + 1)
         for p in trainable:
@@ -302,7 +301,11 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log) -> dict:
                           elapsed / done * (total_steps - step - 1)).removeprefix("[llmtune] "))  # fmt: skip
         stop = stop_votes > 0 and step + 1 < total_steps
         if (interval and (step + 1) % interval == 0 or stop) and step + 1 < total_steps:
-            checkpoints.save(output_dir, step + 1, grid, params, optimizer, scheduler, history, recipe.save_total_limit)
+            done = step + 1
+            checkpoints.save(done, lambda staged, done=done: stage_files.write(staged, done, grid, params, optimizer,
+                                                                               scheduler),
+                             lambda done=done: {"step": done, "stages": grid.stages, "history": history,
+                                                "format": "pipeline"})  # fmt: skip
         if stop:
             return {"stopped_at": step + 1}
     seconds = time.time() - started
@@ -327,3 +330,73 @@ def gather_state_dict(result: dict) -> dict | None:
     for piece in pieces:
         merged.update(piece)
     return merged
+
+
+def run_pipeline(
+    recipe,
+    plan,
+    rank,
+    model,
+    data,
+    tokenizer,
+    source,
+    gguf_origin,
+    trainable,
+    total,
+    checkpoints,
+    resume: str | None,
+    log,
+) -> dict:
+    """The pipeline run of a rank, from the loop to metrics.json and the one consolidated model folder."""
+    from llmtune.recipe.loader import recipe_fingerprint
+    from llmtune.train.model.adapters import attach_adapter
+    from llmtune.train.model.load import load_model
+    from llmtune.train.pipeline import gather_state_dict, train_pipeline
+    from llmtune.train.runtime import libraries
+    from llmtune.train.runtime.memory import cuda_peaks
+    from llmtune.train.runtime.ranks import gather, local_parameter_numel
+    from llmtune.train.runtime.report import planned_memory, stopped
+
+    output_dir = Path(recipe.output_dir)
+    result = train_pipeline(recipe, plan, model, data, tokenizer, log, checkpoints, resume)
+    if "stopped_at" in result:
+        return stopped(result["stopped_at"])
+    grid = result["grid"]
+    reports = gather({"rank": rank.rank, "stage": grid.stage, "replica": grid.replica, "schedule": result["schedule"],
+                      "stage_indices": result["stage_indices"], "layer_indices": result["layer_indices"],
+                      "local_parameters": local_parameter_numel(result["stage_module"]), "world_size": rank.world_size,
+                      "libraries": libraries.imported(), **cuda_peaks()})  # fmt: skip
+    state = gather_state_dict(result)
+    history = result["history"]
+    metrics = {
+        "train_loss": sum(e["loss"] for e in history) / len(history), "final_loss": history[-1]["loss"],
+        "steps": result["steps"], "rows_seen": result["rows_seen"],
+        "rows_seen_this_run": result["rows_seen_this_run"], "tokens_seen": result["tokens_seen"],
+        "resumed_from": result["resumed_from"], "steps_run": result["steps_run"],
+        "tokens_per_second_whole_run": round(result["tokens_seen"] / result["seconds"], 2),
+        "train_seconds": round(result["seconds"], 2),
+        "world_size": rank.world_size, "strategy": "pipeline", "title": plan["title"],
+        "global_batch_size": plan["global_batch_size"], "trainable_parameters": trainable, "total_parameters": total,
+        "pipeline": {**plan["pipeline"], "layer_bounds": result["layers"]}, "packing_efficiency": data.stats.get("packing_efficiency"),
+        "data": data.stats, "ranks": reports, "log_history": history, "recipe_fingerprint": recipe_fingerprint(recipe),
+        **planned_memory(recipe, plan),
+    }  # fmt: skip
+
+    def write_model(folder: Path) -> None:
+        """One consolidated HF folder, by the first rank: a fresh model (or base + adapter) takes every stage's
+        trained weights."""
+        if not rank.is_main:
+            return
+        fresh = attach_adapter(
+            load_model(recipe, source, tokenizer, plan["precision"], device=plan["cluster"]["device"]), recipe
+        )
+        missing = set(dict(fresh.named_parameters())) - set(state)
+        if missing:
+            raise RuntimeError(f"pipeline save: no stage held {sorted(missing)[:3]}")
+        fresh.load_state_dict(state, strict=False)
+        fresh.save_pretrained(str(folder))
+
+    checkpoints.save_final(write_model, tokenizer, metrics, gguf_origin, rank.is_main)
+    if rank.is_main:
+        log(f"saved to {output_dir} (final loss {metrics['final_loss']:.4f})")
+    return metrics

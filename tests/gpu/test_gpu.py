@@ -178,7 +178,7 @@ def test_a_pipeline_on_a_shared_gpu_is_refused_with_the_reason(workspace):
 
 COLLECTIVES_SCRIPT = """
 import json, os, sys, torch, torch.distributed as dist
-from llmtune.train import collectives
+from llmtune.train.runtime import collectives
 dist.init_process_group("gloo")
 collectives.configure("cuda", int(os.environ["LOCAL_RANK"]))
 summed = collectives.sum_values([1.0])[0]

@@ -30,7 +30,7 @@ def packed_batch(vocab: int):
 def attention_available(name: str) -> bool:
     if name != "flash_attention_2":
         return True
-    from llmtune.train.kernels import flash_attn_importable
+    from llmtune.train.model.kernels import flash_attn_importable
 
     return flash_attn_importable()
 
@@ -42,7 +42,7 @@ def test_packed_rows_give_each_example_its_own_logits(tiny_model, attention, dty
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmtune.train.kernels import keep_packed_rows_apart
+    from llmtune.train.model.kernels import keep_packed_rows_apart
 
     if not attention_available(attention):
         pytest.skip("flash_attn does not import on this machine (no wheel for its torch/CUDA)")

@@ -37,7 +37,7 @@ def load(path, dtype: str, attention: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmtune.train import varlen
+    from llmtune.train.model import varlen
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).cuda().eval()
     model.config.use_cache = False
@@ -50,7 +50,7 @@ def load(path, dtype: str, attention: str):
 def test_torch_varlen_matches_each_row_alone_and_keeps_rows_apart(tiny_model, monkeypatch):
     import torch
 
-    from llmtune.train import varlen
+    from llmtune.train.model import varlen
 
     calls = []
     real = varlen.torch_varlen()
@@ -78,7 +78,7 @@ def test_torch_varlen_matches_each_row_alone_and_keeps_rows_apart(tiny_model, mo
 def test_flash_attention_2_reads_the_same_flat_batch(tiny_model):
     import torch
 
-    from llmtune.train.kernels import flash_attn_importable
+    from llmtune.train.model.kernels import flash_attn_importable
 
     if not flash_attn_importable():
         pytest.skip("flash_attn does not import on this machine (no wheel for its torch/CUDA)")

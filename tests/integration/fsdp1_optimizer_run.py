@@ -23,7 +23,7 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (
     StateDictType,
 )
 
-from llmtune.train.fsdp_resume import load_sharded_optimizer
+from llmtune.train.checkpoint.fsdp1 import load_sharded_optimizer
 
 mode, folder = sys.argv[1], Path(sys.argv[2])
 PartialState(cpu=True, backend="gloo")  # as the Trainer's: accelerate's save and load log through it

@@ -15,8 +15,8 @@ import yaml
 from harness import llmtune, losses, read_metrics
 from tiny import load_tokenizer, write_jsonl
 
-from llmtune.train.arguments import OPTIMIZER_PACKAGES
-from llmtune.train.linearize import linear_experts
+from llmtune.train.engine.arguments import OPTIMIZER_PACKAGES
+from llmtune.train.model.linearize import linear_experts
 
 pytestmark = pytest.mark.integration
 

@@ -70,8 +70,9 @@ def check_estimate(metrics: dict, output_dir: Path, name: str) -> None:
     """`llmtune estimate` against the bytes each rank really held: params, grads and optimizer states."""
     import json
 
-    from llmtune.plan.estimate import estimate, trainable_parameters
-    from llmtune.plan.model_facts import read_model_facts
+    from llmtune.plan.memory.facts import read_model_facts
+    from llmtune.plan.memory.peak import estimate
+    from llmtune.plan.memory.states import trainable_parameters
     from llmtune.recipe import Recipe
 
     plan = json.loads((output_dir / "llmtune" / "plan.json").read_text())

@@ -1,4 +1,4 @@
-"""FSDP1 sharded checkpoints keep their optimizer state on resume (llmtune/train/fsdp_resume.py). FSDP1 runs can't be
+"""FSDP1 sharded checkpoints keep their optimizer state on resume (llmtune/train/checkpoint/fsdp1.py). FSDP1 runs can't be
 rehearsed whole on CPU (torch segfaults gathering its full model state dict there), so this drives the save and the
 load the Trainer does directly, under torchrun. Another world size stays refused for FSDP1 (the plan's unit tests):
 this loader resharded 2 ranks' state onto 1 exactly here, but failed onto 4 ("Missing key in checkpoint state_dict:

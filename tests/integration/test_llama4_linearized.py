@@ -55,7 +55,7 @@ def test_merge_folds_expert_lora_into_the_fused_tensors(workspace, single, tmp_p
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from llmtune.train import linearize
+    from llmtune.train.model import linearize
 
     _, output_dir = single
     merged = tmp_path / "merged"
@@ -79,7 +79,7 @@ def test_a_full_fine_tune_saved_linear_loads_linear_and_merges_back_fused(worksp
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmtune.train import linearize
+    from llmtune.train.model import linearize
 
     recipe = {k: v for k, v in RECIPE.items() if not k.startswith(("adapter", "lora_"))}
     _, output_dir = train_run(workspace, "full", 1, **{**recipe, "max_steps": 2})

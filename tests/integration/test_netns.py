@@ -18,7 +18,7 @@ import pytest
 import yaml
 from harness import ROOT, losses, make_workspace, read_metrics, train_run, write_run_recipe
 
-from llmtune.train.checkpoints import MARKER
+from llmtune.train.checkpoint.folders import MARKER
 
 pytestmark = pytest.mark.integration
 

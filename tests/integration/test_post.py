@@ -150,7 +150,7 @@ def test_merge_peak_memory_stays_near_one_shard(tmp_path):
         "from pathlib import Path\n"
         "import torch, safetensors.torch, peft, transformers\n"
         "from llmtune.post.merge import merge_run\n"
-        "import llmtune.recipe, llmtune.train.checkpoints, llmtune.train.model  # imports are not the merge\n"
+        "import llmtune.recipe, llmtune.train.checkpoint.folders, llmtune.train.model.load  # imports are not the merge\n"
         "torch.randn(1024, 8) @ torch.randn(8, 256)  # nor the one-time set-up of the matmul library (~15 MB)\n"
         "page = os.sysconf('SC_PAGE_SIZE')\n"
         "def rss():\n"

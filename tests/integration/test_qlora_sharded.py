@@ -75,8 +75,9 @@ def check_estimate(metrics: dict, output_dir: Path, name: str) -> None:
     attributes of the 4-bit weights, not parameters."""
     import json
 
-    from llmtune.plan.estimate import estimate, quantization_state_bytes
-    from llmtune.plan.model_facts import read_model_facts
+    from llmtune.plan.memory.facts import read_model_facts
+    from llmtune.plan.memory.peak import estimate
+    from llmtune.plan.memory.states import quantization_state_bytes
     from llmtune.recipe import Recipe
 
     recipe = Recipe.model_validate(json.loads((output_dir / "llmtune" / "plan.json").read_text())["recipe"])

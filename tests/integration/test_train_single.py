@@ -70,7 +70,7 @@ def test_single_process_training_learns_and_saves(make_recipe, tmp_path, method,
     assert metrics["tokens_seen"] == sum(real) == 4 * metrics["data"]["train_tokens"] > 0
     assert metrics["tokens_per_second_whole_run"] == pytest.approx(metrics["tokens_seen"] / metrics["train_seconds"],
                                                                     rel=0.01)  # fmt: skip
-    from llmtune.train.callbacks import StepStats
+    from llmtune.train.engine.callbacks import StepStats
 
     warm = StepStats.WARMUP_STEPS
     assert metrics["tokens_per_second_steady"] == pytest.approx(sum(real[warm:]) / sum(seconds[warm:]), rel=1e-3)

@@ -51,7 +51,7 @@ def test_saved_model_is_plain_and_holds_the_trained_weights(workspace, tmp_path,
     from transformers import AutoModelForCausalLM
 
     from llmtune.recipe.qat import Qat
-    from llmtune.train import qat as qat_train
+    from llmtune.train.model import qat as qat_train
 
     probe = tmp_path / "probe.safetensors"
     path = write_run_recipe(workspace, f"saved-{name}", max_steps=3, qat=qat)

@@ -49,7 +49,7 @@ def _step(model):
 
 def _arguments(**recipe_keys):
     from llmtune.recipe.loader import recipe_from_mapping
-    from llmtune.train.arguments import _checkpointing_arguments
+    from llmtune.train.engine.arguments import _checkpointing_arguments
 
     recipe = recipe_from_mapping({"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "alpaca"}],
                                   **recipe_keys}, Path("r.yaml"), check_files=False).recipe  # fmt: skip
@@ -109,8 +109,8 @@ def test_offload_disk_is_read_as_cpu_memory_and_said_so():
 def test_the_estimate_moves_the_layer_inputs_to_cpu_memory():
     """Offloaded, a GPU keeps one layer's input (the one backward brought back) instead of every layer's; each
     process's layer inputs are counted in the machine's CPU memory."""
-    from llmtune.plan.estimate import estimate
-    from llmtune.plan.model_facts import ModelFacts
+    from llmtune.plan.memory.facts import ModelFacts
+    from llmtune.plan.memory.peak import estimate
     from llmtune.recipe.loader import recipe_from_mapping
 
     facts = ModelFacts("llama", 4096, 32, 32, 8, 14336, 49152, False)

@@ -14,8 +14,8 @@ import pytest
 
 from llmtune.errors import UserError
 from llmtune.plan import make_cluster, make_plan
-from llmtune.plan.estimate import estimate
-from llmtune.plan.model_facts import ModelFacts
+from llmtune.plan.memory.facts import ModelFacts
+from llmtune.plan.memory.peak import estimate
 from llmtune.recipe.loader import recipe_from_mapping
 
 

@@ -15,7 +15,7 @@ from llmtune.recipe import Recipe
 from llmtune.recipe.axolotl import action
 from llmtune.recipe.axolotl_keys import ANY, AXOLOTL_DATASET_KEYS, AXOLOTL_ONLY_KEYS
 from llmtune.recipe.loader import recipe_from_mapping
-from llmtune.train.distributed import trainer_fsdp_config
+from llmtune.train.runtime.distributed import trainer_fsdp_config
 
 # Every top-level key of Axolotl's schema (src/axolotl/utils/schemas/ and the integrations' args, July 2026).
 AXOLOTL_SCHEMA_KEYS = """

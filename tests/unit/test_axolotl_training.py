@@ -12,10 +12,10 @@ from tiny import load_tokenizer, make_tiny_model, write_jsonl
 from llmtune.errors import UserError
 from llmtune.recipe.loader import recipe_from_mapping
 from llmtune.recipe.model import FAMILY_CHAT_TEMPLATES
-from llmtune.train.callbacks import LossWatchdog
 from llmtune.train.data.formats import IGNORE, FormatContext, format_for
 from llmtune.train.data.prepare import eot_token_ids, stream_budget, tokenize_with_cache
 from llmtune.train.data.templates import FAMILY_TEMPLATES, render, resolve_chat_template
+from llmtune.train.engine.callbacks import LossWatchdog
 
 SYSTEM = {"role": "system", "content": "Be brief."}
 CHAT = [
@@ -76,7 +76,7 @@ def test_embeddings_padded_to_32_config_overrides_and_reinit(tiny, tok):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmtune.train.model import load_model
+    from llmtune.train.model.load import load_model
 
     r = recipe(base_model=str(tiny), resize_token_embeddings_to_32x=True, reinit_weights=True,
                model_config={"rope_theta": 1234.0}, cls_model_config="LlamaConfig")  # fmt: skip
@@ -96,7 +96,7 @@ def test_unfrozen_parameters_full_fine_tune_with_row_range(tiny):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmtune.train.adapters import attach_adapter
+    from llmtune.train.model.adapters import attach_adapter
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny))
     attach_adapter(model, recipe(unfrozen_parameters=["^model.layers.1.mlp.*", "^model.embed_tokens.weight$[:10]"]))
@@ -111,7 +111,7 @@ def test_unfrozen_parameters_full_fine_tune_with_row_range(tiny):
 def test_unfrozen_parameters_choose_among_adapter_weights(tiny):
     from transformers import AutoModelForCausalLM
 
-    from llmtune.train.adapters import attach_adapter
+    from llmtune.train.model.adapters import attach_adapter
 
     r = recipe(adapter="lora", lora_target_linear=True, unfrozen_parameters=["^model.layers.0.self_attn.*"])
     model = attach_adapter(AutoModelForCausalLM.from_pretrained(str(tiny)), r)
@@ -123,7 +123,7 @@ def test_unfrozen_parameters_choose_among_adapter_weights(tiny):
 
 
 def test_loftq_and_target_parameters_reach_peft():
-    from llmtune.train.adapters import lora_config
+    from llmtune.train.model.adapters import lora_config
 
     config = lora_config(recipe(adapter="lora", peft={"loftq_config": {"loftq_bits": 4}},
                                 lora_target_parameters=["mlp.experts.gate_up_proj"]))  # fmt: skip
@@ -132,7 +132,7 @@ def test_loftq_and_target_parameters_reach_peft():
 
 
 def test_curriculum_sampling_and_neftune_reach_training_arguments(tmp_path):
-    from llmtune.train.arguments import training_arguments
+    from llmtune.train.engine.arguments import training_arguments
 
     plan = {"precision": "no", "cluster": {"device": "cpu"}, "strategy": "single", "micro_batch_size": 1,
             "data_parallel_size": 1, "gradient_accumulation_steps": 1}  # fmt: skip
@@ -363,7 +363,7 @@ def test_older_value_forms_that_cannot_be_honoured_are_refused_by_name(written, 
 
 def test_older_value_forms_plan_and_reach_training_arguments(tmp_path):
     from llmtune.plan import make_cluster, make_plan
-    from llmtune.train.arguments import training_arguments
+    from llmtune.train.engine.arguments import training_arguments
 
     plan = make_plan(recipe(fsdp="full_shard auto_wrap", fsdp_config={"fsdp_transformer_layer_cls_to_wrap": "X"}),
                      make_cluster(2, device="cuda"))  # fmt: skip

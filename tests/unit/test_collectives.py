@@ -1,4 +1,4 @@
-"""Collectives: only llmtune.train.collectives calls them, and it refuses tensors off the communication device.
+"""Collectives: only llmtune.train.runtime.collectives calls them, and it refuses tensors off the communication device.
 
 NCCL refuses a CPU tensor that gloo accepts, so no CPU test run can see that bug; the AST scan below makes
 sure no module issues a collective outside the one module that places and checks tensors.
@@ -14,7 +14,7 @@ import pytest
 import llmtune
 
 PACKAGE = Path(llmtune.__file__).parent
-HOME = PACKAGE / "train" / "collectives.py"
+HOME = PACKAGE / "train" / "runtime" / "collectives.py"
 COLLECTIVES = {
     "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
     "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
@@ -55,7 +55,7 @@ def test_no_collective_outside_the_collectives_module():
     for path in sorted(PACKAGE.rglob("*.py")):
         if path != HOME:
             found += violations(path.read_text(), str(path.relative_to(PACKAGE.parent)))
-    assert not found, "call these through llmtune.train.collectives:\n" + "\n".join(found)
+    assert not found, "call these through llmtune.train.runtime.collectives:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_the_scan_leaves_other_calls_alone():
 def one_rank_group(tmp_path):
     import torch.distributed as dist
 
-    from llmtune.train import collectives
+    from llmtune.train.runtime import collectives
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     collectives.configure("cpu", 0)
@@ -133,7 +133,7 @@ def test_a_tensor_elsewhere_is_refused_as_nccl_would(one_rank_group):
 
 
 def test_without_a_group_nothing_is_communicated():
-    from llmtune.train import collectives
+    from llmtune.train.runtime import collectives
 
     assert not collectives.active()
     assert collectives.sum_values([2.0]) == [2.0]

@@ -8,7 +8,7 @@ import pytest
 
 from llmtune.launch.console import NOISE, Console, noise
 from llmtune.launch.failures import StderrWatcher, records
-from llmtune.train.progress import parse_step, startup_seconds, step_line
+from llmtune.train.runtime.progress import parse_step, startup_seconds, step_line
 
 # One real line of each kind (copied from runs on this machine: torch 2.13, transformers 5.24, torchao 0.18,
 # bitsandbytes 0.50, deepspeed 0.19.8), and the lines around them that must stay.
@@ -127,7 +127,7 @@ def test_step_lines_carry_numbers_and_parse_back():
 
 
 def test_startup_seconds_follow_the_marks_from_the_launcher_to_the_rank(monkeypatch):
-    from llmtune.train import progress
+    from llmtune.train.runtime import progress
 
     monkeypatch.setattr(progress, "_marks", {})
     monkeypatch.setenv(progress.TIMELINE_ENV, "start=100.0,plan=100.5")

@@ -34,7 +34,7 @@ def test_a_spelling_that_disagrees_with_the_key_itself_is_one_line():
 
 
 def test_data_seed_orders_the_data_alone():
-    from llmtune.train.arguments import training_arguments
+    from llmtune.train.engine.arguments import training_arguments
 
     plan = {"cluster": {"device": "cpu", "num_processes": 1, "num_machines": 1}, "precision": "no",
             "strategy": "single", "micro_batch_size": 1, "data_parallel_size": 1, "gradient_accumulation_steps": 1,

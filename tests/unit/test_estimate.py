@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from llmtune.plan.deepspeed import MAX_LIVE_PARAMETERS
-from llmtune.plan.estimate import GB, estimate, state_bytes
-from llmtune.plan.model_facts import ModelFacts
+from llmtune.plan.memory.buffers import GB, MAX_LIVE_PARAMETERS
+from llmtune.plan.memory.facts import ModelFacts
+from llmtune.plan.memory.peak import estimate
+from llmtune.plan.memory.states import state_bytes
 from llmtune.recipe.loader import recipe_from_mapping
 
 
@@ -130,7 +131,7 @@ def test_train_refuses_a_plan_that_cannot_fit(run_cli, tmp_path):
 
 def test_fit_check_passes_what_the_estimate_allows():
     from llmtune.plan import make_cluster, make_plan
-    from llmtune.plan.estimate import check_fits, row_for_plan
+    from llmtune.plan.memory.fit import check_fits, row_for_plan
 
     lora = recipe(base_model="meta-llama/Llama-3.1-8B", adapter="lora", lora_r=16, lora_target_linear=True,
                   gradient_checkpointing=True, deepspeed="zero3")  # fmt: skip
@@ -143,7 +144,7 @@ def test_fit_check_passes_what_the_estimate_allows():
 
 
 def test_recommendation_follows_the_interconnect():
-    from llmtune.plan.estimate import estimate_recipe
+    from llmtune.plan.memory.fit import estimate_recipe
 
     llama = ModelFacts("llama", 4096, 32, 32, 8, 14336, 128256, False)
     full = recipe(gradient_checkpointing=True, sequence_len=2048)
@@ -297,7 +298,7 @@ def test_padded_batches_reserve_more_than_packed_ones_without_expandable_segment
 
 
 def test_the_allocator_mode_follows_the_environment_the_workers_get(monkeypatch):
-    from llmtune.plan.gpu_memory import expandable_segments
+    from llmtune.plan.memory.buffers import expandable_segments
 
     assert expandable_segments({})  # llmtune's workers default to it
     assert expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512"})
@@ -311,7 +312,7 @@ def test_the_allocator_mode_follows_the_environment_the_workers_get(monkeypatch)
 
 
 def test_tensor_parallel_row_splits_states_and_the_split_part_of_the_activations():
-    from llmtune.plan.estimate_parallel import TP_REPLICATED_ACTIVATIONS
+    from llmtune.plan.memory.parallel import TP_REPLICATED_ACTIVATIONS
 
     r = recipe(sequence_len=8192, micro_batch_size=1)
     rows = {e.name: e for e in estimate(r, FACTS, data_parallel=8, gpus_per_machine=8)}
@@ -328,8 +329,8 @@ def test_tensor_parallel_row_splits_states_and_the_split_part_of_the_activations
 
 
 def test_tensor_parallel_is_recommended_when_only_split_activations_fit():
-    from llmtune.plan.estimate import FIT_FRACTION
-    from llmtune.plan.recommend import recommend
+    from llmtune.plan.memory.buffers import FIT_FRACTION
+    from llmtune.plan.memory.fit import recommend
 
     # packed rows: context parallelism can't split them (no context-parallel row), tensor parallelism can
     r = recipe(sequence_len=65536, micro_batch_size=1, gradient_checkpointing=False, sample_packing=True)
@@ -345,8 +346,8 @@ def test_tensor_parallel_is_recommended_when_only_split_activations_fit():
 
 
 def test_context_parallel_row_splits_every_activation_and_is_preferred_for_long_rows():
-    from llmtune.plan.estimate import FIT_FRACTION
-    from llmtune.plan.recommend import recommend
+    from llmtune.plan.memory.buffers import FIT_FRACTION
+    from llmtune.plan.memory.fit import recommend
 
     r = recipe(sequence_len=65536, micro_batch_size=1)
     rows = estimate(r, FACTS, data_parallel=8, gpus_per_machine=8)
@@ -363,7 +364,7 @@ def test_context_parallel_row_splits_every_activation_and_is_preferred_for_long_
 
 # Issue 32: every row says whether a recorded GPU run covers it ("measured on H100") or not ("modelled").
 def test_the_measured_table_is_what_the_gpu_runs_recorded():
-    from llmtune.plan.estimate_basis import MEASURED, MEASURED_ATTENTION, MEASURED_OPTIMIZERS
+    from llmtune.plan.memory.basis import MEASURED, MEASURED_ATTENTION, MEASURED_OPTIMIZERS
 
     recorded = {("expandable" if r["allocator"].startswith("expandable") else "default", r["estimate_row"],
                  r["configuration"]["method"]) for r in H100}  # fmt: skip
@@ -374,7 +375,7 @@ def test_the_measured_table_is_what_the_gpu_runs_recorded():
 
 
 def test_every_recorded_run_is_labelled_measured_and_a_change_of_kind_is_not(monkeypatch):
-    from llmtune.plan.estimate import labelled
+    from llmtune.plan.memory.fit import labelled
 
     for run in H100:
         if run["allocator"].startswith("expandable"):

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from llmtune.plan.estimate import estimate, trainable_parameters
-from llmtune.plan.model_facts import ModelFacts
+from llmtune.plan.memory.facts import ModelFacts
+from llmtune.plan.memory.peak import estimate
+from llmtune.plan.memory.states import trainable_parameters
 from llmtune.recipe import Recipe
 
 FACTS = ModelFacts("llama", 2048, 16, 32, 8, 8192, 128256, True)  # a 1.2B Llama shape, tied embeddings
@@ -176,7 +177,7 @@ def test_plan_summary_names_the_reference_under_the_planned_strategy():
 
 def test_preference_rows_are_modelled_not_measured():
     # a full bf16 fine-tune under single / DDP on one GPU is a measured row for SFT, never for preference training
-    from llmtune.plan.estimate import labelled
+    from llmtune.plan.memory.fit import labelled
 
     assert labelled(rows(recipe(), 1)["single / DDP"], recipe(), 1, "llama").basis == "measured on H100"
     row = labelled(rows(recipe(rl="dpo"), 1)["single / DDP"], recipe(rl="dpo"), 1, "llama")

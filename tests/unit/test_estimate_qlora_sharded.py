@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from llmtune.plan.estimate import GB, estimate
-from llmtune.plan.model_facts import ModelFacts
+from llmtune.plan.memory.buffers import GB
+from llmtune.plan.memory.facts import ModelFacts
+from llmtune.plan.memory.peak import estimate
 from llmtune.recipe.loader import recipe_from_mapping
 
 EIGHT_B = ModelFacts("llama", 4096, 32, 32, 8, 14336, 49152, False)

@@ -25,9 +25,9 @@ def test_gdpo_normalises_each_reward_per_group_before_summing(tmp_path):
     from tiny import make_tiny_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmtune.train.arguments import training_arguments
-    from llmtune.train.rewards import reward_functions
-    from llmtune.train.rl import config_arguments, trainer_class, trl_classes
+    from llmtune.train.engine.arguments import training_arguments
+    from llmtune.train.rl.rewards import reward_functions
+    from llmtune.train.rl.trainers import config_arguments, trainer_class, trl_classes
 
     model_dir = make_tiny_model(tmp_path / "tiny")
     raw = {"base_model": str(model_dir), "rl": "gdpo", "output_dir": str(tmp_path / "out"), "micro_batch_size": 4,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from llmtune.errors import UserError
-from llmtune.train import gguf
+from llmtune.train.model import gguf
 
 
 def _fake_build(gguf_path: Path, out: Path) -> None:

@@ -77,10 +77,10 @@ def test_gptq_needs_lora_on_the_quantized_base(changes, message):
 
 
 def test_the_estimate_counts_4_bit_weights_with_their_group_scales():
-    from llmtune.plan import gpu_memory as gpu
-    from llmtune.plan.model_facts import ModelFacts
+    from llmtune.plan.memory.facts import ModelFacts
+    from llmtune.plan.memory.states import quantized_base_bytes
 
     facts = ModelFacts("llama", 4096, 32, 32, 8, 14336, 49152, False)
-    gptq = gpu.quantized_base_bytes(loaded(gptq=True, adapter="lora").recipe, facts)
+    gptq = quantized_base_bytes(loaded(gptq=True, adapter="lora").recipe, facts)
     linear = facts.linear_params()
     assert gptq == pytest.approx(linear * (0.5 + 2.5 / 128) + 4.0 * (facts.total_params() - linear))

@@ -1,4 +1,4 @@
-"""The activation terms of llmtune.plan.gpu_memory against what autograd really saves for backward.
+"""The activation terms of llmtune.plan.memory.activations against what autograd really saves for backward.
 
 A 2-layer Llama-shaped model runs one forward with labels on CPU, under bf16 autocast where the GPU run would
 use it; a saved-tensors hook records every tensor autograd keeps (by storage, once each, parameters left out).
@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from llmtune.plan import gpu_memory as gpu
-from llmtune.plan.model_facts import ModelFacts
+from llmtune.plan.memory.activations import activations, head_bytes, logits_bytes, weight_copies
+from llmtune.plan.memory.compute import LINEARS, Kernels, Widths, trains, widths
+from llmtune.plan.memory.facts import ModelFacts
+from llmtune.plan.memory.states import quantized_base_bytes
 from llmtune.recipe.loader import recipe_from_mapping
 
 SHAPE = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -66,31 +68,31 @@ def build(attention: str, weights: str, tied: bool, lora: list[str] | None):
     return model
 
 
-def predicted(r, w: gpu.Widths, attention: str, tied: bool) -> float:
+def predicted(r, w: Widths, attention: str, tied: bool) -> float:
     """What autograd keeps at the end of the forward: saved activations, weight copies, log-softmax output."""
     facts = ModelFacts("llama", SHAPE["hidden_size"], SHAPE["num_hidden_layers"], SHAPE["num_attention_heads"],
                        SHAPE["num_key_value_heads"], SHAPE["intermediate_size"], SHAPE["vocab_size"], tied)  # fmt: skip
-    k = gpu.Kernels(attention, "torch", False, False)
-    acts = gpu.activations(r, facts, w, k)
+    k = Kernels(attention, "torch", False, False)
+    acts = activations(r, facts, w, k)
     trainable = 0
     if r.adapter:
-        from llmtune.plan.estimate import trainable_parameters
+        from llmtune.plan.memory.states import trainable_parameters
 
         trainable = trainable_parameters(r, facts)
     tokens = BATCH * SEQ
-    return acts.saved + gpu.weight_copies(r, facts, w, trainable) + 4 * facts.vocab_size * tokens
+    return acts.saved + weight_copies(r, facts, w, trainable) + 4 * facts.vocab_size * tokens
 
 
 CASES = {
     # name: (recipe changes, attention, model weights, autocast, widths, tied, LoRA targets)
-    "full fp32 weights + bf16 autocast, sdpa": ({"bf16": True}, "sdpa", "fp32", True, gpu.Widths(2, 4, True), True, None),
-    "full, eager attention": ({"bf16": True}, "eager", "fp32", True, gpu.Widths(2, 4, True), False, None),
-    "full bf16 model (DeepSpeed's layout)": ({"bf16": True}, "sdpa", "bf16", False, gpu.Widths(2, 2, False), True, None),
-    "full fp32": ({}, "sdpa", "fp32", False, gpu.Widths(4, 4, False), True, None),
+    "full fp32 weights + bf16 autocast, sdpa": ({"bf16": True}, "sdpa", "fp32", True, Widths(2, 4, True), True, None),
+    "full, eager attention": ({"bf16": True}, "eager", "fp32", True, Widths(2, 4, True), False, None),
+    "full bf16 model (DeepSpeed's layout)": ({"bf16": True}, "sdpa", "bf16", False, Widths(2, 2, False), True, None),
+    "full fp32": ({}, "sdpa", "fp32", False, Widths(4, 4, False), True, None),
     "LoRA q,v on a bf16 base": ({"bf16": True, "adapter": "lora", "lora_target_modules": ["q_proj", "v_proj"]},
-                                "sdpa", "bf16", True, gpu.Widths(2, 2, True), True, ["q_proj", "v_proj"]),
+                                "sdpa", "bf16", True, Widths(2, 2, True), True, ["q_proj", "v_proj"]),
     "LoRA all linear": ({"bf16": True, "adapter": "lora", "lora_target_linear": True}, "sdpa", "bf16", True,
-                        gpu.Widths(2, 2, True), True, list(gpu.LINEARS)),
+                        Widths(2, 2, True), True, list(LINEARS)),
 }  # fmt: skip
 
 
@@ -105,21 +107,21 @@ def test_activation_formula_covers_what_autograd_saves(case):
 
 
 def test_widths_follow_how_llmtune_loads_the_weights():
-    assert gpu.widths(recipe(bf16=True), True, False) == gpu.Widths(2, 4, True)  # fp32 weights, autocast
-    assert gpu.widths(recipe(bf16=True), True, True) == gpu.Widths(2, 2, False)  # DeepSpeed's bf16 engine
+    assert widths(recipe(bf16=True), True, False) == Widths(2, 4, True)  # fp32 weights, autocast
+    assert widths(recipe(bf16=True), True, True) == Widths(2, 2, False)  # DeepSpeed's bf16 engine
     lora = recipe(bf16=True, adapter="lora")
-    assert gpu.widths(lora, True, False) == gpu.Widths(2, 2, True)  # a 16-bit base
+    assert widths(lora, True, False) == Widths(2, 2, True)  # a 16-bit base
     qlora = recipe(bf16=True, adapter="qlora", load_in_4bit=True)
-    assert gpu.widths(qlora, True, False) == gpu.Widths(2, 4, True)  # prepare_model_for_kbit_training: fp32 embeddings
+    assert widths(qlora, True, False) == Widths(2, 4, True)  # prepare_model_for_kbit_training: fp32 embeddings
 
 
 def test_checkpointing_keeps_one_input_per_layer_and_rebuilds_one_layer():
     facts = ModelFacts("llama", 4096, 32, 32, 8, 14336, 49152, False)
-    w, k = gpu.Widths(2, 4, True), gpu.Kernels("sdpa", "torch", False, False)
-    plain = gpu.activations(recipe(bf16=True, sequence_len=1024), facts, w, k)
-    kept = gpu.activations(recipe(bf16=True, sequence_len=1024, gradient_checkpointing=True), facts, w, k)
+    w, k = Widths(2, 4, True), Kernels("sdpa", "torch", False, False)
+    plain = activations(recipe(bf16=True, sequence_len=1024), facts, w, k)
+    kept = activations(recipe(bf16=True, sequence_len=1024, gradient_checkpointing=True), facts, w, k)
     tokens = BATCH * 1024
-    head = gpu.head_bytes(facts, w, gpu.trains(recipe()), k) * tokens
+    head = head_bytes(facts, w, trains(recipe()), k) * tokens
     assert kept.saved - head == pytest.approx(32 * 4 * 4096 * tokens)  # each layer's fp32 input
     assert kept.recompute == pytest.approx((plain.saved - head) / 32)
     assert plain.recompute == 0
@@ -127,10 +129,10 @@ def test_checkpointing_keeps_one_input_per_layer_and_rebuilds_one_layer():
 
 def test_logits_peak_is_three_fp32_copies_and_the_fused_loss_never_makes_them():
     facts = ModelFacts("llama", 2048, 16, 32, 8, 8192, 49152, True)
-    w, t = gpu.Widths(2, 4, True), gpu.trains(recipe())
-    peak, idle = gpu.logits_bytes(facts, 8192, w, t, gpu.Kernels("sdpa", "torch", False, False))
+    w, t = Widths(2, 4, True), trains(recipe())
+    peak, idle = logits_bytes(facts, 8192, w, t, Kernels("sdpa", "torch", False, False))
     assert peak == 12 * 8192 * 49152 and idle == 2 * 8192 * 49152
-    fused, _ = gpu.logits_bytes(facts, 8192, w, t, gpu.Kernels("sdpa", "fused", False, False))
+    fused, _ = logits_bytes(facts, 8192, w, t, Kernels("sdpa", "fused", False, False))
     assert fused < peak / 8  # chunks of tokens x hidden, and lm_head's weight gradient
 
 
@@ -138,8 +140,8 @@ def test_a_4bit_base_keeps_embeddings_and_head_in_fp32_and_pays_for_its_absmax()
     facts = ModelFacts("llama", 4096, 32, 32, 8, 14336, 49152, False)  # Llama-3.1-8B's shape, SmolLM2's vocabulary
     linear = facts.linear_params()
     kept = facts.total_params() - linear
-    double = gpu.quantized_base_bytes(recipe(adapter="qlora", load_in_4bit=True), facts)
-    single = gpu.quantized_base_bytes(recipe(adapter="qlora", load_in_4bit=True, bnb_4bit_use_double_quant=False), facts)
+    double = quantized_base_bytes(recipe(adapter="qlora", load_in_4bit=True), facts)
+    single = quantized_base_bytes(recipe(adapter="qlora", load_in_4bit=True, bnb_4bit_use_double_quant=False), facts)
     assert double == pytest.approx(linear * (0.5 + 1 / 64 + 4 / (64 * 256)) + 4 * kept)
     assert single - double == pytest.approx(linear * (4 / 64 - 1 / 64 - 4 / (64 * 256)))
     assert double / 1e9 == pytest.approx(5.21, abs=0.01)  # issue 17 measured 5.27 GB held, adapters included

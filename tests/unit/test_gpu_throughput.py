@@ -104,7 +104,7 @@ def test_hashes_agree_with_llmtune_and_the_plain_script_in_every_layout():
     import torch
     from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlattening
 
-    from llmtune.train.trainer import row_tokens
+    from llmtune.train.engine.trainer import row_tokens
 
     sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
     from tiny import load_tokenizer

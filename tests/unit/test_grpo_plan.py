@@ -10,7 +10,7 @@ import pytest
 
 from llmtune.errors import UserError
 from llmtune.plan import make_cluster, make_plan
-from llmtune.plan.model_facts import ModelFacts
+from llmtune.plan.memory.facts import ModelFacts
 from llmtune.recipe.loader import recipe_from_mapping
 
 FACTS = ModelFacts(model_type="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
@@ -38,7 +38,7 @@ def test_in_process_generation_names_its_batch_and_kv_cache():
 
 def test_colocated_vllm_takes_what_training_leaves_and_the_worker_passes_it_on():
     from llmtune.plan import generation
-    from llmtune.train.rl import config_arguments
+    from llmtune.train.rl.trainers import config_arguments
 
     r = recipe(use_vllm=True, vllm_mode="colocate")
     assert generation.colocate_share(r, 40 * 2**30, 80 * 2**30) == 0.4  # 1 - 40/80 - the 0.10 margin
@@ -60,7 +60,7 @@ def test_server_mode_plans_the_server_command_and_the_wait():
     assert (
         "trl vllm-serve --model org/model --tensor-parallel-size 2" in text and "--gpu-memory-utilization 0.9" in text
     )
-    from llmtune.train.rl import config_arguments
+    from llmtune.train.rl.trainers import config_arguments
 
     assert config_arguments(r, "cuda")["vllm_server_port"] == 8011
     rehearsal = make_plan(r, make_cluster(2, device="cpu"))

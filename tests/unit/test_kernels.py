@@ -122,7 +122,7 @@ def fake_model(model_type):
 
 
 def test_only_the_asked_kernels_are_on_everything_else_explicitly_off(fake_liger):
-    from llmtune.train.kernels import apply_liger, kernels_for
+    from llmtune.train.model.kernels import apply_liger, kernels_for
 
     kernels = kernels_for(recipe(liger_rms_norm=True, liger_glu_activation=True), "bf16", device="cuda")
     model, lines = fake_model("llama"), []
@@ -132,7 +132,7 @@ def test_only_the_asked_kernels_are_on_everything_else_explicitly_off(fake_liger
 
 
 def test_glu_maps_to_geglu_for_gemma_and_missing_kernels_are_said(fake_liger):
-    from llmtune.train.kernels import apply_liger, kernels_for
+    from llmtune.train.model.kernels import apply_liger, kernels_for
 
     kernels = kernels_for(recipe(**LIGER_RECIPE), "bf16", device="cuda")
     lines = []
@@ -143,7 +143,7 @@ def test_glu_maps_to_geglu_for_gemma_and_missing_kernels_are_said(fake_liger):
 
 
 def test_cut_cross_entropy_runs_as_fused_linear_cross_entropy(fake_liger):
-    from llmtune.train.kernels import apply_liger, kernels_for
+    from llmtune.train.model.kernels import apply_liger, kernels_for
 
     apply_liger(fake_model("llama"), kernels_for(recipe(plugins=[CCE_PLUGIN]), "bf16", device="cuda").liger, print)
     assert fake_liger[0][2] == {"rope": False, "cross_entropy": False, "fused_linear_cross_entropy": True,
@@ -151,7 +151,7 @@ def test_cut_cross_entropy_runs_as_fused_linear_cross_entropy(fake_liger):
 
 
 def test_a_model_type_liger_lacks_trains_without_it_and_says_so(fake_liger):
-    from llmtune.train.kernels import apply_liger, kernels_for
+    from llmtune.train.model.kernels import apply_liger, kernels_for
 
     lines = []
     assert (
@@ -161,7 +161,7 @@ def test_a_model_type_liger_lacks_trains_without_it_and_says_so(fake_liger):
 
 
 def test_liger_not_installed_is_one_line_with_the_install_hint(monkeypatch):
-    from llmtune.train.kernels import apply_liger
+    from llmtune.train.model.kernels import apply_liger
 
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import fails as if not installed
     with pytest.raises(UserError) as err:
@@ -179,7 +179,7 @@ def tiny_model_dir(tmp_path):
 def test_load_model_applies_liger_to_the_loaded_instance_on_gpus_only(fake_liger, tmp_path):
     from tiny import load_tokenizer
 
-    from llmtune.train.model import load_model
+    from llmtune.train.model.load import load_model
 
     path = str(tiny_model_dir(tmp_path))
     r = recipe(base_model=path, liger_rms_norm=True, flash_attention=True)
@@ -267,7 +267,7 @@ def test_compile_arguments_are_trainingarguments_keys(tmp_path):
 def test_packed_boundaries():
     import torch
 
-    from llmtune.train.kernels import packed_boundaries
+    from llmtune.train.model.kernels import packed_boundaries
 
     cu, longest = packed_boundaries(torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]]))
     assert cu.tolist() == [0, 3, 5, 6, 10, 12] and cu.dtype == torch.int32 and longest == 4
@@ -310,7 +310,7 @@ def test_flash_attention_keeps_packed_examples_apart_with_several_rows(reference
     from tiny import tiny_llama_config
     from transformers import LlamaForCausalLM
 
-    from llmtune.train.kernels import keep_packed_rows_apart
+    from llmtune.train.model.kernels import keep_packed_rows_apart
 
     torch.manual_seed(0)
     config = tiny_llama_config(100, layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64,

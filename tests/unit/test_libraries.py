@@ -11,7 +11,7 @@ import pytest
 
 from llmtune.plan import make_cluster, make_plan
 from llmtune.recipe.loader import recipe_from_mapping
-from llmtune.train import libraries
+from llmtune.train.runtime import libraries
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import pytest
 from tiny import load_tokenizer
 
 from llmtune.errors import UserError
-from llmtune.train import linearize
-from llmtune.train.adapters import target_pattern
+from llmtune.train.model import linearize
+from llmtune.train.model.adapters import target_pattern
 
 
 def tiny_llama4(path):

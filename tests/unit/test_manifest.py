@@ -1,4 +1,4 @@
-"""Checkpoints of machines with their own disks (train/manifest.py, launch/lobby.py): the manifest of who holds which
+"""Checkpoints of machines with their own disks (train/checkpoint/manifest.py, launch/lobby.py): the manifest of who holds which
 file, and the check-in that stops a resume where a machine lacks its ranks' files before any rank starts. Two
 "machines" are two threads on 127.0.0.1, each with its own plan and (own disks) its own output_dir."""
 
@@ -16,7 +16,8 @@ from llmtune.launch.net import free_port
 from llmtune.plan import make_cluster, make_plan
 from llmtune.plan.files import plan_files, write_plan_files
 from llmtune.recipe.loader import recipe_from_mapping
-from llmtune.train import checkpoints, manifest
+from llmtune.train.checkpoint import folders as checkpoints
+from llmtune.train.checkpoint import manifest
 
 COMMON = ["model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"]
 FILES = {0: sorted([*COMMON, "rng_state_0.pth"]), 1: sorted([*COMMON, "rng_state_1.pth"])}

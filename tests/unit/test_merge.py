@@ -92,7 +92,7 @@ def test_lora_on_a_tied_output_layer_unties_it(tmp_path):
 def test_dtype_and_errors(tmp_path):
     from safetensors.torch import load_file
 
-    from llmtune.plan.estimate import parse_size_option
+    from llmtune.plan.memory.table import parse_size_option
     from llmtune.post.merge import merge_run
 
     base = make_tiny_model(tmp_path / "base")

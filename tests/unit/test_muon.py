@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from llmtune.errors import UserError
-from llmtune.train.muon import Muon, muon_groups, orthogonalize
+from llmtune.train.objectives.muon import Muon, muon_groups, orthogonalize
 
 
 class Tiny(nn.Module):

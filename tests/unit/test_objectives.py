@@ -1,4 +1,4 @@
-"""EAFT's loss and LISA's layer draws (train/objectives.py)."""
+"""EAFT's loss and LISA's layer draws (train/objectives/losses.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmtune.errors import UserError
-from llmtune.train.objectives import LayerSampling, eaft_loss
+from llmtune.train.objectives.losses import LayerSampling, eaft_loss
 
 
 def _batch():
@@ -83,7 +83,7 @@ def test_quadratic_warmup_rises_as_the_square_then_decays_by_cosine_to_the_floor
 
     import torch
 
-    from llmtune.train.schedule import make_scheduler, quadratic_warmup
+    from llmtune.train.objectives.schedule import make_scheduler, quadratic_warmup
 
     recipe = SimpleNamespace(lr_quadratic_warmup=True, lr_scheduler="cosine", cosine_min_lr_ratio=0.1,
                              lr_scheduler_kwargs=None)  # fmt: skip
@@ -104,7 +104,7 @@ def test_the_cosine_floor_applies_to_both_cosine_names_and_cosine_with_min_lr_ne
     from pathlib import Path
 
     from llmtune.recipe.loader import recipe_from_mapping
-    from llmtune.train.schedule import named_schedule
+    from llmtune.train.objectives.schedule import named_schedule
 
     for name in ("cosine", "cosine_with_min_lr"):
         recipe = SimpleNamespace(lr_scheduler=name, cosine_min_lr_ratio=0.1, lr_scheduler_kwargs=None)

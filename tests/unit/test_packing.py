@@ -15,7 +15,7 @@ from llmtune.train.data.packing import pack_examples, pack_indices
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(tmp_path_factory):
-    from llmtune.train.model import load_model, load_tokenizer
+    from llmtune.train.model.load import load_model, load_tokenizer
 
     path = make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", layers=2)
     recipe = recipe_from_mapping({"base_model": str(path), "datasets": [{"path": "x", "type": "alpaca"}]},

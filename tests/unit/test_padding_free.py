@@ -1,4 +1,4 @@
-"""Padding-free batches (llmtune/recipe/batches.py, train/varlen.py, FlatCollator): on the CPU, the exact per-row
+"""Padding-free batches (llmtune/recipe/batches.py, train/model/varlen.py, FlatCollator): on the CPU, the exact per-row
 path gives each row the logits it has alone, the loss and gradients of padded batches, and no row attends to
 another (packed examples included); sliding windows and grouped-query heads keep their maths. torch's varlen kernel
 itself runs on CUDA only: tests/gpu/test_varlen_gpu.py checks it against this path."""
@@ -38,7 +38,7 @@ def tiny(attention: str = "sdpa", sliding_window: int | None = None, seed: int =
     import torch
     from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    from llmtune.train import varlen
+    from llmtune.train.model import varlen
 
     torch.manual_seed(seed)
     if sliding_window:
@@ -163,7 +163,7 @@ def test_models_whose_attention_cant_read_flat_batches_are_named():
     import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from llmtune.train import varlen
+    from llmtune.train.model import varlen
 
     assert varlen.unsupported(tiny()) is None
     gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=100, num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
@@ -227,7 +227,7 @@ def test_eval_loss_of_flat_batches_is_the_padded_one_with_a_partial_last_batch(t
     either way: the same eval_loss, a partial last batch included."""
     from transformers import TrainingArguments
 
-    from llmtune.train.trainer import LlmtuneTrainer, Rows
+    from llmtune.train.engine.trainer import LlmtuneTrainer, Rows
 
     rows = rows_of([9, 4, 13, 6, 7])  # batches of 2: the last holds one row
     results = {}

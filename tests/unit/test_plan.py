@@ -205,13 +205,13 @@ def test_nvme_offload_on_gpus_is_refused_where_async_io_cannot_build():
 @pytest.mark.parametrize(("value", "fixed"), [("9.0a", "9.0"), ("8.0;9.0a+PTX", "8.0;9.0+PTX"), ("9.0 10.0f", "9.0;10.0"),
                                               ("8.0;9.0", None), ("", None), (None, None), ("9.0+PTX", None)])  # fmt: skip
 def test_arch_list_for_deepspeed_drops_arch_suffixes(value, fixed):
-    from llmtune.train.distributed import arch_list_for_deepspeed
+    from llmtune.train.runtime.distributed import arch_list_for_deepspeed
 
     assert arch_list_for_deepspeed(value) == fixed
 
 
 def test_errors_raised_inside_deepspeed_are_not_blamed_on_the_model_source():
-    from llmtune.train.model import raised_inside
+    from llmtune.train.model.load import raised_inside
 
     namespace: dict = {}
     exec(
@@ -347,7 +347,7 @@ def test_context_parallel_refuses_models_with_state_space_layers(tmp_path):
 def test_context_parallel_refuses_loaded_models_with_other_sequence_mixers():
     from torch import nn
 
-    from llmtune.train.ranks import check_attention_only
+    from llmtune.train.runtime.ranks import check_attention_only
 
     class MambaMixer(nn.Module):
         pass
@@ -360,7 +360,7 @@ def test_context_parallel_refuses_loaded_models_with_other_sequence_mixers():
 
 
 def test_steps_per_epoch_follow_the_data_parallel_degree_under_tensor_and_context_parallel(tmp_path):
-    from llmtune.train.arguments import steps_per_epoch
+    from llmtune.train.engine.arguments import steps_per_epoch
 
     base = _llama_config(tmp_path)
     tp = make_plan(recipe(base_model=base, tensor_parallel_size=2, micro_batch_size=4, save_strategy="no"),

@@ -8,7 +8,7 @@ from recipe_loading import load, refusal
 
 from llmtune.errors import UserError
 from llmtune.recipe.preference import loss_types
-from llmtune.train.rl import config_arguments, needs_reference_copy
+from llmtune.train.rl.trainers import config_arguments, needs_reference_copy
 
 PAIRS = [{"path": "org/pairs", "type": "chatml.intel"}]
 KTO = [{"path": "org/kto", "type": "llama3.ultra"}]

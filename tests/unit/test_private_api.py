@@ -196,7 +196,7 @@ def subclass_private_names(tree: ast.ClassDef) -> set[str]:
 
 def test_llmtune_private_names_on_library_subclasses_do_not_shadow_the_librarys():
     """A subclass's `_name` that its library base also defines (or sets on self) silently replaces the library's."""
-    from llmtune.train.qat import _pausable_mx
+    from llmtune.train.model.qat import _pausable_mx
 
     classes = [_pausable_mx()]  # built inside a function (torchao is imported only when MX QAT is asked for)
     for path, tree in sources():
@@ -375,7 +375,7 @@ def test_model_is_hf_initialized(tmp_path):
     from tiny import make_tiny_model
     from transformers import AutoModelForCausalLM
 
-    from llmtune.train.model import reinitialise
+    from llmtune.train.model.load import reinitialise
 
     model = AutoModelForCausalLM.from_pretrained(str(make_tiny_model(tmp_path / "m", layers=1, hidden=32)))
     flagged = [n for n, p in model.named_parameters() if getattr(p, "_is_hf_initialized", False)]
@@ -410,7 +410,7 @@ def test_llama4_moe_init():
     expect(re.search(r"self\.experts\(\s*routed_in", source_of("llama4-moe-init", "transformers", moe.forward))
            is not None, "llama4-moe-init", "transformers", "Llama4TextMoe.forward",
            "no longer hands the router-scaled tokens [E*T, H] to self.experts, the layout LinearizedExperts takes")  # fmt: skip
-    from llmtune.train.linearize import LinearizedExperts, linear_experts
+    from llmtune.train.model.linearize import LinearizedExperts, linear_experts
 
     config = tiny_llama4_config()
     original = moe.__init__
@@ -426,7 +426,7 @@ def test_llama4_moe_init():
 
 def test_optimizer_library_tables():
     module = imported("optimizer-library-tables", "transformers", "transformers.trainer_optimizer")
-    from llmtune.train import libraries
+    from llmtune.train.runtime import libraries
 
     for name, ours in (("_BITSANDBYTES_OPTIMIZERS", libraries.BITSANDBYTES_OPTIMIZERS),
                        ("_TORCHAO_OPTIMIZERS", libraries.TORCHAO_OPTIMIZERS)):  # fmt: skip
@@ -437,7 +437,7 @@ def test_optimizer_library_tables():
 
 
 def test_hide_unused_libraries():
-    from llmtune.train.libraries import OPTIONAL
+    from llmtune.train.runtime.libraries import OPTIONAL
 
     checks = {
         "transformers.utils": ["is_torchao_available", "is_bitsandbytes_available", "is_liger_kernel_available",
@@ -572,7 +572,7 @@ def test_qat_int4_config():
     exported = importlib.import_module("torchao.quantization.qat")
     expect(not hasattr(exported, "Int4WeightFakeQuantizeConfig"), "qat-int4-config", "torchao",
            "torchao.quantization.qat.Int4WeightFakeQuantizeConfig",
-           "is now exported: import it from there (llmtune/train/qat.py) and move this row to 'Replaced'")  # fmt: skip
+           "is now exported: import it from there (llmtune/train/model/qat.py) and move this row to 'Replaced'")  # fmt: skip
 
 
 def test_qat_nvfp4_prototype():
@@ -584,7 +584,7 @@ def test_qat_nvfp4_prototype():
     expect_params("qat-nvfp4-prototype", "torchao", tensor.to_nvfp4, ["data_hp", "block_size", "per_tensor_scale"])
     expect_params("qat-nvfp4-prototype", "torchao", tensor.dequantize, ["self", "output_dtype"])
     expect_params("qat-nvfp4-prototype", "torchao", to_scale, ["amax"])
-    from llmtune.train.qat import nvfp4_round_trip
+    from llmtune.train.model.qat import nvfp4_round_trip
 
     x = torch.randn(4, 32)
     rounded = nvfp4_round_trip(x)
@@ -597,7 +597,7 @@ def test_qat_class_swap():
     from torch import nn
 
     from llmtune.recipe.qat import Qat
-    from llmtune.train.qat import EmulatedNVFP4Linear, prepare
+    from llmtune.train.model.qat import EmulatedNVFP4Linear, prepare
 
     linear = nn.Linear(32, 8)
     names = set(linear.state_dict())
@@ -742,8 +742,8 @@ def test_varlen_attention_no_mask():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llmtune.train import varlen
     from llmtune.train.data.collate import REAL_TOKENS, ROW_LENGTHS, FlatCollator
+    from llmtune.train.model import varlen
 
     seen = []
     real = varlen.varlen_attention
@@ -780,7 +780,7 @@ def test_tensor_flatten():
     from torch import nn
 
     optim = imported("tensor-flatten", "torchao", "torchao.optim", "AdamW8bit")
-    from llmtune.train.memory import model_state_bytes
+    from llmtune.train.runtime.memory import model_state_bytes
 
     model = nn.Linear(256, 256, bias=False)
     optimizer = optim(model.parameters())
@@ -800,7 +800,7 @@ def test_tensor_flatten():
 def test_trl_experimental_trainers():
     import dataclasses
 
-    from llmtune.train.rl import trl_classes
+    from llmtune.train.rl.trainers import trl_classes
 
     for rl, fields in (("orpo", {"beta", "max_length"}), ("simpo", {"beta", "loss_type", "simpo_gamma", "cpo_alpha"})):
         try:
@@ -863,7 +863,7 @@ def test_trl_batch_layout(tiny_peft, tmp_path):
            "DataCollatorForUnpairedPreference", f"gives {sorted(unpaired)}")  # fmt: skip
     from datasets import Dataset
 
-    from llmtune.train.rl import trl_classes
+    from llmtune.train.rl.trainers import trl_classes
 
     model, tokenizer = tiny_peft
     config, trainer_class = trl_classes("orpo")

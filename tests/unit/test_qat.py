@@ -8,7 +8,7 @@ from torch import nn
 
 from llmtune.errors import UserError
 from llmtune.recipe.qat import SCHEMES, Qat
-from llmtune.train import qat as qat_train
+from llmtune.train.model import qat as qat_train
 
 
 def test_axolotl_spellings_and_defaults():

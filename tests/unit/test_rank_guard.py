@@ -12,7 +12,7 @@ def test_ranks_that_would_share_data_are_stopped(monkeypatch):
     """The guard itself: a run whose ranks see the same first batch must not be allowed to continue."""
     import torch
 
-    from llmtune.train import ranks
+    from llmtune.train.runtime import ranks
 
     monkeypatch.setattr(
         ranks, "gather", lambda report: [dict(report, rank=0, world_size=2), dict(report, rank=1, world_size=2)]
@@ -32,7 +32,7 @@ def _reports(batches: list[str], world: int):
 def _check(monkeypatch, batches: list[str], tp: int, dataset, micro: int = 1):
     import torch
 
-    from llmtune.train import ranks
+    from llmtune.train.runtime import ranks
 
     world = len(batches)
     monkeypatch.setattr(ranks, "gather", _reports(batches, world))
@@ -58,7 +58,7 @@ def _check(monkeypatch, batches: list[str], tp: int, dataset, micro: int = 1):
     ],
 )
 def test_at_most_one_pair_of_data_parallel_groups_may_share_a_first_batch(monkeypatch, batches, tp, dataset, error):
-    from llmtune.train import ranks
+    from llmtune.train.runtime import ranks
 
     if error is None:
         assert len(_check(monkeypatch, batches, tp, dataset)) == len(batches)
@@ -69,7 +69,7 @@ def test_at_most_one_pair_of_data_parallel_groups_may_share_a_first_batch(monkey
 
 def test_too_few_rows_for_every_group_may_repeat(monkeypatch):
     """Fewer rows than micro_batch_size x data-parallel groups: the sampler wraps around, so batches repeat."""
-    from llmtune.train import ranks
+    from llmtune.train.runtime import ranks
 
     assert len(_check(monkeypatch, ["a", "a", "a", "a"], 1, DISTINCT[:3])) == 4
     with pytest.raises(ranks.SilentlyWrongRun, match="3 colliding pairs"):  # 4 rows are enough for 4 groups
@@ -87,7 +87,7 @@ class Unreadable:
 
 
 def test_rows_are_hashed_only_for_a_single_collision(monkeypatch):
-    from llmtune.train import ranks
+    from llmtune.train.runtime import ranks
 
     assert len(_check(monkeypatch, ["a", "b", "c", "d"], 1, Unreadable())) == 4
     with pytest.raises(ranks.SilentlyWrongRun, match="2 colliding pairs"):
@@ -95,7 +95,7 @@ def test_rows_are_hashed_only_for_a_single_collision(monkeypatch):
 
 
 def test_duplicate_rows_counts_repeated_input_ids():
-    from llmtune.train.ranks import duplicate_rows
+    from llmtune.train.runtime.ranks import duplicate_rows
 
     assert duplicate_rows(DISTINCT) == 0
     assert duplicate_rows(REPEATS) == 1

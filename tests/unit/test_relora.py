@@ -14,7 +14,7 @@ from tiny import make_tiny_model
 from llmtune.errors import UserError
 from llmtune.plan import make_cluster, make_plan
 from llmtune.recipe import load_recipe
-from llmtune.train.schedule import jagged_restart_scale, make_scheduler, own_schedule
+from llmtune.train.objectives.schedule import jagged_restart_scale, make_scheduler, own_schedule
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "axolotl_recipes"
 RELORA = {"adapter": "lora", "relora": True, "jagged_restart_steps": 10, "jagged_restart_warmup_steps": 3,
@@ -144,7 +144,7 @@ def lora_model(path, seed: int = 0):
 
 
 def relora_for(model, tmp_path, **changes):
-    from llmtune.train.relora import ReLoRA
+    from llmtune.train.objectives.relora import ReLoRA
 
     return ReLoRA(model, load(**{**RELORA, **changes}).recipe, tmp_path)
 
@@ -165,7 +165,7 @@ def base_weights(model) -> dict:
 def test_a_restart_merges_the_delta_and_starts_a_fresh_adapter(tiny, tmp_path):
     import torch
 
-    from llmtune.train.relora import factors
+    from llmtune.train.objectives.relora import factors
 
     model = lora_model(tiny)
     relora = relora_for(model, tmp_path)
@@ -189,7 +189,7 @@ def test_a_restart_merges_the_delta_and_starts_a_fresh_adapter(tiny, tmp_path):
 def test_every_rank_draws_the_same_fresh_adapter_and_training_randomness_is_untouched(tiny, tmp_path):
     import torch
 
-    from llmtune.train.relora import factors
+    from llmtune.train.objectives.relora import factors
 
     first, second = lora_model(tiny), lora_model(tiny)
     torch.manual_seed(123)  # the two "ranks" are at different points of their own random streams
@@ -210,7 +210,7 @@ def test_every_rank_draws_the_same_fresh_adapter_and_training_randomness_is_unto
 def test_the_optimizer_state_of_the_adapter_is_pruned_to_the_ratio(tiny, tmp_path, method, ratio):
     import torch
 
-    from llmtune.train.relora import factors
+    from llmtune.train.objectives.relora import factors
 
     model = lora_model(tiny)
     model.base_model.model.lm_head.weight.requires_grad_(True)  # a trained parameter that isn't the adapter's
@@ -244,7 +244,7 @@ def test_the_optimizer_state_of_the_adapter_is_pruned_to_the_ratio(tiny, tmp_pat
 def test_a_resumed_run_replays_the_restarts_onto_the_base_weights(tiny, tmp_path):
     import torch
 
-    from llmtune.train.relora import factors
+    from llmtune.train.objectives.relora import factors
 
     first = lora_model(tiny)
     relora = relora_for(first, tmp_path)

@@ -104,7 +104,7 @@ def test_grpo_with_a_vllm_server_places_the_server_and_the_trainers(tmp_path):
 
 def test_the_trainers_connect_where_the_script_put_the_server(monkeypatch):
     from llmtune.recipe.loader import recipe_from_mapping
-    from llmtune.train.rl import config_arguments
+    from llmtune.train.rl.trainers import config_arguments
 
     raw = {"base_model": "m", "rl": "grpo", "output_dir": "/o", "datasets": [{"path": "d.jsonl", "type": "rwd.t"}],
            "trl": {"reward_funcs": ["rwd.r"], "use_vllm": True, "vllm_mode": "server"}, "vllm": {"port": 8011}}

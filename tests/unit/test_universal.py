@@ -1,4 +1,4 @@
-"""The repairs after DeepSpeed's ZeRO-3 universal load (llmtune/train/universal.py), on a torch optimizer left as
+"""The repairs after DeepSpeed's ZeRO-3 universal load (llmtune/train/checkpoint/universal.py), on a torch optimizer left as
 DeepSpeed 0.19.8 leaves it: one `step` tensor shared by every sub-group, group 0's hyperparameters on every group."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmtune.train.universal import convert, converted_folder, repair_zero3_load
+from llmtune.train.checkpoint.universal import convert, converted_folder, repair_zero3_load
 
 
 def loaded_like_deepspeed(tmp_path):

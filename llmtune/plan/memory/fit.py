@@ -1,0 +1,198 @@
+"""Fit and recommendation: the estimate of a recipe on a cluster (every strategy's row, labelled measured or
+modelled), the seeds' decision guide as data applied to it, the pre-launch check that the planned strategy fits,
+and what this machine has."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, replace
+
+from llmtune.plan.memory import preference
+from llmtune.plan.memory.buffers import FIT_FRACTION, GB
+from llmtune.plan.memory.facts import ModelFacts
+from llmtune.plan.memory.peak import Estimate, estimate
+from llmtune.plan.memory.states import trainable_parameters
+
+# The seeds' decision guide as data. For each kind of cluster, strategies in order of preference, each
+# with its reason; the first one whose per-GPU total fits (and whose offload fits the CPU) wins.
+REASONS = {
+    "single / DDP": "the model and its optimizer fit one GPU: plain data parallel has the least communication",
+    "ZeRO-1": "sharding only the optimizer states is enough and costs no extra communication over DDP",
+    "ZeRO-2": "sharding optimizer states and gradients is enough; parameters stay whole on every GPU",
+    "pipeline": "the model doesn't fit one GPU but each stage's layers do; stages exchange only activations",
+    "ZeRO-3": "only sharding the parameters too makes it fit (needed when even one layer is too big for a stage)",
+    "FSDP full shard": "only sharding the parameters too makes it fit (needed when even one layer is too big for a stage)",
+    "FSDP shard grad op": "sharding gradients and optimizer states is enough; parameters stay whole (FSDP's ZeRO-2)",
+    "FSDP hybrid shard": "sharding within each machine fits and keeps the all-gathers off the slow links between machines",
+    "ZeRO-2 + CPU offload": "nothing fits on the GPUs alone; offloading optimizer states and gradients to CPU does",
+    "ZeRO-3 + CPU offload": "nothing fits on the GPUs alone; offloading parameters and optimizer to CPU does",
+    "ZeRO-3 + NVMe offload": "even CPU memory is too small; ZeRO-Infinity offloads to NVMe",
+    "context parallel": "sharding states is not enough: the activations of these long sequences must be split too; "
+                        "context parallelism splits every row (and its activations) across GPUs",
+    "tensor parallel": "sharding states is not enough: the activations (or one layer) must be split too, which only "
+                       "tensor parallelism does; it needs the fast links inside one machine",
+}  # fmt: skip
+
+_OFFLOAD = ["ZeRO-2 + CPU offload", "ZeRO-3 + CPU offload", "ZeRO-3 + NVMe offload"]
+
+PREFERENCE = {
+    # one machine: pipeline before ZeRO-3 (the seeds' order: pipeline, ZeRO, tensor parallel)
+    "one machine": ["single / DDP", "ZeRO-1", "ZeRO-2", "pipeline", "ZeRO-3", "FSDP full shard", "context parallel",
+                    "tensor parallel", *_OFFLOAD],
+    # several machines, fast interconnect (InfiniBand, NVLink across nodes): ZeRO/FSDP scale well
+    "fast": ["single / DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full shard", "FSDP hybrid shard", "pipeline",
+             "context parallel", "tensor parallel", *_OFFLOAD],
+    # several machines, slow interconnect (Ethernet): keep the heavy traffic inside machines, DP + PP
+    "slow": ["single / DDP", "ZeRO-1", "pipeline", "FSDP hybrid shard", "ZeRO-2", "ZeRO-3", "FSDP full shard",
+             "context parallel", "tensor parallel", *_OFFLOAD],
+}  # fmt: skip
+
+
+def recommend(
+    estimates: list[Estimate], gpu_memory: float, num_machines: int = 1, interconnect: str = "fast",
+    cpu_memory: float | None = None,
+) -> tuple[Estimate, str] | None:  # fmt: skip
+    """The first strategy of the cluster's preference order whose total fits, with its reason; None if none does."""
+    profile = "one machine" if num_machines <= 1 else interconnect
+    by_name = {e.name: e for e in estimates}
+    for name in PREFERENCE[profile]:
+        row = by_name.get(name)
+        if row is not None and row.fits(gpu_memory, cpu_memory):
+            return row, REASONS[name]
+    return None
+
+
+@dataclass
+class Report:
+    """Everything `llmtune estimate` shows, for the CLI, `llmtune config` and the pre-launch check."""
+
+    model: str
+    total_params: int
+    trainable_params: int
+    gpus_per_machine: int
+    num_machines: int
+    gpu_memory: float
+    cpu_memory: float | None
+    interconnect: str
+    rows: list[Estimate] = field(default_factory=list)
+    choice: tuple[Estimate, str] | None = None
+    preference: str = ""  # what a preference step runs through the model (estimate_preference.batch_note)
+
+    def fits(self, row: Estimate) -> bool:
+        return row.fits(self.gpu_memory, self.cpu_memory)
+
+    def row(self, name: str) -> Estimate:
+        return next(r for r in self.rows if r.name == name)
+
+    def to_dict(self) -> dict:
+        derived = ("model_states", "buffers", "at_loss", "at_step", "allocated", "peak_at", "total")
+        rows = [{**asdict(r), **{name: getattr(r, name) for name in derived}, "fits": self.fits(r)} for r in self.rows]
+        choice = {"strategy": self.choice[0].strategy, "reason": self.choice[1]} if self.choice else None
+        return {**{k: v for k, v in asdict(self).items() if k not in ("rows", "choice")}, "fit_fraction": FIT_FRACTION,
+                "rows": rows, "recommended": choice}  # fmt: skip
+
+
+def model_facts_for(recipe) -> ModelFacts:
+    from llmtune.errors import UserError
+    from llmtune.plan.memory.facts import read_model_facts
+
+    facts = read_model_facts(recipe.base_model_config or recipe.base_model, fetch=True)
+    if facts is None:
+        raise UserError(f"can't read the config of {recipe.base_model} (not local, not cached, Hub unreachable)",
+                        "point base_model_config at a local config.json, or download the model first")  # fmt: skip
+    return facts
+
+
+def estimate_recipe(
+    recipe, gpus_per_machine: int, num_machines: int, gpu_memory: float, cpu_memory: float | None = None,
+    interconnect: str = "fast", facts: ModelFacts | None = None, mixed: bool | None = None,
+) -> Report:  # fmt: skip
+    facts = facts or model_facts_for(recipe)
+    world = gpus_per_machine * num_machines
+    stages = recipe.pipeline_parallel_size
+    if stages <= 1 and gpus_per_machine > 1:
+        stages = min(gpus_per_machine, facts.num_layers)  # what a pipeline inside one machine would hold
+    data_parallel = world // stages if recipe.pipeline_parallel_size > 1 else world
+    rows = [labelled(row, recipe, world, facts.model_type)
+            for row in estimate(recipe, facts, data_parallel, gpus_per_machine, stages, mixed=mixed)]  # fmt: skip
+    choice = recommend(rows, gpu_memory, num_machines, interconnect, cpu_memory)
+    return Report(recipe.base_model, facts.total_params(), trainable_parameters(recipe, facts), gpus_per_machine,
+                  num_machines, gpu_memory, cpu_memory, interconnect, rows, choice,
+                  preference.batch_note(recipe))  # fmt: skip
+
+
+def labelled(row: Estimate, recipe, world_size: int, model_type: str) -> Estimate:
+    """The row with its basis: "measured on H100" where a recorded GPU run covers it, else "modelled"."""
+    from llmtune.plan.memory.basis import basis
+
+    label, why = basis(recipe, row.name, world_size, model_type)
+    return replace(row, basis=label, basis_reason=why)
+
+
+def row_for_plan(plan) -> str:
+    """The estimate row that describes what a plan runs."""
+    if plan.strategy.startswith("zero"):
+        name = f"ZeRO-{plan.zero_stage}"
+        if plan.offload == "cpu":
+            return f"{name} + CPU offload" if plan.zero_stage in (2, 3) else name
+        return f"{name} + NVMe offload" if plan.offload == "nvme" else name
+    if plan.strategy.startswith("fsdp"):
+        sharding = str((plan.accelerate_config or {}).get("fsdp_config", {}).get("fsdp_sharding_strategy", ""))
+        return {"HYBRID_SHARD": "FSDP hybrid shard", "SHARD_GRAD_OP": "FSDP shard grad op"}.get(
+            sharding, "FSDP full shard"
+        )
+    if plan.strategy == "tp":
+        return "tensor parallel"
+    if (plan.mesh or {}).get("context_parallel", 1) > 1:
+        return "context parallel"
+    return "pipeline" if plan.strategy == "pipeline" else "single / DDP"
+
+
+def gpu_memory_of_this_machine() -> float | None:
+    """Memory of the smallest visible GPU, from nvidia-smi (no torch import); None when it can't be read."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout  # fmt: skip
+        sizes = [float(line) * 2**20 for line in out.split() if line.strip()]  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(sizes) if sizes else None
+
+
+def cpu_memory_of_this_machine() -> float | None:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(recipe, plan, gpu_memory: float, facts: ModelFacts | None = None) -> str:
+    """Stop before launch when the planned strategy can't fit; returns a one-line summary when it does."""
+    from llmtune.errors import UserError
+
+    facts = facts or model_facts_for(recipe)
+    cluster = plan.cluster
+    report = estimate_recipe(recipe, cluster.processes_per_machine, cluster.num_machines, gpu_memory,
+                             cpu_memory_of_this_machine(), facts=facts)  # fmt: skip
+    name = row_for_plan(plan)
+    row = report.row(name)
+    limit = FIT_FRACTION * gpu_memory
+    sizes = (f"{row.total / GB:.1f} GB per GPU under {name} (llmtune estimate: peak allocated "
+             f"{row.allocated / GB:.1f} + allocator reserve {row.reserve / GB:.1f} + CUDA context "
+             f"{row.overhead / GB:.1f}); the GPUs have {gpu_memory / GB:.0f} GB and llmtune refuses above "
+             f"{FIT_FRACTION:.0%} of that, {limit / GB:.1f} GB")  # fmt: skip
+    if row.fits(gpu_memory):
+        return sizes
+    better = (
+        f"{report.choice[0].strategy} would fit ({report.choice[1]})"
+        if report.choice
+        else (
+            "nothing fits on these GPUs: add GPUs, lower micro_batch_size, turn on gradient_checkpointing, or use LoRA"
+        )
+    )
+    raise UserError(f"the plan needs about {sizes}", f"{better}; see `llmtune estimate`, or pass --no-memory-check")

@@ -1,0 +1,106 @@
+"""The model states, by the ZeRO paper's accounting: parameters, gradients and optimizer states per parameter, the
+trainable share (full or LoRA), a k-bit base as bitsandbytes stores it. One full copy; the strategies'
+partitioning of it is the peak's (peak.py).
+
+Model states with mixed-precision Adam take (2 + 2 + K)·Ψ bytes, K = 12 (fp32 master weights, momentum,
+variance)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmtune.plan.memory.facts import ModelFacts
+
+EIGHT_BIT = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "lion_8bit", "paged_lion_8bit")
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """Bytes per parameter for one copy of the model states."""
+
+    params: float
+    grads: float
+    optimizer: float  # K in the ZeRO paper
+
+
+def state_bytes(optimizer: str, mixed: bool, master: bool | None = None) -> Bytes:
+    """Bytes per parameter. Master weights: fp32 copies kept by the optimizer under mixed precision, and
+    by DeepSpeed's ZeRO optimizers always (they clone their fp32 partition even when training in fp32)."""
+    master = (4.0 if mixed else 0.0) if master is None else (4.0 if master else 0.0)
+    moments = {"sgd": 0.0, "adafactor": 0.1, "lion_32bit": 4.0, "paged_lion_32bit": 4.0}.get(optimizer, 8.0)
+    if optimizer in EIGHT_BIT:
+        moments = 1.0 if "lion" in optimizer else 2.0
+    width = 2.0 if mixed else 4.0
+    return Bytes(width, width, master + moments)
+
+
+def lora_parameters(facts: ModelFacts, rank: int, targets: list[str] | str | None) -> int:
+    """Adapter parameters: r·(in + out) per adapted linear layer."""
+    h, kv, inter = facts.hidden_size, facts.num_kv_heads * facts.head_dim, facts.intermediate_size
+    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}  # fmt: skip
+    chosen = list(shapes) if targets in (None, "all-linear") or isinstance(targets, str) else targets
+    per_layer = sum(rank * (a + b) for name, (a, b) in shapes.items() if name in chosen)
+    return per_layer * facts.num_layers
+
+
+def trainable_parameters(recipe, facts: ModelFacts) -> int:
+    if not recipe.adapter:
+        return facts.total_params()
+    return lora_parameters(
+        facts, recipe.lora_r, "all-linear" if recipe.lora_target_linear else recipe.lora_target_modules
+    )
+
+
+NF4_BLOCK = 64  # bitsandbytes' default blocksize for 4-bit weights: one absmax per 64 weights
+
+NESTED_BLOCK = 256  # double quantization: the absmaxes in 8 bits, one fp32 absmax per 256 of them
+
+GPTQ_GROUP = 128
+
+
+def quantized_base_bytes(recipe, facts: ModelFacts) -> float:
+    """A k-bit base as bitsandbytes stores it. NF4/FP4: half a byte per weight plus one absmax per 64-weight
+    block (fp32; with double quantization 8 bits, plus an fp32 absmax per 256 blocks). LLM.int8: a byte per
+    weight plus an fp32 scale per output row. The modules left unquantized (embeddings, lm_head, norms) are
+    made fp32 by peft's prepare_model_for_kbit_training, which llmtune calls."""
+    quantized = facts.linear_params()
+    if recipe.gptq:  # GPTQ's common form: 4-bit weights, an fp16 scale and a 4-bit zero point per 128 weights
+        per_weight = 0.5 + (2 + 0.5) / GPTQ_GROUP
+    elif recipe.load_in_4bit:
+        double = recipe.bnb_4bit_use_double_quant
+        absmax = (1 + 4 / NESTED_BLOCK) / NF4_BLOCK if double else 4 / NF4_BLOCK
+        per_weight = 0.5 + absmax
+    else:
+        per_weight = 1.0 + 4 / facts.hidden_size
+    return quantized * per_weight + 4.0 * (facts.total_params() - quantized)
+
+
+def _states(recipe, facts: ModelFacts, mixed: bool, deepspeed: bool) -> tuple[float, float, float]:
+    """Params, grads and optimizer bytes of one full copy of the model states.
+
+    DeepSpeed keeps 16-bit params and grads and an fp32 master copy in the optimizer (the ZeRO paper's
+    layout). DDP and FSDP as llmtune runs them keep fp32 weights and grads and autocast the compute: the
+    same total for every optimizer (4 + 4 + moments = 2 + 2 + 4 + moments), split differently. A k-bit base
+    is counted as bitsandbytes stores it, with the modules it leaves in fp32 (gpu_memory.quantized_base_bytes).
+    """
+    psi = facts.total_params()
+    base = state_bytes(recipe.optimizer, mixed, master=True) if deepspeed else state_bytes(recipe.optimizer, False)
+    if not recipe.adapter:
+        return base.params * psi, base.grads * psi, base.optimizer * psi
+    trainable = trainable_parameters(recipe, facts)
+    width = 2.0 if mixed else 4.0  # the frozen base is kept in the compute dtype
+    kbit = recipe.load_in_4bit or recipe.load_in_8bit or recipe.gptq
+    frozen = quantized_base_bytes(recipe, facts) if kbit else psi * width
+    adapter = state_bytes(recipe.optimizer, False, master=deepspeed)  # adapters train in fp32
+    return frozen + adapter.params * trainable, adapter.grads * trainable, adapter.optimizer * trainable
+
+
+def quantization_state_bytes(recipe, facts: ModelFacts) -> float:
+    """The absmax blocks of a 4-bit base (part of quantized_base_bytes). They are attributes beside the packed
+    weights, not parameters: ZeRO-3 and FSDP shard the packed weights (stored in the compute dtype) and leave
+    these whole on every rank."""
+    if not recipe.load_in_4bit:
+        return 0.0
+    double = recipe.bnb_4bit_use_double_quant
+    return facts.linear_params() * ((1 + 4 / NESTED_BLOCK) / NF4_BLOCK if double else 4 / NF4_BLOCK)

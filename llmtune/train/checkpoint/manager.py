@@ -1,0 +1,251 @@
+"""The one checkpoint manager: every strategy saves, publishes, resumes, loads (at its own world size or another) and
+saves asynchronously through it, and the run's final files go out through it too.
+
+A checkpoint is `<output_dir>/checkpoint-N` with one marker (plan/checkpoint_layout.py): the step, the world size,
+the strategy, the data-parallel size and global batch, the rows trained, its format and, on machines with their own
+disks, which machine holds which file. Every format is written the same way: into a staging folder, then (every
+rank done) marked and renamed into place in one step, so a killed save leaves nothing resume would pick. The formats:
+
+    trainer     the HF Trainer's own files: DDP, FSDP1/2 (full or sharded), ZeRO-1/2/3 through DeepSpeed's engine;
+                resharded for another data-parallel size by DeepSpeed's universal checkpoint (universal.py) or
+                torch's distributed checkpoint (fsdp1.py)
+    dcp         tensor parallel: the model's and the optimizer's DTensor states through torch's distributed
+                checkpoint (dcp.py), beside the Trainer's weights-only files
+    dcp-async   async_checkpoint: the same states copied to host memory and written in the background
+                (asynchronous.py); published only once every rank's write has finished
+    pipeline    the pipeline loop's per-stage weights, optimizer and scheduler (stages.py)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from llmtune.errors import UserError
+from llmtune.train.checkpoint import dcp, folders, manifest
+from llmtune.train.runtime import collectives
+from llmtune.train.runtime.hooks import test_kill
+
+
+def _disk_full(err: BaseException, folder: Path) -> bool:
+    """ENOSPC, or (torch.save reports a full disk as a bare iostream error) almost no space left."""
+    if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < 64 * 2**20
+    except OSError:
+        return False
+
+
+def _local_main() -> bool:
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0
+
+
+class CheckpointManager:
+    def __init__(self, output_dir: str | Path, plan: dict | None = None, recipe=None) -> None:
+        self.output_dir = Path(output_dir)
+        self.staging = self.output_dir / folders.STAGING
+        self.plan, self.recipe = plan or {}, recipe
+        self.machines = self.plan["cluster"]["num_machines"] if self.plan else 1
+        self.limit = recipe.save_total_limit if recipe is not None else None
+        self.times: list[dict] = []  # per checkpoint: step, stall, write, wait (metrics.json's `checkpoints`)
+        self.deferred: tuple | None = None  # (staged, final, marker) of a checkpoint still being written
+        self.saver: dcp.AsyncSaver | None = None  # async_checkpoint: the background writer
+
+    @property
+    def strategy(self) -> str:
+        return self.plan.get("strategy", "single")
+
+    # --- where a run starts --------------------------------------------------------------------------------------
+
+    def resume_point(self, log) -> str | None:
+        """What a killed save left half-written is cleared; then resume_from_checkpoint, else (auto-resume) the
+        newest complete checkpoint. None for a tensor-parallel run that saves weights only (nothing to resume)."""
+        if _local_main():
+            folders.clear_staging(self.output_dir)
+        collectives.barrier()
+        if self.weights_only or self.recipe is None:
+            return None
+        return folders.resume_point(self.recipe, log)
+
+    def prepare_resume(self, checkpoint: str | Path, log) -> dict:
+        """The checkpoint's marker (what the run that saved it was); for a ZeRO checkpoint on another
+        data-parallel size (the plan said so), its conversion to DeepSpeed's universal checkpoint, by the first rank,
+        before the engine loads it."""
+        info = folders.read_marker(checkpoint) or {}
+        if (self.plan.get("deepspeed_config") or {}).get("checkpoint", {}).get("load_universal"):
+            if collectives.rank() == 0:
+                from llmtune.train.checkpoint.universal import convert
+
+                convert(Path(checkpoint), log)
+            collectives.barrier()
+        return info
+
+    # --- saving --------------------------------------------------------------------------------------------------
+
+    def save(self, step: int, write: Callable[[Path], None], marker: Callable[[], dict], *, model=None,
+             later: bool = False, best: str | None = None, waited: float = 0.0) -> str | None:  # fmt: skip
+        """Every rank: `write(staged)` writes this rank's files of checkpoint-`step` into the staging folder; then the
+        checkpoint is published (`marker()`, a collective, gives its marker), or, `later`, once every rank's
+        background write has finished (publish_deferred). `model`: the unwrapped model, whose weights each machine
+        with its own disk keeps a copy of. Returns the best checkpoint's path, moved out of staging if it was."""
+        began = time.perf_counter()
+        staged, final = self.staging / f"checkpoint-{step}", self.output_dir / f"checkpoint-{step}"
+        if self.machines > 1 and manifest.own_disk() and model is not None:
+            manifest.save_weights_here(model)
+        try:
+            write(staged)
+        except (OSError, RuntimeError) as err:
+            if not _disk_full(err, self.output_dir):
+                raise
+            shutil.rmtree(staged, ignore_errors=True)  # give the space back; the last complete checkpoint stays
+            last = folders.last_complete(self.output_dir)
+            kept = f"{last.name} is intact and resume will start from it" if last else "there is no earlier checkpoint"
+            raise UserError(f"disk full while writing checkpoint-{step} in {self.output_dir}; {kept}",
+                            "free some space (or lower save_total_limit) and run the same command again") from None  # fmt: skip
+        test_kill("LLMTUNE_TEST_KILL_IN_SAVE", step)
+        record = {"step": step, "async": later, "waited_seconds": round(waited, 4)}
+        self.times.append(record)
+        info = marker()
+        if later:
+            self.deferred = (staged, final, {**info, "format": "dcp-async"})
+            record["stall_seconds"] = round(time.perf_counter() - began, 4)
+            return best
+        best = self.publish(staged, final, info, best)
+        record["stall_seconds"] = record["write_seconds"] = round(time.perf_counter() - began, 4)
+        return best
+
+    def publish(self, staged: Path, final: Path, info: dict, best: str | None = None) -> str | None:
+        """Every rank's files are written: the marker, the rename into place, rotation. Called by every rank.
+
+        Rank 0 publishes first; then, on machines with their own disk (not shared storage), each machine's first
+        rank publishes its copy. Publishing at once from every machine raced on shared storage: one machine's
+        "replace the same step saved again" moved away the checkpoint another had just put in place."""
+        main = collectives.rank() == 0
+        collectives.barrier()
+        if self.machines > 1:
+            if manifest.own_disk() and _local_main():
+                manifest.complete_deepspeed_copy(staged)
+            info[manifest.KEY] = manifest.gather(staged, _local_main())
+        info.setdefault("format", "pipeline" if self.strategy == "pipeline" else self.format)
+        if main and staged.exists():
+            folders.publish(staged, final, info)
+        if collectives.world_size() > 1:
+            collectives.barrier()
+        if _local_main() and not main and staged.exists():
+            try:
+                folders.publish(staged, final, info)
+            except FileNotFoundError:
+                pass  # shared storage after all (a stale exists() on NFS): rank 0 already moved it
+        if _local_main():
+            try:
+                staged.parent.rmdir()
+            except OSError:
+                pass
+        if best and str(staged.parent) in best:
+            best = str(final)
+        collectives.barrier()
+        if main:
+            folders.rotate(self.output_dir, self.limit, Path(best) if best else None)
+        return best
+
+    def publish_deferred(self, force: bool = False, best: str | None = None) -> str | None:
+        """Publish the checkpoint being written in the background, if every rank has written it (`force`: every rank
+        waited already)."""
+        if self.deferred is None or not (force or self.saver.finished_everywhere()):
+            return best
+        self.saver.wait()  # this rank's write: done; raises what the writer raised
+        staged, final, info = self.deferred
+        self.deferred = None
+        record = next((r for r in self.times if r["step"] == info["step"]), None)
+        if record is not None:
+            record["write_seconds"] = round(self.saver.write_seconds() or 0.0, 4)
+        self.saver.clear()
+        return self.publish(staged, final, info, best)
+
+    @property
+    def format(self) -> str:
+        if self.saver is not None:
+            return "dcp-async"
+        return "dcp" if self.tensor_parallel_resumable else "trainer"
+
+    # --- loading, by what the checkpoint holds -------------------------------------------------------------------
+
+    @property
+    def weights_only(self) -> bool:
+        """A tensor-parallel run with save_only_model: its checkpoints are weight snapshots, never resumed."""
+        return self.strategy == "tp" and bool(self.recipe is not None and self.recipe.save_only_model)
+
+    @property
+    def tensor_parallel_resumable(self) -> bool:
+        return self.strategy == "tp" and self.recipe is not None and not self.recipe.save_only_model
+
+    def dcp_folder(self, checkpoint) -> Path | None:
+        """The checkpoint's DCP states (a tensor-parallel or an async checkpoint), or None (the Trainer's files)."""
+        folder = dcp.folder_of(checkpoint)
+        if folder is None or (folder.name == dcp.TP_STATE and not self.tensor_parallel_resumable):
+            return None
+        return folder
+
+    def load_model(self, trainer, checkpoint) -> bool:
+        """The model's states from a DCP checkpoint (True); False: the Trainer's own files, its loader's to read."""
+        folder = self.dcp_folder(checkpoint)
+        if folder is None:
+            return False
+        dcp.load_model(trainer.model, folder, trainable_only=folder.name == dcp.STATE)
+        return True
+
+    def load_optimizer(self, trainer, checkpoint) -> bool:
+        """The optimizer's and scheduler's states (True), or False where the Trainer's own loader reads them (after
+        the repair a ZeRO-3 universal load needs)."""
+        import torch
+
+        folder = self.dcp_folder(checkpoint)
+        if folder is None:
+            from llmtune.train.checkpoint.fsdp1 import load_optimizer_and_scheduler
+
+            self._repair_universal_load(trainer, checkpoint)
+            return load_optimizer_and_scheduler(trainer, checkpoint)  # FSDP1 sharded: accelerate's loader drops it
+        dcp.load_optimizer(trainer.model, trainer.optimizer, folder, trainable_only=folder.name == dcp.STATE)
+        trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+        return True
+
+    def _repair_universal_load(self, trainer, checkpoint) -> None:
+        """ZeRO-3 after DeepSpeed loaded a universal checkpoint (another data-parallel size): universal.py."""
+        if not (checkpoint and trainer.is_deepspeed_enabled and self.strategy == "zero3"):
+            return
+        if not (self.plan.get("deepspeed_config") or {}).get("checkpoint", {}).get("load_universal"):
+            return
+        from llmtune.train.checkpoint.universal import converted_folder, repair_zero3_load
+
+        repair_zero3_load(trainer.optimizer.optimizer, converted_folder(Path(checkpoint)))
+
+    def load_stages(self, checkpoint: str | Path, grid, params: dict, optimizer, scheduler) -> tuple[int, list]:
+        """A pipeline checkpoint into this stage: the step to continue from and the loss history so far."""
+        from llmtune.train.checkpoint import stages
+
+        return stages.load(Path(checkpoint), grid, params, optimizer, scheduler)
+
+    # --- the run's final files -----------------------------------------------------------------------------------
+
+    def save_final(self, write_model: Callable[[Path], None], tokenizer, metrics: dict, gguf_origin: str | None,
+                   main: bool) -> None:  # fmt: skip
+        """The trained model (`write_model`, called on every rank: a sharded model's save is a collective), and, by
+        the first rank, the tokenizer and the run's files (metrics.json, model card, resolved recipe)."""
+        from llmtune.train.checkpoint.final import write_run_files
+
+        write_model(self.output_dir)
+        if main:
+            tokenizer.save_pretrained(str(self.output_dir))
+            write_run_files(self.output_dir, self.recipe, self.plan, metrics, gguf_origin)
+
+
+def full_state_dict_for_final_save(trainer) -> None:
+    """Checkpoints may be sharded, but the final model must be one HF folder: the Trainer saves nothing otherwise."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if plugin is not None and "SHARDED" in str(plugin.state_dict_type):
+        plugin.set_state_dict_type("FULL_STATE_DICT")

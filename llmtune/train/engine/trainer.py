@@ -1,0 +1,269 @@
+"""The HF Trainer with what llmtune adds: real-token counting, atomic checkpoints, a stop on a non-finite loss."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from transformers import Trainer
+
+from llmtune.train.checkpoint.asynchronous import AsyncCheckpointing
+from llmtune.train.checkpoint.folders import STAGING
+from llmtune.train.data.collate import REAL_TOKENS, ROW_BYTES, ROW_LENGTHS
+from llmtune.train.engine.callbacks import NONFINITE_HINT, NonFiniteLoss
+from llmtune.train.runtime import collectives
+
+
+def row_tokens(input_ids, mask, lengths) -> list:
+    """Each row of a micro-batch as its real token ids (CPU tensors): padded rows under their attention mask,
+    packed rows whole, a padding-free batch cut at its rows' lengths. The same rows give the same list whatever
+    the layout."""
+    if lengths is not None:
+        return list(input_ids.cpu().reshape(-1)[: sum(lengths)].split(lengths))
+    return [ids[mask[i].cpu().bool()] if mask is not None else ids for i, ids in enumerate(input_ids.cpu())]
+
+
+def _log_rows(rows: list, step: int) -> None:
+    """Tests only (LLMTUNE_TEST_ROW_LOG=<folder>): each rank appends the step it trains and a hash of each row of its
+    micro-batch (its real tokens), so a test can prove no row was trained twice or skipped."""
+    import hashlib
+
+    rows = [hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16] for ids in rows]
+    folder = Path(os.environ["LLMTUNE_TEST_ROW_LOG"])
+    with open(folder / f"rank{os.environ.get('RANK', 0)}.jsonl", "a") as log:
+        log.write(json.dumps({"step": step, "rows": rows}) + "\n")
+
+
+class Rows:
+    """A list of example dicts as a map-style dataset."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        stall = os.environ.get("LLMTUNE_TEST_STALL_IN_LOADER")  # tests only: "rank:fetch:seconds"
+        if stall:
+            rank, fetch, seconds = stall.split(":")
+            self.fetched = getattr(self, "fetched", 0) + 1
+            if int(os.environ.get("RANK", 0)) == int(rank) and self.fetched == int(fetch):
+                import sys
+                import time
+
+                print(f"test hook: rank {rank} stalls in its data loader for {seconds} s", file=sys.stderr, flush=True)
+                time.sleep(float(seconds))
+        return self.rows[index]
+
+
+def _weights_finite(model) -> bool:
+    import torch
+
+    from llmtune.train.runtime.memory import local_tensor
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad:  # frozen weights don't change (and 4-bit ones are packed bytes)
+                continue
+            local = local_tensor(param)
+            if local is not None and local.numel() and local.is_floating_point() and not torch.isfinite(local).all():
+                return False
+    return True
+
+
+class LlmtuneTrainer(AsyncCheckpointing, Trainer):
+    tokens_seen = 0
+    padded_seen = 0
+    rows_seen = 0
+    plan: dict | None = None
+    rank_reports: list[dict] | None = None
+    batch_hash = None  # hashlib object while StepStats records batch hashes
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        ids, mask, rows, real, lengths = self._batch_view(inputs)
+        if self.rank_reports is None and self.plan is not None:
+            from llmtune.train.runtime.ranks import check_first_batch
+
+            self.rank_reports = check_first_batch(ids, self.plan, self.accelerator.num_processes, self.train_dataset)
+        self.tokens_seen += real
+        self.rows_seen += rows
+        self.padded_seen += int(ids.numel())
+        # the rows' tokens, whatever the layout, read on the host (GRPO's inputs are its rows, a list)
+        hashed = inputs.pop(ROW_BYTES, None) if isinstance(inputs, dict) else None
+        if self.batch_hash is not None:
+            if hashed is None and mask is None and lengths is None and isinstance(inputs, list):
+                hashed = ids.numpy().tobytes()  # GRPO: the prompts' fingerprint
+            if hashed is None:  # a collator that doesn't hash (reward pairs): the batch, one device copy
+                hashed = b"".join(row.numpy().tobytes() + b"|" for row in row_tokens(ids, mask, lengths))
+            self.batch_hash.update(hashed)
+        if "LLMTUNE_TEST_ROW_LOG" in os.environ:
+            _log_rows(row_tokens(ids, mask, lengths), self.state.global_step + 1)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._nonfinite_guard(loss)
+        return loss
+
+    def _batch_view(self, inputs) -> tuple:
+        """(token ids to fingerprint, attention mask, rows, real tokens, row lengths of a padding-free batch) of a
+        micro-batch; the collator's counts are Python numbers (no device sync)."""
+        pairs = self.recipe is not None and self.recipe.reward_model  # a pair is two sequences of the batch
+        ids = inputs["input_ids"]
+        lengths = inputs.pop(ROW_LENGTHS, None)
+        rows = len(lengths) if lengths is not None else int(ids.shape[0]) // (2 if pairs else 1)
+        return ids, inputs.get("attention_mask"), rows, int(inputs.pop(REAL_TOKENS, 0)), lengths
+
+    def _nonfinite_guard(self, loss) -> None:
+        """Remember (without a device sync) whether any loss since the last check was NaN/inf."""
+        import torch
+
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._bad_loss = bad if getattr(self, "_bad_loss", None) is None else (self._bad_loss | bad)
+
+    def _check_finite(self) -> None:
+        """Before any save: the losses since the last check and this rank's weights (its shard) are finite, on
+        every rank. A NaN loss shows one step after the update that broke the weights, so both are checked."""
+        bad = getattr(self, "_bad_loss", None)
+        loss_bad, weights_bad = collectives.sum_values([float(bool(bad)) if bad is not None else 0.0,
+                                                        float(not _weights_finite(self.model))])  # fmt: skip
+        self._bad_loss = None
+        if loss_bad or weights_bad:
+            what = "training loss" if loss_bad else "the weights"
+            raise NonFiniteLoss(f"{what} became NaN or inf by step {self.state.global_step}; stopped before saving",
+                                NONFINITE_HINT)  # fmt: skip
+
+    _staging: bool = False
+
+    def _get_output_dir(self, trial):
+        if self._staging:
+            return os.path.join(self.args.output_dir, STAGING)
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        """Through the checkpoint manager: written into a staging folder, then (all ranks done) marked complete and
+        renamed into place. With async_checkpoint the states are written in the background and the checkpoint is
+        published later, when every rank's write has finished (llmtune/train/checkpoint/asynchronous.py)."""
+        waited = self.wait_for_previous_write() if self.async_saver is not None else 0.0
+        self._check_finite()  # a NaN/inf model is never checkpointed
+        step = self.state.global_step
+
+        def write(staged: Path) -> None:
+            self._staging = True
+            try:
+                super(LlmtuneTrainer, self)._save_checkpoint(model, trial)
+                if self.checkpoints.tensor_parallel_resumable:  # the Trainer saved no optimizer (save_only_model)
+                    if self.async_saver is not None:
+                        self.start_async_write(staged, trainable_only=True)
+                        self._save_rng_state(str(staged))
+                    else:
+                        self._save_tensor_parallel_state(str(staged))
+            finally:
+                self._staging = False
+
+        unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        # what the marker says of this allocation and of the rows trained up to this step (a collective)
+        marker = lambda: {"step": step, "world_size": self.accelerator.num_processes, **self._allocation()}  # noqa: E731
+        self.state.best_model_checkpoint = self.checkpoints.save(
+            step, write, marker, model=unwrapped, later=self.async_saver is not None,
+            best=self.state.best_model_checkpoint, waited=waited,
+        )  # fmt: skip
+
+    @property
+    def checkpoint_times(self) -> list[dict]:
+        return self.checkpoints.times
+
+    recipe = None  # the run's recipe (set by the worker), for what TrainingArguments can't say
+
+    def _allocation(self) -> dict:
+        """What a resume on another allocation needs to know of this one (llmtune/plan/resume.py reads it)."""
+        if not self.plan:
+            return {}
+        world = self.accelerator.num_processes
+        data_parallel = self.plan["data_parallel_size"] * world // self.plan["world_size"]  # an elastic world too
+        micro, accumulation = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
+        (rows,) = collectives.sum_values([float(self.rows_seen)])  # every rank saves, so every rank sums
+        return {"strategy": self.plan["strategy"], "data_parallel_size": data_parallel,
+                "global_batch_size": micro * accumulation * data_parallel, "mesh": self.plan.get("mesh"),
+                # the rows trained up to here, the resumed checkpoint's included (unknown when its marker is older)
+                **({"rows_seen": self.rows_before + int(rows)} if self.rows_before is not None else {}),
+                "rows_per_epoch": len(self.train_dataset)}  # fmt: skip
+
+    rows_before: int | None = 0  # rows the checkpoint this run resumed had trained (None: its marker didn't say)
+    saved_world: int | None = None  # the world size of the checkpoint this run resumed
+
+    def _load_rng_state(self, checkpoint) -> None:
+        """Each rank's RNG state is restored only at the world size that saved them: elsewhere the Trainer would
+        restore some ranks' and not others'. The data order does not depend on it (the sampler is seeded by
+        epoch); dropout and other draws then continue from the seed."""
+        if self.saved_world is None or self.saved_world == self.accelerator.num_processes:
+            return super()._load_rng_state(checkpoint)
+        if self.accelerator.is_main_process:
+            from llmtune.train.runtime.progress import log
+
+            log(f"random state not restored: {Path(checkpoint).name} was saved by {self.saved_world} process(es) "
+                f"(the data order is; dropout draws continue from the seed)")  # fmt: skip
+        return None
+
+    # Tensor parallel: transformers can't checkpoint the optimizer of a model it sharded at load (the Trainer runs
+    # with save_only_model, which still writes the whole weights for users). For resume llmtune saves the model's
+    # and the optimizer's DTensor states with torch's distributed checkpoint (each rank its shards, under the names
+    # the live model has, whatever transformers converted at load), the scheduler and the RNG state. Async
+    # checkpoints (any strategy but ZeRO, FSDP1 and pipelines) hold the same states, written in the background.
+
+    def _save_tensor_parallel_state(self, folder: str) -> None:
+        import torch
+
+        from llmtune.train.checkpoint import dcp
+
+        dcp.save(self.model, self.optimizer, Path(folder) / dcp.TP_STATE)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
+        self._save_rng_state(folder)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self.checkpoints.load_model(self, resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        return None
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        if not self.checkpoints.load_optimizer(self, checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        return None
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None and self.recipe is not None and self.recipe.optimizer == "muon":
+            from llmtune.train.objectives.muon import make_muon
+
+            model = model or self.model
+            self.optimizer = make_muon(model, self.args, set(self.get_decay_parameter_names(model)))
+            return self.optimizer
+        return super().create_optimizer(model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        from llmtune.train.objectives.schedule import make_scheduler, own_schedule
+
+        if self.lr_scheduler is None and self.recipe is not None and own_schedule(self.recipe):
+            warmup = self.args.get_warmup_steps(num_training_steps)
+            self.lr_scheduler = make_scheduler(self.recipe, optimizer or self.optimizer, warmup, num_training_steps)
+            self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs.pop(REAL_TOKENS, None)
+        inputs.pop(ROW_BYTES, None)
+        inputs.pop(
+            ROW_LENGTHS, None
+        )  # the Trainer weighs each eval batch's loss by the loader's batch size, flat or not
+        if self.recipe is not None and self.recipe.reward_model:  # one margin per pair, not one score per sequence
+            import torch
+
+            from llmtune.train.data.reward import pair_margins
+
+            labels = inputs["labels"]
+            with torch.no_grad():
+                loss, outputs = self.compute_loss(model, dict(inputs), return_outputs=True)
+            if prediction_loss_only:
+                return loss.detach(), None, None
+            margins = pair_margins(outputs.logits.detach(), labels)
+            return loss.detach(), margins, torch.ones_like(margins)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)

@@ -1,0 +1,146 @@
+"""LoRA / QLoRA / DoRA adapters with peft."""
+
+from __future__ import annotations
+
+from llmtune.errors import UserError
+
+REGEX_CHARS = set("[]()*+?^$|\\")
+
+
+def target_pattern(modules):
+    """peft matches a list of target names by suffix (".q_proj"), and only a single string as a regex. A list with
+    regex entries, as recipes write them (experts.gate_projs.[0-9]+$), becomes one regex that keeps the plain
+    entries' suffix meaning."""
+    if not isinstance(modules, list) or not any(REGEX_CHARS & set(m) for m in modules):
+        return modules
+    import re
+
+    parts = [m.strip("^$") if REGEX_CHARS & set(m) else re.escape(m) for m in modules]
+    return rf"(?:.*\.)?(?:{'|'.join(parts)})"
+
+
+def lora_config(recipe):
+    from peft import LoraConfig
+
+    from llmtune.train.model.load import head_of
+
+    if recipe.lora_target_linear:
+        targets = "all-linear"
+    else:
+        targets = target_pattern(recipe.lora_target_modules)
+    extra = {}
+    if recipe.lora_target_parameters:
+        extra["target_parameters"] = recipe.lora_target_parameters
+        targets = targets or []  # parameters alone: no module targets
+    task = head_of(recipe)[1]
+    if task != "CAUSAL_LM" and targets == "all-linear":
+        extra["exclude_modules"] = ["score", "classifier"]  # the new head trains whole (peft's modules_to_save)
+    loftq = recipe.peft.loftq_config if recipe.peft else None
+    if loftq:
+        from peft import LoftQConfig
+
+        extra.update(init_lora_weights="loftq", loftq_config=LoftQConfig(loftq_bits=loftq.loftq_bits))
+    return LoraConfig(
+        r=recipe.lora_r,
+        lora_alpha=recipe.lora_alpha,
+        lora_dropout=recipe.lora_dropout,
+        target_modules=targets,
+        modules_to_save=recipe.lora_modules_to_save,
+        use_dora=recipe.peft_use_dora,
+        use_rslora=recipe.peft_use_rslora,
+        fan_in_fan_out=recipe.lora_fan_in_fan_out,
+        layers_to_transform=recipe.peft_layers_to_transform,
+        bias="none",
+        task_type=task,  # a reward model's head is new: peft trains and saves it whole
+        **extra,
+    )
+
+
+def attach_adapter(model, recipe):
+    """The model with a trainable adapter (or unchanged for a full fine-tune); unfrozen_parameters applied."""
+    model = _with_adapter(model, recipe)
+    if recipe.unfrozen_parameters:
+        freeze_except(model, recipe.unfrozen_parameters, bool(recipe.adapter), recipe.gradient_checkpointing)
+    return model
+
+
+def _with_adapter(model, recipe):
+    if not recipe.adapter:
+        return model
+    from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+
+    if recipe.load_in_4bit or recipe.load_in_8bit or recipe.gptq:  # peft's preparation knows GPTQ bases too
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.gradient_checkpointing)
+    if recipe.lora_model_dir:
+        return PeftModel.from_pretrained(model, recipe.lora_model_dir, is_trainable=True)
+    try:
+        return get_peft_model(model, lora_config(recipe))
+    except ValueError as err:
+        raise UserError(f"LoRA could not be attached: {str(err).splitlines()[0][:200]}",
+                        "set lora_target_modules to module names of this model, or lora_target_linear: true") from None  # fmt: skip
+
+
+def parameter_counts(model) -> tuple[int, int]:
+    """(trainable, total) parameters; 4-bit packed weights count as their logical (unpacked) size."""
+    import math
+
+    trainable = total = 0
+    for param in model.parameters():
+        state = getattr(param, "quant_state", None)
+        if state is not None and getattr(state, "shape", None):
+            count = math.prod(state.shape)
+        else:  # a ZeRO-3 partitioned parameter is empty here; ds_numel is its full size
+            count = getattr(param, "ds_numel", param.numel())
+        total += count
+        trainable += count if param.requires_grad else 0
+    return trainable, total
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def freeze_except(model, patterns: list[str], adapter: bool, checkpointing: bool) -> None:
+    """unfrozen_parameters, as Axolotl reads them: a parameter trains only if a pattern matches its name from the
+    start; a [start:end] range trains only those rows (the others' gradients are zeroed). With an adapter the
+    names are the base model's (peft's prefix removed) and only the adapter's own parameters can train: base
+    weights trained outside lora_modules_to_save would not be saved with it."""
+    from llmtune.recipe.adapter import unfrozen_pattern
+
+    compiled = [unfrozen_pattern(p) for p in patterns]
+    trainable = 0
+    for name, param in model.named_parameters():
+        shown = name.removeprefix(PEFT_PREFIX) if adapter else name
+        matches = [rows for regex, rows in compiled if regex.match(shown)]
+        if adapter and not param.requires_grad:
+            continue  # the frozen base stays frozen
+        param.requires_grad = bool(matches)
+        if not matches:
+            continue
+        trainable += 1
+        ranges = [rows for rows in matches if rows is not None]
+        if ranges and len(ranges) == len(matches):
+            param.register_hook(_rows_only(ranges, param.shape[0]))
+    if not trainable:
+        names = [n.removeprefix(PEFT_PREFIX) if adapter else n for n, _ in list(model.named_parameters())[:3]]
+        raise UserError(f"unfrozen_parameters matches no {'adapter ' if adapter else ''}parameter, so nothing would "
+                        f"train (names look like: {', '.join(names)})",
+                        "patterns match from the start of the name ('.' is a literal dot); check them against "
+                        "the model's parameter names")  # fmt: skip
+    embeddings = model.get_input_embeddings()
+    if checkpointing and embeddings is not None and not embeddings.weight.requires_grad:
+        model.enable_input_require_grads()  # checkpointed layers need an input that requires grad
+
+
+def _rows_only(ranges: list[tuple[int | None, int | None]], rows: int):
+    """A gradient hook that keeps only the given row ranges of a parameter's gradient."""
+    import torch
+
+    keep = torch.zeros(rows, dtype=torch.bool)
+    for start, end in ranges:
+        keep[slice(start, end)] = True
+
+    def hook(grad):
+        mask = keep.to(grad.device).view(-1, *([1] * (grad.dim() - 1)))
+        return grad * mask
+
+    return hook

@@ -1,0 +1,270 @@
+"""Load the tokenizer and the model a recipe names: hub id, local folder, or GGUF file."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+from llmtune.errors import UserError
+
+
+def model_source(recipe) -> tuple[str, str | None]:
+    """(what from_pretrained loads, the GGUF file it came from or None)."""
+    name = recipe.base_model
+    if name.endswith(".gguf"):
+        from llmtune.train.model.gguf import materialize_gguf
+
+        if not Path(name).is_file():
+            from huggingface_hub import hf_hub_download
+
+            repo, _, file = name.rpartition("/")
+            name_on_disk = hf_hub_download(repo, file, revision=recipe.revision_of_model)
+            return str(materialize_gguf(name_on_disk)), name
+        return str(materialize_gguf(name)), name
+    return name, None
+
+
+def raised_inside(err: BaseException, package: str) -> bool:
+    """Whether the innermost frames of err's traceback lie in that package."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and f"/{package}/" in frames[-1].filename.replace("\\", "/")
+
+
+def _hub_error(err: Exception, what: str, name: str) -> UserError:
+    first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+    return UserError(f"could not load the {what} from '{name}' ({first})",
+                     "check base_model, your network or HF_TOKEN; a local folder or .gguf file also works")  # fmt: skip
+
+
+def load_tokenizer(recipe, source: str):
+    from transformers import AutoTokenizer
+
+    from llmtune.train.data.templates import resolve_chat_template
+
+    name = recipe.tokenizer_config or source
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            name, trust_remote_code=recipe.trust_remote_code, use_fast=recipe.tokenizer_use_fast,
+            revision=recipe.revision_of_model if name == recipe.base_model else None,
+        )  # fmt: skip
+    except (OSError, ValueError) as err:
+        raise _hub_error(err, "tokenizer", name) from None
+    if recipe.special_tokens:
+        tokenizer.add_special_tokens(dict(recipe.special_tokens))
+    if recipe.tokens:
+        tokenizer.add_tokens(list(recipe.tokens))
+    if tokenizer.pad_token is None:
+        # Padding is masked out by labels/attention, so reusing a token is safe.
+        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+    if tokenizer.eos_token is None:
+        raise UserError(f"the tokenizer of {name} has no eos_token", "set special_tokens: {eos_token: ...}")
+    if recipe.chat_template and recipe.chat_template != "tokenizer_default":
+        tokenizer.chat_template = resolve_chat_template(recipe.chat_template, recipe.chat_template_jinja, tokenizer)
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def weights_dtype(recipe, precision: str, frozen: bool = False):
+    """Full fine-tunes keep fp32 master weights (autocast does the rest); adapters freeze the base in 16 bits, and a
+    frozen copy (preference training's reference) is held in 16 bits too: it never takes an update."""
+    import torch
+
+    if (recipe.adapter or frozen) and precision in ("bf16", "fp16"):
+        return torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.float32
+
+
+def quantization_config(recipe, dtype):
+    if not (recipe.load_in_4bit or recipe.load_in_8bit):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if recipe.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    # The packed 4-bit weights are stored in the compute dtype (8 weights per fp32 element, 4 per bf16), so they are
+    # floating-point tensors of the model's dtype like every other parameter: ZeRO-3 partitions them and FSDP2
+    # shards them (accelerate leaves uint8-stored ones out of FSDP2, whole on every rank).
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=recipe.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=recipe.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,
+    )
+
+
+def quantized_device_map() -> dict | None:
+    """Where bitsandbytes quantizes the weights while they load (None: transformers picks).
+
+    On the CPU, whence the Trainer or FSDP moves them (a 4-bit weight's move takes its quantization state along).
+    Under ZeRO-3 transformers refuses any device_map, and loads a quantized model without zero.Init whatever
+    zero3_init_flag says: each rank quantizes the whole model on its current device (the GPU accelerate set, or
+    the CPU), then the engine partitions the packed weights, and their quantization state (absmax, not a
+    parameter) stays there, whole, where the forward pass runs.
+    """
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return None if is_deepspeed_zero3_enabled() else {"": "cpu"}
+
+
+def model_config(recipe, source: str, log):
+    """The model's config (from base_model_config, read with cls_model_config, when given) with
+    overrides_of_model_config applied."""
+    import transformers
+
+    name = recipe.base_model_config or source
+    revision = recipe.revision_of_model if name == recipe.base_model else None
+    config_class = transformers.AutoConfig
+    if recipe.cls_model_config:
+        config_class = getattr(transformers, recipe.cls_model_config, None)
+        if config_class is None:
+            raise UserError(f"cls_model_config: transformers has no {recipe.cls_model_config}",
+                            "name a config class of this transformers version, or remove it")  # fmt: skip
+    config = config_class.from_pretrained(name, trust_remote_code=recipe.trust_remote_code, revision=revision)
+    for key, value in (recipe.overrides_of_model_config or {}).items():
+        if not hasattr(config, key):
+            log(f"overrides_of_model_config.{key}: {type(config).__name__} has no such setting; set anyway")
+        setattr(config, key, value)
+    return config
+
+
+def _checkpoint_quantization(recipe, kwargs: dict, log) -> None:
+    """model_quantization_config: load an MXFP4 checkpoint dequantized, so its weights train in 16 bits."""
+    if not recipe.model_quantization_config:
+        return
+    stored = getattr(kwargs["config"], "quantization_config", None) or {}
+    method = stored.get("quant_method") if isinstance(stored, dict) else getattr(stored, "quant_method", None)
+    if str(method).lower() != "mxfp4":
+        log(f"model_quantization_config: {recipe.model_quantization_config}: no effect, the checkpoint is not "
+            "MXFP4-quantized")  # fmt: skip
+        return
+    import transformers
+
+    config_class = getattr(transformers, recipe.model_quantization_config)
+    kwargs["quantization_config"] = config_class(**(recipe.model_quantization_config_kwargs or {}))
+
+
+def reinitialise(model, log) -> None:
+    """reinit_weights: every weight drawn afresh by the model's own initialisation (loaded ones are marked done)."""
+    for item in [*model.modules(), *model.parameters()]:
+        if hasattr(item, "_is_hf_initialized"):
+            item._is_hf_initialized = False
+    model.init_weights()
+    log("reinit_weights: every weight re-initialised (training from scratch)")
+
+
+def _distributed_config(recipe, mesh: dict, device: str | None):
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        raise UserError("tensor_parallel_size needs transformers' DistributedConfig (transformers >= 5.23)",
+                        "pip install -U transformers") from None  # fmt: skip
+    fsdp = recipe.resolved_fsdp()
+    offload = bool(fsdp and fsdp[1].offload_params and device != "cpu")
+    return DistributedConfig(tp_size=mesh["tensor_parallel"], fsdp_size=mesh["dp_shard"],
+                             dp_replicate_size=mesh["dp_replicate"], fsdp_cpu_offload=offload)  # fmt: skip
+
+
+HEADS = {  # recipe key -> (transformers auto class, peft task type)
+    "reward_model": ("AutoModelForSequenceClassification", "SEQ_CLS"),
+    "process_reward_model": ("AutoModelForTokenClassification", "TOKEN_CLS"),
+}
+
+
+def head_of(recipe) -> tuple[str, str]:
+    """The auto class the recipe trains and its peft task type: a causal LM, or a reward model's classifier."""
+    for key, head in HEADS.items():
+        if getattr(recipe, key, False):
+            return head
+    return "AutoModelForCausalLM", "CAUSAL_LM"
+
+
+def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, device: str | None = None,
+               mesh: dict | None = None, frozen: bool = False):  # fmt: skip
+    """The model, with the recipe's GPU kernels applied (device: 'cuda' or 'cpu'; default: whether CUDA is visible).
+    With a tensor-parallel mesh (the plan's), transformers loads it already split: its tp_plan across
+    tensor_parallel ranks, FSDP2 across dp_shard ranks and replicas across dp_replicate."""
+    import transformers
+
+    from llmtune.train.model.kernels import apply_kernels, kernels_for
+    from llmtune.train.runtime.progress import log
+
+    kernels = kernels_for(recipe, precision, device)
+    dtype = weights_dtype(recipe, precision, frozen)
+    kwargs = {"dtype": dtype, "trust_remote_code": recipe.trust_remote_code}
+    if kernels.attention:  # flash_attention_2 only where it can run; sdpa otherwise (said in the plan)
+        kwargs["attn_implementation"] = kernels.attention
+    quant = quantization_config(recipe, dtype)
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+        placement = device_map or quantized_device_map()
+        if placement is not None:
+            kwargs["device_map"] = placement
+    if source == recipe.base_model:
+        kwargs["revision"] = recipe.revision_of_model
+    if mesh:
+        kwargs["distributed_config"] = _distributed_config(recipe, mesh, device)
+    try:
+        if (recipe.base_model_config or recipe.cls_model_config or recipe.overrides_of_model_config
+                or recipe.model_quantization_config):  # fmt: skip
+            kwargs["config"] = model_config(recipe, source, log)
+            _checkpoint_quantization(recipe, kwargs, log)
+        auto = head_of(recipe)[0]
+        if recipe.num_labels:  # a reward model's head: a new layer of num_labels outputs
+            if "config" in kwargs:
+                kwargs["config"].num_labels = recipe.num_labels
+            else:
+                kwargs["num_labels"] = recipe.num_labels
+        linear = contextlib.nullcontext()
+        if recipe.llama4_linearized_experts:
+            from llmtune.train.model import linearize
+
+            config = kwargs.get("config") or transformers.AutoConfig.from_pretrained(
+                source, trust_remote_code=recipe.trust_remote_code, revision=kwargs.get("revision"))  # fmt: skip
+            if linearize.applies(recipe, config):
+                linear = linearize.linear_experts(config)
+            else:
+                log(
+                    f"llama4_linearized_experts: no effect on a {config.model_type} model (Llama 4 only, as in Axolotl)"
+                )
+        with linear:
+            model = getattr(transformers, auto).from_pretrained(source, **kwargs)
+        if not isinstance(linear, contextlib.nullcontext):
+            linearize.fill_from_fused(model, source, kwargs.get("revision"), quant is not None, log)
+    except (OSError, ValueError) as err:
+        if raised_inside(err, "deepspeed"):
+            raise  # DeepSpeed's own failure under zero.Init (an op build, an offload path): not the model's source
+        raise _hub_error(err, "model", source) from None
+    loaded = type(model).__name__
+    if (
+        recipe.model_type
+        and recipe.model_type.endswith("ForConditionalGeneration")
+        and (loaded == recipe.model_type.replace("ForConditionalGeneration", "ForCausalLM"))
+    ):  # a multimodal checkpoint's text model: what a text fine-tune trains
+        log(f"model_type {recipe.model_type}: training its text model, {loaded} (no vision weights are loaded)")
+    elif recipe.model_type and not recipe.model_type.startswith("Auto") and loaded != recipe.model_type:
+        raise UserError(f"model_type is {recipe.model_type} but {source} loads as {type(model).__name__}",
+                        f"remove model_type or set it to {auto}")  # fmt: skip
+    if recipe.num_labels:  # the classifier reads the last non-pad token of each row
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if recipe.reinit_weights:
+        reinitialise(model, log)
+    weight = model.get_input_embeddings().weight
+    embeddings = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 partitioned: the full shape is ds_shape
+    rows = math.ceil(len(tokenizer) / 32) * 32 if recipe.resize_token_embeddings_to_32x else len(tokenizer)
+    if rows > embeddings:
+        if mesh:
+            raise UserError(f"the tokenizer has {rows} tokens but the model's embeddings {embeddings} rows; a "
+                            "tensor-parallel model can't grow its embeddings",
+                            "add the tokens in a one-process run first (or without tensor_parallel_size)")  # fmt: skip
+        model.resize_token_embeddings(rows)
+    # Packed rows leak attention across examples when a KV cache exists (see DESIGN.md).
+    model.config.use_cache = False
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.use_cache = True
+    # Before adapters and wrapping: Liger patches the model's own modules and forward.
+    apply_kernels(model, kernels, log)
+    return model

@@ -1,0 +1,83 @@
+"""The learning-rate schedule: transformers' named schedules, with the recipe's cosine floor, Axolotl's quadratic
+warm-up (lr_quadratic_warmup) before a cosine decay, and Axolotl's jagged restarts (jagged_restart_steps, ReLoRA's
+schedule) on top of any of them. One place for the HF Trainer and the pipeline loop alike."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+from llmtune.recipe.training import quadratic_warmup
+
+
+def named_schedule(recipe) -> tuple[str, dict]:
+    """transformers' scheduler name and kwargs for the recipe (cosine with a floor is cosine_with_min_lr)."""
+    name, kwargs = recipe.lr_scheduler, dict(recipe.lr_scheduler_kwargs or {})
+    if recipe.cosine_min_lr_ratio is not None and name in ("cosine", "cosine_with_min_lr"):
+        name, kwargs["min_lr_rate"] = "cosine_with_min_lr", recipe.cosine_min_lr_ratio
+    return name, kwargs
+
+
+def quadratic_warmup_cosine(step: int, *, warmup: int, total: int, floor: float) -> float:
+    """The LR multiplier: (step / warmup)^2 while warming up, then a half cosine from 1 down to `floor`."""
+    if step < warmup:
+        return (step / max(1, warmup)) ** 2
+    progress = (step - warmup) / max(1, total - warmup)
+    return floor + (1 - floor) * max(0.0, 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def jagged_restart_scale(step: int, *, every: int, warmup: int, anneal: int, floor: float) -> float:
+    """The multiplier Axolotl's jagged restarts (v0.12+ JaggedLRRestartScheduler; ReLoRAScheduler before) put on the
+    schedule's LR: 1 through the first cycle until its anneal; then in each cycle of `every` steps a linear rise
+    from `floor` over `warmup` steps after the restart and a linear fall over the last `anneal` steps before the next.
+    The restart step itself runs at `floor`: the step right after a ReLoRA merge moves the fresh adapter gently."""
+    if step < every - anneal:
+        return 1.0
+    progress = step % every
+    if progress < warmup:
+        rise = progress / warmup
+    elif progress > every - anneal:
+        rise = (every - progress) / anneal
+    else:
+        rise = 1.0
+    return rise * (1 - floor) + floor
+
+
+def jagged_restarts(recipe):
+    """The jagged multiplier of the recipe as a function of the step, or None without jagged_restart_steps."""
+    if not getattr(recipe, "jagged_restart_steps", None):  # (tests pass a namespace of the schedule's keys)
+        return None
+    # Axolotl's floor: cosine_min_lr_ratio when set, else 0.001
+    return partial(jagged_restart_scale, every=recipe.jagged_restart_steps, warmup=recipe.jagged_restart_warmup_steps,
+                   anneal=recipe.jagged_restart_anneal_steps, floor=recipe.cosine_min_lr_ratio or 0.001)  # fmt: skip
+
+
+def own_schedule(recipe) -> bool:
+    """True when llmtune builds the scheduler itself (make_scheduler) rather than leaving it to the Trainer."""
+    return quadratic_warmup(recipe) or jagged_restarts(recipe) is not None
+
+
+def _product(step: int, *, inner, scale) -> float:
+    return inner(step) * scale(step)
+
+
+def make_scheduler(recipe, optimizer, warmup: int, total: int):
+    """The scheduler for `total` optimizer steps with `warmup` of them warming up."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    if quadratic_warmup(recipe):
+        floor = recipe.cosine_min_lr_ratio or float((recipe.lr_scheduler_kwargs or {}).get("min_lr_rate", 0.0))
+        scheduler = LambdaLR(optimizer, partial(quadratic_warmup_cosine, warmup=warmup, total=total, floor=floor))
+    else:
+        from transformers import get_scheduler
+
+        name, kwargs = named_schedule(recipe)
+        scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total,
+                                  scheduler_specific_kwargs=kwargs)  # fmt: skip
+    scale = jagged_restarts(recipe)
+    if scale is None:
+        return scheduler
+    if not isinstance(scheduler, LambdaLR):  # every schedule the recipe can name is one; a guard, not a path
+        raise TypeError(f"jagged_restart_steps needs a LambdaLR schedule, not {type(scheduler).__name__}")
+    # the schedule's own multipliers, each times the jagged one (one per parameter group)
+    return LambdaLR(optimizer, [partial(_product, inner=inner, scale=scale) for inner in scheduler.lr_lambdas])
