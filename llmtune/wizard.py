@@ -30,6 +30,7 @@ from llmtune.recipe.writer import (
     machine_commands,
     recipe_text,
 )
+from llmtune.wizard_sft import sft_problem
 
 DATASET_TYPES = ["alpaca", "chat_template", "completion", "input_output"]
 
@@ -147,7 +148,7 @@ def _check_flags(given: dict[str, Any]) -> None:
 
 
 def _base_model_check(value: str) -> str | None:
-    return _existing_if_local(value) or preference.sft_problem(value)
+    return _existing_if_local(value) or sft_problem(value)
 
 
 def ask_all(given: dict[str, Any], ask: Asker, given_preference: dict[str, Any] | None = None,

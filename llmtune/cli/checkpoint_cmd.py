@@ -20,7 +20,7 @@ Target = Annotated[Path | None, typer.Argument(help="With `reshard`: the checkpo
 
 def describe(folder: Path) -> list[str]:
     """One line per checkpoint of `folder` (an output_dir, or a checkpoint itself), oldest first."""
-    from llmtune.plan.planner import STRATEGY_TITLES
+    from llmtune.plan.checks import STRATEGY_TITLES
     from llmtune.plan.resume import UNIVERSAL_DONE
     from llmtune.train.checkpoint.folders import complete_checkpoints, incomplete_checkpoints, read_marker, step_of
 
@@ -54,7 +54,7 @@ def describe(folder: Path) -> list[str]:
 
 def reshard(target: Path | None) -> None:
     """Convert a checkpoint so that any world size loads it (a ZeRO checkpoint to DeepSpeed's universal one)."""
-    from llmtune.plan.planner import STRATEGY_TITLES
+    from llmtune.plan.checks import STRATEGY_TITLES
     from llmtune.plan.resume import MOVABLE
     from llmtune.train.checkpoint.folders import last_complete, read_marker
 

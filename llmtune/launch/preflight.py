@@ -68,7 +68,7 @@ def check_nvme_offload(plan, compatible=async_io_builds) -> None:
 def memory_check(recipe, plan, gpu_memory: str | None) -> str | None:
     """On GPUs (or when --gpu-memory is given), refuse a plan the estimate says can't fit; else the fit, in words."""
     from llmtune.plan.memory.facts import read_model_facts
-    from llmtune.plan.memory.fit import check_fits, gpu_memory_of_this_machine
+    from llmtune.plan.memory.fit import fits_line, gpu_memory_of_this_machine
     from llmtune.plan.memory.table import parse_size_option
 
     if gpu_memory is not None:
@@ -80,4 +80,4 @@ def memory_check(recipe, plan, gpu_memory: str | None) -> str | None:
     facts = read_model_facts(recipe.base_model_config or recipe.base_model, fetch=True) if memory else None
     if facts is None:
         return None  # unknown GPU size or model shape: the estimate can't judge, so it doesn't block
-    return check_fits(recipe, plan, memory, facts)
+    return fits_line(recipe, plan, memory, facts)

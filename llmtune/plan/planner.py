@@ -6,14 +6,23 @@ Pure: reads at most a local config.json or DeepSpeed JSON, imports no torch.
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from llmtune.errors import UserError
 from llmtune.plan.accelerate_config import build_accelerate_config, fsdp_section
+from llmtune.plan.checks import (
+    STRATEGY_TITLES,
+    _check_async_checkpoint,
+    _check_elastic_sizes,
+    _check_muon_offload,
+    _check_relora,
+    _qat_notes,
+    gptq_check,
+)
 from llmtune.plan.cluster import Cluster
+from llmtune.plan.commands import ELASTIC, _command, _environment
 from llmtune.plan.deepspeed import build_deepspeed_config
 from llmtune.plan.memory.facts import ModelFacts, read_model_facts
 from llmtune.plan.mesh import (
@@ -25,14 +34,8 @@ from llmtune.plan.mesh import (
 from llmtune.plan.pipeline import bubble_fraction, split_layers
 from llmtune.plan.resume import resumed_accumulation
 from llmtune.recipe import Recipe
-from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, liger_requested, resolve_kernels
+from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, resolve_kernels
 from llmtune.recipe.preference import ONLINE_METHODS
-
-STRATEGY_TITLES = {
-    "single": "single process", "ddp": "DDP (data parallel)", "zero1": "DeepSpeed ZeRO-1",
-    "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3", "fsdp1": "FSDP1", "fsdp2": "FSDP2",
-    "pipeline": "pipeline parallel", "tp": "tensor parallel",
-}  # fmt: skip
 
 
 @dataclass
@@ -86,23 +89,6 @@ class Plan:
         data["cluster"] = self.cluster.to_dict()
         data["title"] = self.title
         return data
-
-
-def gptq_check(recipe, strategy: str) -> str:
-    """A GPTQ base trains LoRA through transformers' GPTQ integration (optimum and gptqmodel), replicated: its
-    packed integer weights are buffers that ZeRO-3, FSDP and tensor parallelism don't shard."""
-    import importlib.util
-
-    if strategy in ("zero3", "tp", "pipeline") or strategy.startswith("fsdp"):
-        raise UserError(f"gptq: true under {STRATEGY_TITLES.get(strategy, strategy)} is not supported: GPTQ's packed "
-                        "weights are buffers the engine can't shard", "use DDP or ZeRO-1/2 (a GPTQ base is small "
-                        "already), or adapter: qlora on the 16-bit model")  # fmt: skip
-    missing = [name for name in ("optimum", "gptqmodel") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise UserError(f"gptq: true (a GPTQ base) is not supported here: it needs {' and '.join(missing)} "
-                        "(transformers loads GPTQ weights through them), not installed", f"pip install "
-                        f"{' '.join(missing)}, or use adapter: qlora on the 16-bit model")  # fmt: skip
-    return "GPTQ base: loaded as quantized (its quantization_config), LoRA trains over its dequantized weights"
 
 
 def choose_strategy(recipe: Recipe, world_size: int) -> str:
@@ -336,73 +322,6 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
     )  # fmt: skip
 
 
-def _check_async_checkpoint(recipe: Recipe, strategy: str, facts: ModelFacts | None) -> str:
-    """async_checkpoint runs through torch's distributed checkpoint; refused where the engine writes its own
-    checkpoints or the Trainer's format is needed. Returns the plan's note, with the host memory it stages into."""
-    refusals = {
-        "zero": ("DeepSpeed writes ZeRO checkpoints itself; its decoupled checkpoint engine (DeepSpeed >= 0.17) "
-                 "writes through its async_io op (libaio), which llmtune doesn't drive yet",
-                 "remove async_checkpoint (ZeRO checkpoints are then written synchronously), or use fsdp_version: 2"),
-        "fsdp1": ("FSDP1's sharded checkpoints go through accelerate's synchronous save", "use fsdp_version: 2"),
-        "pipeline": ("pipeline stages checkpoint in llmtune's own loop, synchronously", "remove async_checkpoint"),
-    }  # fmt: skip
-    key = "zero" if strategy.startswith("zero") else strategy
-    if key in refusals:
-        why, hint = refusals[key]
-        raise UserError(f"async_checkpoint is not supported here: {why}", hint)
-    if recipe.early_stopping_patience:
-        raise UserError("async_checkpoint with early_stopping_patience is not supported: keeping the best checkpoint "
-                        "reloads it in the Trainer's own format", "remove one of them")  # fmt: skip
-    if recipe.save_strategy == "no":
-        return "async_checkpoint: no effect (save_strategy: no)"
-    size = ""
-    if facts is not None:
-        from llmtune.plan.memory.peak import estimate
-
-        row = next(r for r in estimate(recipe, facts, 1, 1) if r.name == "single / DDP")
-        staged = row.staging / 2**30
-        shown = f"{staged:.1f} GiB" if staged >= 0.1 else f"{row.staging / 2**20:.1f} MiB"
-        size = f" (up to {shown} per rank, less where the states are sharded)"
-    return (f"async_checkpoint: each checkpoint's model and optimizer states are copied to pinned host memory{size} "
-            "and written by a background thread while training goes on; a checkpoint counts for resume once every "
-            "rank has finished writing it, and a save waits for the previous write")  # fmt: skip
-
-
-def _check_relora(recipe: Recipe, strategy: str) -> str:
-    """ReLoRA's restarts change whole weights and the optimizer's state in place: one process or DDP, and an
-    optimizer whose state holds one plain number per parameter. Returns the plan's note."""
-    if strategy not in ("single", "ddp"):
-        what = "DeepSpeed" if strategy == "zero" else STRATEGY_TITLES[strategy]
-        raise UserError(f"relora under {what} is not supported: a restart merges each LoRA into its whole base weight "
-                        "and prunes the optimizer's state in place, which sharded or split weights don't allow "
-                        "(Axolotl refuses DeepSpeed and FSDP too)",
-                        "run ReLoRA in one process or with DDP")  # fmt: skip
-    if recipe.optimizer == "adafactor" or recipe.optimizer.endswith(("8bit", "4bit")):
-        kind = "factored" if recipe.optimizer == "adafactor" else "quantized"
-        raise UserError(f"relora with optimizer: {recipe.optimizer} is not supported: a restart prunes the optimizer's "
-                        f"state value by value, and this optimizer's state is {kind}",
-                        "use adamw_torch (or another 32-bit optimizer)")  # fmt: skip
-    method = recipe.relora_prune_method
-    ratio = recipe.relora_pruned_fraction
-    return (f"ReLoRA: every {recipe.jagged_restart_steps} steps the LoRA is merged into the base weights and "
-            f"restarted, {ratio:.1%} of its optimizer state zeroed ({method}); the LR falls over "
-            f"{recipe.jagged_restart_anneal_steps} steps before and warms up over {recipe.jagged_restart_warmup_steps} "
-            f"after each restart; the saved adapter holds every cycle (rank lora_r x cycles)")  # fmt: skip
-
-
-def _check_muon_offload(recipe: Recipe) -> None:
-    """Muon's Newton-Schulz step gathers each whole matrix (DTensor.full_tensor) on the device its shard is on;
-    with FSDP2 offload the shards and their gradients live on the CPU, which NCCL can't gather (gloo can: a CPU
-    rehearsal would pass), so it is refused on every device."""
-    if not recipe.resolved_fsdp()[1].offload_params:
-        return
-    key = "fsdp_config.offload_params" if recipe.fsdp_config and recipe.fsdp_config.offload_params else "fsdp: offload"
-    raise UserError(f"optimizer: muon with {key} is not supported: its Newton-Schulz step needs each whole weight "
-                    "matrix on the GPU, and FSDP2 offload keeps the shards and their gradients on the CPU, where NCCL "
-                    "can't gather them", f"remove {key} (muon runs under FSDP2 without offload), or use optimizer: "
-                    "adamw_torch")  # fmt: skip
-
-
 def _generation(recipe: Recipe, cluster: Cluster, facts, data_parallel: int, precision: str):
     """GRPO's generation: the plan's lines on where it runs and what it takes, and colocated vLLM's share of each
     GPU where llmtune computes it (llmtune/plan/generation.py)."""
@@ -443,151 +362,3 @@ def _kernels(recipe: Recipe, cluster: Cluster, precision: str, strategy: str, me
     if kernels.liger_on and importlib.util.find_spec("liger_kernel") is None:
         kernels.notes.append(f"liger-kernel is not installed here; the GPU run needs it: {INSTALL_HINT}")
     return kernels
-
-
-def _qat_notes(recipe: Recipe) -> list[str]:
-    from llmtune.recipe.qat import INSTALL_HINT as QAT_HINT
-
-    notes = [recipe.qat.describe() + "; the saved model keeps full-precision weights: quantize it afterwards to the "
-             "same scheme (torchao) for deployment"]  # fmt: skip
-    if recipe.qat.weight_dtype == "nvfp4":
-        notes.append("qat nvfp4: rounded with torchao's NVFP4 quantizer and multiplied in high precision (emulated: "
-                     "runs on any GPU and in rehearsal; torchao's own NVFP4 matmuls need Blackwell)")  # fmt: skip
-    if liger_requested(recipe)["fused_linear_cross_entropy"]:
-        notes.append("qat: the fused linear cross-entropy reads lm_head's weight directly, so lm_head trains without "
-                     "fake quantization on GPUs")  # fmt: skip
-    if importlib.util.find_spec("torchao") is None:
-        notes.append(f"torchao is not installed here; the run needs it: {QAT_HINT}")
-    return notes
-
-
-def _check_elastic_sizes(recipe: Recipe, cluster: Cluster, strategy: str, global_batch: int) -> None:
-    """min_machines: every machine count it allows must keep the global batch (by more accumulation)."""
-    least = recipe.min_machines
-    if least is None:
-        return
-    if recipe.rdzv_backend not in ELASTIC:
-        raise UserError("min_machines needs rdzv_backend: c10d or etcd (torchrun's elastic rendezvous)")
-    if least > cluster.num_machines:
-        raise UserError(f"min_machines {least} is more than --num-machines {cluster.num_machines}")
-    if least == cluster.num_machines:
-        return
-    if strategy != "ddp":
-        raise UserError(f"min_machines {least} < --num-machines {cluster.num_machines} changes the world size, which "
-                        f"{STRATEGY_TITLES[strategy]} checkpoints can't follow",
-                        "use DDP (no deepspeed/fsdp/pipeline keys), or set min_machines to --num-machines")  # fmt: skip
-    per_step = recipe.micro_batch_size * cluster.processes_per_machine
-    bad = [m for m in range(least, cluster.num_machines + 1) if global_batch % (per_step * m)]
-    if bad:
-        raise UserError(f"with {', '.join(map(str, bad))} machine(s) the global batch {global_batch} can't be kept "
-                        f"(it is not a multiple of micro_batch_size x processes = {per_step} per machine)",
-                        "raise min_machines, or choose gradient_accumulation_steps so every machine count divides it")  # fmt: skip
-
-
-def elastic_sizes(plan: dict, world: int) -> dict:
-    """The plan's sizes for a world the elastic rendezvous formed (fewer machines: more accumulation)."""
-    if world == plan["world_size"]:
-        return {}
-    per_machine = plan["world_size"] // plan["cluster"]["num_machines"]
-    least = plan.get("min_machines")
-    if not least or world % per_machine or not least * per_machine <= world <= plan["world_size"]:
-        raise UserError(f"the launcher started {world} process(es) but the plan has world size {plan['world_size']}")
-    return {"world_size": world, "data_parallel_size": world,
-            "gradient_accumulation_steps": plan["global_batch_size"] // (plan["micro_batch_size"] * world)}  # fmt: skip
-
-
-def _environment(cluster: Cluster, strategy: str) -> dict[str, str]:
-    env = {"TOKENIZERS_PARALLELISM": "false"}
-    if cluster.num_processes > 1 or strategy != "single":  # torchrun's own prefix, [default0]:, names no rank
-        env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
-    if cluster.rehearsal:
-        cores = os.cpu_count() or 1
-        env["OMP_NUM_THREADS"] = str(max(1, cores // cluster.processes_per_machine))
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        if strategy.startswith("zero"):
-            env["DS_ACCELERATOR"] = "cpu"
-    return env
-
-
-def _command(strategy: str, config_dir: str, machine_rank: int, recipe: Recipe, cluster: Cluster) -> list[str]:
-    plan_file = str(Path(config_dir) / "plan.json")
-    restarts = ["--max_restarts", str(recipe.max_restarts)] if recipe.max_restarts else []
-    if cluster.launcher == "deepspeed":
-        return _deepspeed_command(plan_file, config_dir, machine_rank, cluster)
-    if strategy == "single":
-        if restarts:  # torchrun's elastic agent does the restarting, even for one process
-            return ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *restarts,
-                    "-m", "llmtune.train", plan_file]  # fmt: skip
-        return ["python", "-m", "llmtune.train", plan_file]
-    if recipe.rdzv_backend == "etcd" or (
-        recipe.rdzv_backend == "c10d" and recipe.min_machines and recipe.min_machines < cluster.num_machines
-    ):
-        return _torchrun_elastic_command(plan_file, config_dir, machine_rank, recipe, cluster)
-    rendezvous = ["--rdzv_conf", f"timeout={recipe.rdzv_timeout}"] if cluster.num_machines > 1 else []
-    if recipe.rdzv_backend == "c10d":
-        # join_timeout: how long a round waits for every machine (also a restarted one to come back);
-        # last_call: once enough have joined, how long late ones may still make this round
-        rendezvous = ["--rdzv_backend", "c10d", "--rdzv_conf", _c10d_conf(recipe, machine_rank)]
-    # every rank's output also goes to <config_dir>/logs/.../attempt_N/<local rank>/, lines prefixed [rankR]:
-    logs = ["--tee", "3", "--log_dir", str(Path(config_dir) / "logs")]
-    return [
-        "accelerate", "launch", "--config_file", str(Path(config_dir) / "accelerate_config.yaml"),
-        "--machine_rank", str(machine_rank), *restarts, *rendezvous, *logs, "-m", "llmtune.train", plan_file,
-    ]  # fmt: skip
-
-
-def _deepspeed_command(plan_file: str, config_dir: str, machine_rank: int, cluster: Cluster) -> list[str]:
-    """DeepSpeed's launcher. Over ssh only machine 0 runs it (it starts the others with pdsh); with --no-ssh every
-    machine runs it with its own --node_rank. Without a hostfile, llmtune writes one for this machine."""
-    if cluster.ssh and machine_rank > 0:
-        return []  # started by machine 0 over ssh
-    hostfile = cluster.hostfile or str(Path(config_dir) / "hostfile")
-    command = ["deepspeed", "--hostfile", hostfile, "--master_addr", cluster.main_process_ip,
-               "--master_port", str(cluster.main_process_port)]  # fmt: skip
-    if not cluster.ssh:
-        command += ["--no_ssh", "--node_rank", str(machine_rank)]
-    else:  # llmtune checks every host itself first and names the one that fails (DeepSpeed checks the first only,
-        command += ["--no_ssh_check"]  # and even for a hostfile of one machine, which needs no ssh)
-    return [*command, "--no_local_rank", "--module", "llmtune.train", plan_file]
-
-
-ELASTIC = ("c10d", "etcd")  # torchrun's elastic rendezvous backends
-
-
-def etcd_job_id(recipe: Recipe) -> str:
-    """The rendezvous id every machine of this job derives alike (from the output folder it names); the launcher
-    appends the launch's generation (llmtune/launch/etcd.py)."""
-    import hashlib
-
-    return "llmtune-" + hashlib.sha1(recipe.output_dir.encode()).hexdigest()[:12]
-
-
-def _c10d_conf(recipe: Recipe, machine_rank: int) -> str:
-    # join_timeout: how long a round waits for machines (also a restarted one to come back); last_call: once enough
-    # have joined, how long late ones may still make this round. Machine 0 (whose address is the endpoint) hosts
-    # the rendezvous store: said outright, because torch's guess compares host names, which fails on a secondary
-    # interface.
-    # read_timeout bounds reaching the store too (torch's default, 60 s, would outlast a short rdzv_timeout)
-    return (f"join_timeout={recipe.rdzv_timeout},last_call_timeout=2,close_timeout=10,"
-            f"read_timeout={recipe.rdzv_timeout},is_host={int(machine_rank == 0)}")  # fmt: skip
-
-
-def _torchrun_elastic_command(plan_file: str, config_dir: str, machine_rank: int, recipe: Recipe,
-                              cluster: Cluster) -> list[str]:  # fmt: skip
-    """torchrun itself, for a world that may shrink or grow: accelerate launch fixes --nnodes to one number. With
-    etcd the rendezvous lives in the etcd server; its run id gets the launch's generation at launch (an etcd
-    rendezvous, once closed by a finished or failed job, takes no one again)."""
-    least = recipe.min_machines or cluster.num_machines
-    if recipe.rdzv_backend == "etcd":
-        conf = (f"join_timeout={recipe.rdzv_timeout},last_call_timeout=2,close_timeout=10,"
-                f"read_timeout={recipe.rdzv_timeout}")  # fmt: skip
-        rendezvous = ["--rdzv_backend", "etcd-v2", "--rdzv_endpoint", recipe.rdzv_endpoint,
-                      "--rdzv_id", etcd_job_id(recipe), "--rdzv_conf", conf]  # fmt: skip
-    else:
-        rendezvous = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{cluster.main_process_ip}:{cluster.main_process_port}",
-                      "--rdzv_conf", _c10d_conf(recipe, machine_rank)]  # fmt: skip
-    return [
-        "python", "-m", "torch.distributed.run", "--nnodes", f"{least}:{cluster.num_machines}",
-        "--nproc_per_node", str(cluster.processes_per_machine), *rendezvous, "--max_restarts", str(recipe.max_restarts),
-        "--tee", "3", "--log_dir", str(Path(config_dir) / "logs"), "-m", "llmtune.train", plan_file,
-    ]  # fmt: skip

@@ -31,9 +31,11 @@ def _reference_report(trainer, recipe) -> dict:
     return reference_report(trainer)
 
 
-def _save_model(trainer, folder: Path) -> None:
+def _save_model(trainer, folder: Path, relora, main: bool) -> None:
     trainer.save_model(str(folder))  # a collective where the model is sharded: every rank calls it
     (folder / "training_args.bin").unlink(missing_ok=True)  # a pickle; plan.json records the same
+    if relora is not None and main:  # the Trainer saved the last cycle's adapter: every cycle's, stacked, replaces it
+        relora.save_adapter(folder)
 
 
 def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
@@ -125,12 +127,14 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         if recipe.qat.fake_quant_after_n_steps:
             qat_delay = qat.DelayedFakeQuant(recipe.qat.fake_quant_after_n_steps)
     cp = (plan.get("mesh") or {}).get("context_parallel", 1)
-    # the run's one checkpoint manager: where it resumes from, every checkpoint, the final files
+    # the run's one checkpoint manager: where it resumes from (found and read here, once), every checkpoint, the
+    # final files
     checkpoints = CheckpointManager(output_dir, plan, recipe)
+    resume = checkpoints.resume_point(log)
+    marker = checkpoints.prepare_resume(resume, log) if resume else {}  # its rows, the world that saved its RNG
     if args is None:
-        from llmtune.train.pipeline import run_pipeline
+        from llmtune.train.pipeline.run import run_pipeline
 
-        resume = checkpoints.resume_point(log)
         return run_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_origin, trainable, total,
                             checkpoints, resume, log)  # fmt: skip
     pad_to = recipe.sequence_len if recipe.pad_to_sequence_len else None
@@ -209,10 +213,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     trainer.add_callback(stop)
     if recipe.loss_watchdog_threshold is not None:
         trainer.add_callback(LossWatchdog(recipe.loss_watchdog_threshold, recipe.loss_watchdog_patience))
-    resume = checkpoints.resume_point(log)
     if resume:
         log(f"resuming from {resume}")
-        marker = checkpoints.prepare_resume(resume, log)  # the rows it had trained, the world that saved its RNG
         trainer.saved_world, trainer.rows_before = marker.get("world_size"), marker.get("rows_seen")
     from llmtune.train.runtime.memory import ModelStateMeter
 
@@ -278,13 +280,12 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         metrics["lisa"] = {"layers": len(lisa.layers), "draws": lisa.history}
     if relora:
         metrics["relora"] = relora.report()
-        if rank.is_main:  # the Trainer saved the last cycle's adapter: every cycle's, stacked, replaces it
-            relora.save_adapter(output_dir)
     if qat_report:
         metrics["qat"] = {**qat_report, "fake_quant_from_step": qat_delay.enabled_at if qat_delay else 0}
     if not recipe.rl:
         write_probe(trainer, data.train[0])
-    checkpoints.save_final(lambda folder: _save_model(trainer, folder), tokenizer, metrics, gguf_origin, rank.is_main)
+    checkpoints.save_final(lambda folder: _save_model(trainer, folder, relora, rank.is_main), tokenizer, metrics,
+                           gguf_origin, rank.is_main)  # fmt: skip
     if rank.is_main:
         log(f"saved to {output_dir} (train loss {metrics['train_loss']:.4f}"
             + (f", eval loss {metrics['eval_loss']:.4f})" if "eval_loss" in metrics else ")"))  # fmt: skip

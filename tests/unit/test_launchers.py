@@ -172,7 +172,7 @@ def test_min_machines_runs_torchrun_with_a_range_and_keeps_the_global_batch():
     assert command[command.index("--rdzv_endpoint") + 1] == "10.0.0.1:29500"
     assert "is_host=0" in command[command.index("--rdzv_conf") + 1]
     assert plan.min_machines == 1 and plan.global_batch_size == 2 * 2 * 8
-    from llmtune.plan.planner import elastic_sizes
+    from llmtune.plan.commands import elastic_sizes
 
     as_dict = plan.to_dict()
     assert elastic_sizes(as_dict, 8) == {}

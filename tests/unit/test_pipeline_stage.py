@@ -12,7 +12,7 @@ def test_a_stage_under_bf16_computes_in_bf16_and_fp32_without():
     from tiny import tiny_llama_config
     from transformers import LlamaForCausalLM
 
-    from llmtune.train.pipeline import Stage, find_parts
+    from llmtune.train.pipeline.stages import Stage, find_parts
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(64, layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64))

@@ -107,7 +107,14 @@ def estimate_recipe(
     recipe, gpus_per_machine: int, num_machines: int, gpu_memory: float, cpu_memory: float | None = None,
     interconnect: str = "fast", facts: ModelFacts | None = None, mixed: bool | None = None,
 ) -> Report:  # fmt: skip
+    """Every strategy's row for the recipe on this cluster, labelled, with the recommendation (`llmtune estimate`)."""
     facts = facts or model_facts_for(recipe)
+    return report_for(recipe, facts, gpus_per_machine, num_machines, gpu_memory, cpu_memory, interconnect, mixed)
+
+
+def report_for(recipe, facts: ModelFacts, gpus_per_machine: int, num_machines: int, gpu_memory: float,
+               cpu_memory: float | None = None, interconnect: str = "fast", mixed: bool | None = None) -> Report:  # fmt: skip
+    """estimate_recipe for a model whose facts are read already."""
     world = gpus_per_machine * num_machines
     stages = recipe.pipeline_parallel_size
     if stages <= 1 and gpus_per_machine > 1:
@@ -173,12 +180,16 @@ def cpu_memory_of_this_machine() -> float | None:
 
 def check_fits(recipe, plan, gpu_memory: float, facts: ModelFacts | None = None) -> str:
     """Stop before launch when the planned strategy can't fit; returns a one-line summary when it does."""
+    return fits_line(recipe, plan, gpu_memory, facts or model_facts_for(recipe))
+
+
+def fits_line(recipe, plan, gpu_memory: float, facts: ModelFacts) -> str:
+    """check_fits for a model whose facts are read already (the pre-launch check reads them once)."""
     from llmtune.errors import UserError
 
-    facts = facts or model_facts_for(recipe)
     cluster = plan.cluster
-    report = estimate_recipe(recipe, cluster.processes_per_machine, cluster.num_machines, gpu_memory,
-                             cpu_memory_of_this_machine(), facts=facts)  # fmt: skip
+    report = report_for(recipe, facts, cluster.processes_per_machine, cluster.num_machines, gpu_memory,
+                        cpu_memory_of_this_machine())  # fmt: skip
     name = row_for_plan(plan)
     row = report.row(name)
     limit = FIT_FRACTION * gpu_memory

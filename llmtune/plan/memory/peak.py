@@ -237,8 +237,10 @@ def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: i
         "FSDP hybrid shard":     (sixteen, held(grads / per_machine), 0.0,  scratch / per_machine, 0.0),
     }  # fmt: skip
     expandable = buffers.expandable_segments(os.environ) if expandable is None else expandable
+    # the caching allocator's reserve: FSDP's all-gathers run on a stream (and a pool) of their own
+    allocators = {fsdp: buffers.allocator(recipe, expandable, fsdp=fsdp) for fsdp in (False, True)}
     estimates = [_gpu_row(Estimate(name, p, g, o, 0.0, CUDA_CONTEXT, cpu, nvme, gathered, step), *extras[name],
-                          buffers.allocator(recipe, expandable, fsdp=name.startswith("FSDP")), per_machine=per_machine)
+                          allocators[name.startswith("FSDP")], per_machine=per_machine)
                  for name, p, g, o, cpu, nvme, gathered, step in rows]  # fmt: skip
     if preference.method(recipe):  # TRL's trainers run no split strategy (llmtune.recipe.preference.check)
         return preference.with_reference(estimates, recipe, facts, mixed, trainable, n, per_machine)
@@ -265,7 +267,7 @@ def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: i
         base = Estimate(split.name, params / split.states, grads / split.states, optimizer / split.states, 0.0,
                         CUDA_CONTEXT, 0.0, 0.0, largest if split.fsdp else 0.0)  # fmt: skip
         estimates.append(_gpu_row(base, _Layout(acts, layout.copies), held(grads) / split.states, 0.0,
-                                  scratch / split.states, 0.0, buffers.allocator(recipe, expandable, fsdp=split.fsdp),
+                                  scratch / split.states, 0.0, allocators[split.fsdp],
                                   1 / split.states, per_machine))  # fmt: skip
     if stages > 1:
         # balanced stages, but a stage holds at least one whole layer (or the embeddings); its micro-batches'
@@ -276,5 +278,5 @@ def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: i
         base = Estimate(f"pipeline ({stages} stages, per stage)", params * share, grads * share, optimizer * share,
                         0.0, CUDA_CONTEXT, 0.0, 0.0)  # fmt: skip
         estimates.append(_gpu_row(base, stage, grads * share, 0.0, scratch * share, 0.0,
-                                  buffers.allocator(recipe, expandable), share))  # fmt: skip
+                                  allocators[False], share))  # fmt: skip
     return estimates

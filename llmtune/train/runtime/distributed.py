@@ -25,7 +25,7 @@ def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world != plan["world_size"]:  # an elastic job that formed with fewer machines (min_machines), or a mismatch
-        from llmtune.plan.planner import elastic_sizes
+        from llmtune.plan.commands import elastic_sizes
 
         sizes = elastic_sizes(plan, world)
         plan.update(sizes)

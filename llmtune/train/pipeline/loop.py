@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,122 +20,9 @@ from llmtune.errors import UserError
 from llmtune.train.checkpoint import stages as stage_files
 from llmtune.train.checkpoint.folders import stop_requested
 from llmtune.train.data.formats import IGNORE
+from llmtune.train.pipeline.stages import Grid, Stage, find_parts, make_grid, owned_names
 from llmtune.train.runtime import collectives
 from llmtune.train.runtime.progress import step_line
-
-NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_layer_norm")
-
-
-@dataclass
-class Parts:
-    embed: nn.Module
-    layers: nn.ModuleList
-    norm: nn.Module
-    head: nn.Module
-    rotary: nn.Module | None
-
-
-def find_parts(model) -> Parts:
-    """The pieces of a decoder-only LM, found from its structure rather than a table of model names."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    lists = [m for m in base.children() if isinstance(m, nn.ModuleList)] if base is not None else []
-    norm = next((getattr(base, n) for n in NORM_NAMES if base is not None and hasattr(base, n)), None)
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not lists or norm is None or embed is None or head is None:
-        raise UserError(
-            f"pipeline parallelism can't split {type(model).__name__}: it needs input embeddings, a list of decoder "
-            "layers, a final norm and an output head",
-            "use deepspeed zero3 or fsdp for this model",
-        )
-    return Parts(embed, max(lists, key=len), norm, head, getattr(base, "rotary_emb", None))
-
-
-def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [B, 1, L, L]: causal, and no attention across packed examples (positions restart at 0)."""
-    starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
-    document = starts.cumsum(-1)
-    length = position_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    allowed = (document[:, :, None] == document[:, None, :]) & causal
-    additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)  # on the stage's device, as the mask
-    return additive.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
-
-
-class Stage(nn.Module):
-    def __init__(self, parts: Parts, layers: range, first: bool, last: bool):
-        super().__init__()
-        self.embed = parts.embed if first else None
-        self.layers = nn.ModuleList(parts.layers[i] for i in layers)
-        self.norm = parts.norm if last else None
-        self.head = parts.head if last else None
-        self.rotary = parts.rotary
-
-    autocast_dtype: torch.dtype | None = None  # bf16 mixed precision on GPUs, as the Trainer's autocast does
-
-    def forward(self, hidden, position_ids):
-        if self.autocast_dtype is None:
-            return self._forward(hidden, position_ids)
-        with torch.autocast(hidden.device.type, dtype=self.autocast_dtype):
-            return self._forward(hidden, position_ids)
-
-    def _forward(self, hidden, position_ids):
-        if self.embed is not None:
-            hidden = self.embed(hidden)
-        mask = block_causal_mask(position_ids, hidden.dtype)
-        rotary = self.rotary(hidden, position_ids) if self.rotary is not None else None
-        for layer in self.layers:
-            out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
-            hidden = out[0] if isinstance(out, tuple) else out
-        if self.head is not None:
-            return self.head(self.norm(hidden))
-        return hidden, position_ids
-
-
-@dataclass
-class Grid:
-    stages: int
-    replicas: int
-    stage: int
-    replica: int
-    pp_group: object
-    dp_group: object
-    tie_group: object | None
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.stages - 1
-
-
-def make_grid(stages: int, tied: bool) -> Grid:
-    """Rank r is stage r % stages of replica r // stages. Every rank creates every group, as torch requires."""
-    world, rank = collectives.world_size(), collectives.rank()
-    replicas = world // stages
-    pp_group = dp_group = tie_group = None
-    for replica in range(replicas):
-        ranks = list(range(replica * stages, (replica + 1) * stages))
-        group = collectives.new_group(ranks)
-        if rank in ranks:
-            pp_group = group
-        if tied and stages > 1:
-            group = collectives.new_group([ranks[0], ranks[-1]])
-            if rank in (ranks[0], ranks[-1]):
-                tie_group = group
-    for stage in range(stages):
-        ranks = list(range(stage, world, stages))
-        group = collectives.new_group(ranks)
-        if rank in ranks:
-            dp_group = group
-    return Grid(stages, replicas, rank % stages, rank // stages, pp_group, dp_group, tie_group)
-
-
-def owned_names(model, stage: Stage) -> dict[str, nn.Parameter]:
-    """Full HF names of the parameters this stage holds (for saving under the model's own names)."""
-    mine = {id(p) for p in stage.parameters()}
-    return {name: p for name, p in model.named_parameters() if id(p) in mine}
 
 
 def step_order(rows: int, seed: int, epoch: int) -> list[int]:
@@ -330,73 +215,3 @@ def gather_state_dict(result: dict) -> dict | None:
     for piece in pieces:
         merged.update(piece)
     return merged
-
-
-def run_pipeline(
-    recipe,
-    plan,
-    rank,
-    model,
-    data,
-    tokenizer,
-    source,
-    gguf_origin,
-    trainable,
-    total,
-    checkpoints,
-    resume: str | None,
-    log,
-) -> dict:
-    """The pipeline run of a rank, from the loop to metrics.json and the one consolidated model folder."""
-    from llmtune.recipe.loader import recipe_fingerprint
-    from llmtune.train.model.adapters import attach_adapter
-    from llmtune.train.model.load import load_model
-    from llmtune.train.pipeline import gather_state_dict, train_pipeline
-    from llmtune.train.runtime import libraries
-    from llmtune.train.runtime.memory import cuda_peaks
-    from llmtune.train.runtime.ranks import gather, local_parameter_numel
-    from llmtune.train.runtime.report import planned_memory, stopped
-
-    output_dir = Path(recipe.output_dir)
-    result = train_pipeline(recipe, plan, model, data, tokenizer, log, checkpoints, resume)
-    if "stopped_at" in result:
-        return stopped(result["stopped_at"])
-    grid = result["grid"]
-    reports = gather({"rank": rank.rank, "stage": grid.stage, "replica": grid.replica, "schedule": result["schedule"],
-                      "stage_indices": result["stage_indices"], "layer_indices": result["layer_indices"],
-                      "local_parameters": local_parameter_numel(result["stage_module"]), "world_size": rank.world_size,
-                      "libraries": libraries.imported(), **cuda_peaks()})  # fmt: skip
-    state = gather_state_dict(result)
-    history = result["history"]
-    metrics = {
-        "train_loss": sum(e["loss"] for e in history) / len(history), "final_loss": history[-1]["loss"],
-        "steps": result["steps"], "rows_seen": result["rows_seen"],
-        "rows_seen_this_run": result["rows_seen_this_run"], "tokens_seen": result["tokens_seen"],
-        "resumed_from": result["resumed_from"], "steps_run": result["steps_run"],
-        "tokens_per_second_whole_run": round(result["tokens_seen"] / result["seconds"], 2),
-        "train_seconds": round(result["seconds"], 2),
-        "world_size": rank.world_size, "strategy": "pipeline", "title": plan["title"],
-        "global_batch_size": plan["global_batch_size"], "trainable_parameters": trainable, "total_parameters": total,
-        "pipeline": {**plan["pipeline"], "layer_bounds": result["layers"]}, "packing_efficiency": data.stats.get("packing_efficiency"),
-        "data": data.stats, "ranks": reports, "log_history": history, "recipe_fingerprint": recipe_fingerprint(recipe),
-        **planned_memory(recipe, plan),
-    }  # fmt: skip
-
-    def write_model(folder: Path) -> None:
-        """One consolidated HF folder, by the first rank: a fresh model (or base + adapter) takes every stage's
-        trained weights."""
-        if not rank.is_main:
-            return
-        fresh = attach_adapter(
-            load_model(recipe, source, tokenizer, plan["precision"], device=plan["cluster"]["device"]), recipe
-        )
-        missing = set(dict(fresh.named_parameters())) - set(state)
-        if missing:
-            raise RuntimeError(f"pipeline save: no stage held {sorted(missing)[:3]}")
-        fresh.load_state_dict(state, strict=False)
-        fresh.save_pretrained(str(folder))
-
-    checkpoints.save_final(write_model, tokenizer, metrics, gguf_origin, rank.is_main)
-    if rank.is_main:
-        log(f"saved to {output_dir} (final loss {metrics['final_loss']:.4f})")
-    return metrics

@@ -1,0 +1,142 @@
+"""What a plan refuses or notes for one feature, beside the strategy: GPTQ bases, async checkpoints, ReLoRA, Muon
+with offload, QAT, an elastic world's sizes. Each raises a UserError naming the keys, or returns the plan's note."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from llmtune.errors import UserError
+from llmtune.plan.cluster import Cluster
+from llmtune.plan.commands import ELASTIC
+from llmtune.plan.memory.facts import ModelFacts
+from llmtune.recipe import Recipe
+from llmtune.recipe.kernels import liger_requested
+
+STRATEGY_TITLES = {
+    "single": "single process", "ddp": "DDP (data parallel)", "zero1": "DeepSpeed ZeRO-1",
+    "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3", "fsdp1": "FSDP1", "fsdp2": "FSDP2",
+    "pipeline": "pipeline parallel", "tp": "tensor parallel",
+}  # fmt: skip
+
+
+def gptq_check(recipe, strategy: str) -> str:
+    """A GPTQ base trains LoRA through transformers' GPTQ integration (optimum and gptqmodel), replicated: its
+    packed integer weights are buffers that ZeRO-3, FSDP and tensor parallelism don't shard."""
+    import importlib.util
+
+    if strategy in ("zero3", "tp", "pipeline") or strategy.startswith("fsdp"):
+        raise UserError(f"gptq: true under {STRATEGY_TITLES.get(strategy, strategy)} is not supported: GPTQ's packed "
+                        "weights are buffers the engine can't shard", "use DDP or ZeRO-1/2 (a GPTQ base is small "
+                        "already), or adapter: qlora on the 16-bit model")  # fmt: skip
+    missing = [name for name in ("optimum", "gptqmodel") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(f"gptq: true (a GPTQ base) is not supported here: it needs {' and '.join(missing)} "
+                        "(transformers loads GPTQ weights through them), not installed", f"pip install "
+                        f"{' '.join(missing)}, or use adapter: qlora on the 16-bit model")  # fmt: skip
+    return "GPTQ base: loaded as quantized (its quantization_config), LoRA trains over its dequantized weights"
+
+
+def _check_async_checkpoint(recipe: Recipe, strategy: str, facts: ModelFacts | None) -> str:
+    """async_checkpoint runs through torch's distributed checkpoint; refused where the engine writes its own
+    checkpoints or the Trainer's format is needed. Returns the plan's note, with the host memory it stages into."""
+    refusals = {
+        "zero": ("DeepSpeed writes ZeRO checkpoints itself; its decoupled checkpoint engine (DeepSpeed >= 0.17) "
+                 "writes through its async_io op (libaio), which llmtune doesn't drive yet",
+                 "remove async_checkpoint (ZeRO checkpoints are then written synchronously), or use fsdp_version: 2"),
+        "fsdp1": ("FSDP1's sharded checkpoints go through accelerate's synchronous save", "use fsdp_version: 2"),
+        "pipeline": ("pipeline stages checkpoint in llmtune's own loop, synchronously", "remove async_checkpoint"),
+    }  # fmt: skip
+    key = "zero" if strategy.startswith("zero") else strategy
+    if key in refusals:
+        why, hint = refusals[key]
+        raise UserError(f"async_checkpoint is not supported here: {why}", hint)
+    if recipe.early_stopping_patience:
+        raise UserError("async_checkpoint with early_stopping_patience is not supported: keeping the best checkpoint "
+                        "reloads it in the Trainer's own format", "remove one of them")  # fmt: skip
+    if recipe.save_strategy == "no":
+        return "async_checkpoint: no effect (save_strategy: no)"
+    size = ""
+    if facts is not None:
+        from llmtune.plan.memory.peak import estimate
+
+        row = next(r for r in estimate(recipe, facts, 1, 1) if r.name == "single / DDP")
+        staged = row.staging / 2**30
+        shown = f"{staged:.1f} GiB" if staged >= 0.1 else f"{row.staging / 2**20:.1f} MiB"
+        size = f" (up to {shown} per rank, less where the states are sharded)"
+    return (f"async_checkpoint: each checkpoint's model and optimizer states are copied to pinned host memory{size} "
+            "and written by a background thread while training goes on; a checkpoint counts for resume once every "
+            "rank has finished writing it, and a save waits for the previous write")  # fmt: skip
+
+
+def _check_relora(recipe: Recipe, strategy: str) -> str:
+    """ReLoRA's restarts change whole weights and the optimizer's state in place: one process or DDP, and an
+    optimizer whose state holds one plain number per parameter. Returns the plan's note."""
+    if strategy not in ("single", "ddp"):
+        what = "DeepSpeed" if strategy == "zero" else STRATEGY_TITLES[strategy]
+        raise UserError(f"relora under {what} is not supported: a restart merges each LoRA into its whole base weight "
+                        "and prunes the optimizer's state in place, which sharded or split weights don't allow "
+                        "(Axolotl refuses DeepSpeed and FSDP too)",
+                        "run ReLoRA in one process or with DDP")  # fmt: skip
+    if recipe.optimizer == "adafactor" or recipe.optimizer.endswith(("8bit", "4bit")):
+        kind = "factored" if recipe.optimizer == "adafactor" else "quantized"
+        raise UserError(f"relora with optimizer: {recipe.optimizer} is not supported: a restart prunes the optimizer's "
+                        f"state value by value, and this optimizer's state is {kind}",
+                        "use adamw_torch (or another 32-bit optimizer)")  # fmt: skip
+    method = recipe.relora_prune_method
+    ratio = recipe.relora_pruned_fraction
+    return (f"ReLoRA: every {recipe.jagged_restart_steps} steps the LoRA is merged into the base weights and "
+            f"restarted, {ratio:.1%} of its optimizer state zeroed ({method}); the LR falls over "
+            f"{recipe.jagged_restart_anneal_steps} steps before and warms up over {recipe.jagged_restart_warmup_steps} "
+            f"after each restart; the saved adapter holds every cycle (rank lora_r x cycles)")  # fmt: skip
+
+
+def _check_muon_offload(recipe: Recipe) -> None:
+    """Muon's Newton-Schulz step gathers each whole matrix (DTensor.full_tensor) on the device its shard is on;
+    with FSDP2 offload the shards and their gradients live on the CPU, which NCCL can't gather (gloo can: a CPU
+    rehearsal would pass), so it is refused on every device."""
+    if not recipe.resolved_fsdp()[1].offload_params:
+        return
+    key = "fsdp_config.offload_params" if recipe.fsdp_config and recipe.fsdp_config.offload_params else "fsdp: offload"
+    raise UserError(f"optimizer: muon with {key} is not supported: its Newton-Schulz step needs each whole weight "
+                    "matrix on the GPU, and FSDP2 offload keeps the shards and their gradients on the CPU, where NCCL "
+                    "can't gather them", f"remove {key} (muon runs under FSDP2 without offload), or use optimizer: "
+                    "adamw_torch")  # fmt: skip
+
+
+def _qat_notes(recipe: Recipe) -> list[str]:
+    from llmtune.recipe.qat import INSTALL_HINT as QAT_HINT
+
+    notes = [recipe.qat.describe() + "; the saved model keeps full-precision weights: quantize it afterwards to the "
+             "same scheme (torchao) for deployment"]  # fmt: skip
+    if recipe.qat.weight_dtype == "nvfp4":
+        notes.append("qat nvfp4: rounded with torchao's NVFP4 quantizer and multiplied in high precision (emulated: "
+                     "runs on any GPU and in rehearsal; torchao's own NVFP4 matmuls need Blackwell)")  # fmt: skip
+    if liger_requested(recipe)["fused_linear_cross_entropy"]:
+        notes.append("qat: the fused linear cross-entropy reads lm_head's weight directly, so lm_head trains without "
+                     "fake quantization on GPUs")  # fmt: skip
+    if importlib.util.find_spec("torchao") is None:
+        notes.append(f"torchao is not installed here; the run needs it: {QAT_HINT}")
+    return notes
+
+
+def _check_elastic_sizes(recipe: Recipe, cluster: Cluster, strategy: str, global_batch: int) -> None:
+    """min_machines: every machine count it allows must keep the global batch (by more accumulation)."""
+    least = recipe.min_machines
+    if least is None:
+        return
+    if recipe.rdzv_backend not in ELASTIC:
+        raise UserError("min_machines needs rdzv_backend: c10d or etcd (torchrun's elastic rendezvous)")
+    if least > cluster.num_machines:
+        raise UserError(f"min_machines {least} is more than --num-machines {cluster.num_machines}")
+    if least == cluster.num_machines:
+        return
+    if strategy != "ddp":
+        raise UserError(f"min_machines {least} < --num-machines {cluster.num_machines} changes the world size, which "
+                        f"{STRATEGY_TITLES[strategy]} checkpoints can't follow",
+                        "use DDP (no deepspeed/fsdp/pipeline keys), or set min_machines to --num-machines")  # fmt: skip
+    per_step = recipe.micro_batch_size * cluster.processes_per_machine
+    bad = [m for m in range(least, cluster.num_machines + 1) if global_batch % (per_step * m)]
+    if bad:
+        raise UserError(f"with {', '.join(map(str, bad))} machine(s) the global batch {global_batch} can't be kept "
+                        f"(it is not a multiple of micro_batch_size x processes = {per_step} per machine)",
+                        "raise min_machines, or choose gradient_accumulation_steps so every machine count divides it")  # fmt: skip

@@ -1,0 +1,124 @@
+"""The fields of one raw preference row, read as Axolotl's `rl:` dataset types read them: texts, labels, messages
+under the dataset's field and role mappings, a conversation split into its history and last reply. Each reader
+raises PreferenceRowError naming the field. Torch-free."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from llmtune.train.data.base import RowError
+
+PROMPT_KEYS = ("prompt", "input", "question", "instruction")  # Axolotl's chatml.default looks in this order
+
+DEFAULT_ROLES = {"user": ["user"], "assistant": ["assistant"], "system": ["system"], "tool": ["tool"]}
+
+
+class PreferenceRowError(RowError):
+    """A malformed row, with a hint on what to change."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+def _text(row: dict, name: str, key: str | None = None) -> str:
+    value = row.get(name)
+    if value is None:
+        hint = f"set {key} to the field that holds it" if key else "pick the type whose fields match the data"
+        raise PreferenceRowError(f"missing field '{name}' (row has: {', '.join(map(str, row)) or 'nothing'})", hint)
+    if not isinstance(value, str):
+        raise PreferenceRowError(f"field '{name}' should be text, not {type(value).__name__}")
+    return value
+
+
+def _system(row: dict, name: str = "system") -> list[dict]:
+    value = _optional_text(row, name)
+    return [{"role": "system", "content": value}] if value else []
+
+
+def _optional_text(row: dict, name: str) -> str:
+    value = row.get(name)
+    if value is not None and not isinstance(value, str):
+        raise PreferenceRowError(f"field '{name}' should be text, not {type(value).__name__}")
+    return value or ""
+
+
+def _label(row: dict, name: str, key: str | None = None) -> bool:
+    value = row.get(name)
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    if value is None:
+        raise PreferenceRowError(f"missing field '{name}' (row has: {', '.join(map(str, row))})",
+                                 f"set {key} to the field that holds it" if key else "KTO rows need a true/false label")  # fmt: skip
+    raise PreferenceRowError(
+        f"field '{name}' should be true or false, not {value!r}", "true marks a desirable completion"
+    )
+
+
+def _mappings(options: Mapping) -> tuple[str, str]:
+    mappings = dict(options.get("message_property_mappings") or {})
+    mappings.setdefault("role", options.get("message_field_role") or "role")
+    mappings.setdefault("content", options.get("message_field_content") or "content")
+    return mappings["role"], mappings["content"]
+
+
+def _role_map(options: Mapping) -> dict[str, str]:
+    roles = options.get("roles") or DEFAULT_ROLES
+    # a target role also stands for itself, so `roles: {user: [human]}` still reads a "user" message
+    mapping = {target: target for target in roles}
+    mapping.update({source: target for target, sources in roles.items() for source in sources})
+    return mapping
+
+
+def _message(raw, where: str, options: Mapping, default_role: str | None = None) -> dict:
+    role_key, content_key = _mappings(options)
+    if not isinstance(raw, dict) or content_key not in raw or (role_key not in raw and default_role is None):
+        raise PreferenceRowError(f"{where} should be a message with '{role_key}' and '{content_key}'",
+                                 "set message_property_mappings to the message's keys")  # fmt: skip
+    content = raw[content_key]
+    if isinstance(content, list):  # [{"type": "text", "text": ...}]
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    if not isinstance(content, str):
+        raise PreferenceRowError(f"{where}.{content_key} should be text, not {type(content).__name__}")
+    roles = _role_map(options)
+    role = raw.get(role_key, default_role)
+    if role not in roles:
+        raise PreferenceRowError(f"{where}.{role_key} is '{role}', not one of {', '.join(roles)}",
+                                 "map it with roles: {user: [...], assistant: [...]}")  # fmt: skip
+    return {"role": roles[role], "content": content}
+
+
+def _conversation(row: dict, name: str, options: Mapping, key: str | None = None) -> list[dict]:
+    value = row.get(name)
+    if value is None:
+        _text(row, name, key)  # raises the missing-field error
+    if not isinstance(value, list) or not value:
+        raise PreferenceRowError(f"field '{name}' should be a non-empty list of messages")
+    return [_message(message, f"{name}[{index}]", options) for index, message in enumerate(value)]
+
+
+def _reply_message(row: dict, name: str, options: Mapping, key: str | None = None) -> dict:
+    """A reply given as text, as a message, or as a conversation whose last message is the reply."""
+    value = row.get(name)
+    if isinstance(value, str):
+        return {"role": "assistant", "content": value}
+    if isinstance(value, dict):
+        reply = _message(value, name, options, default_role="assistant")
+    elif isinstance(value, list) and value:
+        reply = _message(value[-1], f"{name}[{len(value) - 1}]", options, default_role="assistant")
+    elif value is None:
+        raise PreferenceRowError(f"missing field '{name}' (row has: {', '.join(map(str, row))})",
+                                 f"set {key} to the field that holds it" if key else None)  # fmt: skip
+    else:
+        raise PreferenceRowError(f"field '{name}' should be the reply: text, a message or a list of messages, "
+                                 f"not {type(value).__name__}" + (" (empty)" if value == [] else ""))  # fmt: skip
+    if reply["role"] != "assistant":
+        raise PreferenceRowError(f"field '{name}' should end with the assistant's reply, not a {reply['role']} message")
+    return reply
+
+
+def _split(conversation: list[dict], name: str) -> tuple[list[dict], str]:
+    """A whole conversation: the turns before the reply, and the reply."""
+    if len(conversation) < 2 or conversation[-1]["role"] != "assistant":
+        raise PreferenceRowError(f"field '{name}' should hold the conversation and end with the assistant's reply")
+    return conversation[:-1], conversation[-1]["content"]
