@@ -149,7 +149,7 @@ class CheckpointManager:
         if best and str(staged.parent) in best:
             best = str(final)
         collectives.barrier()
-        if main:
+        if main or (self.machines > 1 and manifest.own_disk() and _local_main()):  # each machine's own copies
             folders.rotate(self.output_dir, self.limit, Path(best) if best else None)
         return best
 
@@ -172,6 +172,18 @@ class CheckpointManager:
         if self.saver is not None:
             return "dcp-async"
         return "dcp" if self.tensor_parallel_resumable else "trainer"
+
+    def write_dcp(self, trainer, staged: Path) -> None:
+        """The dcp format (tensor parallel, synchronous): the model's and the optimizer's DTensor states through
+        torch's distributed checkpoint (each rank its shards, under the names the live model has, whatever
+        transformers converted at load), the scheduler and this rank's RNG state, beside the Trainer's
+        weights-only files."""
+        import torch
+
+        dcp.save(trainer.model, trainer.optimizer, staged / dcp.TP_STATE)
+        if trainer.args.should_save:
+            torch.save(trainer.lr_scheduler.state_dict(), staged / "scheduler.pt")
+        trainer._save_rng_state(str(staged))
 
     # --- loading, by what the checkpoint holds -------------------------------------------------------------------
 

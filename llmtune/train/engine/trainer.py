@@ -156,7 +156,7 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
                         self.start_async_write(staged, trainable_only=True)
                         self._save_rng_state(str(staged))
                     else:
-                        self._save_tensor_parallel_state(str(staged))
+                        self.checkpoints.write_dcp(self, staged)
             finally:
                 self._staging = False
 
@@ -209,16 +209,6 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
     # and the optimizer's DTensor states with torch's distributed checkpoint (each rank its shards, under the names
     # the live model has, whatever transformers converted at load), the scheduler and the RNG state. Async
     # checkpoints (any strategy but ZeRO, FSDP1 and pipelines) hold the same states, written in the background.
-
-    def _save_tensor_parallel_state(self, folder: str) -> None:
-        import torch
-
-        from llmtune.train.checkpoint import dcp
-
-        dcp.save(self.model, self.optimizer, Path(folder) / dcp.TP_STATE)
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
-        self._save_rng_state(folder)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if not self.checkpoints.load_model(self, resume_from_checkpoint):
