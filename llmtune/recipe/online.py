@@ -10,6 +10,7 @@ the loader (llmtune/recipe/user_code.py), which knows the recipe's folder.
 
 from __future__ import annotations
 
+from llmtune.recipe.trl_trainers import refuse_clashes
 from llmtune.recipe.user_code import looks_like_function
 
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -68,14 +69,6 @@ def check_online(recipe) -> None:
         raise ValueError(f"trl.vllm_mode: {mode} without trl.use_vllm: true; set use_vllm, or remove vllm_mode")
     if recipe.vllm and not trl_value(recipe, "use_vllm"):
         raise ValueError("vllm: configures the generation engine of trl.use_vllm: true; set it, or remove vllm:")
-    clashes = {
-        "reward_model": recipe.reward_model, "process_reward_model": recipe.process_reward_model,
-        "sample_packing": recipe.sample_packing, "pipeline_parallel_size > 1": recipe.pipeline_parallel_size > 1,
-        "tensor_parallel_size > 1": recipe.tensor_parallel_size > 1,
-        "context_parallel_size > 1": recipe.context_parallel_size > 1, "use_eaft": recipe.use_eaft,
-        "lisa_n_layers": bool(recipe.lisa_n_layers), "relora": bool(recipe.relora), "qat": bool(recipe.qat),
-        "max_prompt_len": bool(recipe.max_prompt_len),
-    }  # fmt: skip
     why = {
         "sample_packing": "TRL's GRPO pads each prompt and completion; set sample_packing: false",
         "pipeline_parallel_size > 1": "TRL's trainers run through the HF Trainer, which pipeline stages replace",
@@ -85,10 +78,12 @@ def check_online(recipe) -> None:
         "max_prompt_len": "TRL's GRPO has no prompt limit; prompts longer than sequence_len minus "
         "trl.max_completion_length are dropped before launch",
     }  # fmt: skip
-    clash = next((key for key, on in clashes.items() if on), None)
-    if clash:
-        raise ValueError(f"rl: {rl} with {clash} is not supported: "
-                         + why.get(clash, "it changes the supervised loss or its data, which GRPO's loss replaces"))  # fmt: skip
+    refuse_clashes(
+        recipe,
+        why,
+        "it changes the supervised loss or its data, which GRPO's loss replaces",
+        {"max_prompt_len": bool(recipe.max_prompt_len)},
+    )
     for group in ("datasets", "test_datasets"):
         for index, spec in enumerate(getattr(recipe, group) or []):
             kind = spec.type

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator
 
 from llmtune.errors import did_you_mean
 from llmtune.recipe.base import Section, empty_to_none
+from llmtune.recipe.trl_trainers import refuse_clashes
 
 RL_METHODS = ("dpo", "ipo", "orpo", "kto", "simpo")  # preference training: fixed pairs or labelled completions
 ONLINE_METHODS = ("grpo", "gdpo")  # online RL: generations scored by reward functions (llmtune/recipe/online.py)
@@ -241,13 +242,6 @@ def check(recipe) -> None:
                          "anyway); remove it")  # fmt: skip
     if rl == "orpo" and recipe.orpo_alpha is not None and recipe.rl_beta is not None:
         raise ValueError("orpo_alpha and rl_beta both set ORPO's weight (TRL's beta); set one")
-    clashes = {
-        "reward_model": recipe.reward_model, "process_reward_model": recipe.process_reward_model,
-        "sample_packing": recipe.sample_packing, "pipeline_parallel_size > 1": recipe.pipeline_parallel_size > 1,
-        "tensor_parallel_size > 1": recipe.tensor_parallel_size > 1,
-        "context_parallel_size > 1": recipe.context_parallel_size > 1, "use_eaft": recipe.use_eaft,
-        "lisa_n_layers": bool(recipe.lisa_n_layers), "relora": bool(recipe.relora), "qat": bool(recipe.qat),
-    }  # fmt: skip
     why = {
         "sample_packing": "TRL's preference trainers pad each pair (its prompt masked); set sample_packing: false",
         "pipeline_parallel_size > 1": "TRL's trainers run through the HF Trainer, which pipeline stages replace",
@@ -256,10 +250,7 @@ def check(recipe) -> None:
         "context_parallel_size > 1": "TRL sums each sequence's log-probs over the whole row, which context "
         "parallelism splits across ranks",
     }  # fmt: skip
-    clash = next((key for key, on in clashes.items() if on), None)
-    if clash:
-        reason = why.get(clash, "it changes the supervised loss or its data, which a preference loss replaces")
-        raise ValueError(f"rl: {rl} with {clash} is not supported: {reason}")
+    refuse_clashes(recipe, why, "it changes the supervised loss or its data, which a preference loss replaces")
     _datasets_with_rl(recipe)
 
 

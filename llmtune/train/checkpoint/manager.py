@@ -112,7 +112,7 @@ class CheckpointManager:
         self.times.append(record)
         info = marker()
         if later:
-            self.deferred = (staged, final, {**info, "format": "dcp-async"})
+            self.deferred = (staged, final, info)
             record["stall_seconds"] = round(time.perf_counter() - began, 4)
             return best
         best = self.publish(staged, final, info, best)
@@ -131,7 +131,7 @@ class CheckpointManager:
             if manifest.own_disk() and _local_main():
                 manifest.complete_deepspeed_copy(staged)
             info[manifest.KEY] = manifest.gather(staged, _local_main())
-        info.setdefault("format", "pipeline" if self.strategy == "pipeline" else self.format)
+        info.setdefault("format", self.format)
         if main and staged.exists():
             folders.publish(staged, final, info)
         if collectives.world_size() > 1:
@@ -169,6 +169,9 @@ class CheckpointManager:
 
     @property
     def format(self) -> str:
+        """What this run's checkpoints hold (the marker's `format`)."""
+        if self.strategy == "pipeline":
+            return "pipeline"
         if self.saver is not None:
             return "dcp-async"
         return "dcp" if self.tensor_parallel_resumable else "trainer"

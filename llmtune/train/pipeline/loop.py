@@ -189,8 +189,7 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log, checkpoints,
             done = step + 1
             checkpoints.save(done, lambda staged, done=done: stage_files.write(staged, done, grid, params, optimizer,
                                                                                scheduler),
-                             lambda done=done: {"step": done, "stages": grid.stages, "history": history,
-                                                "format": "pipeline"})  # fmt: skip
+                             lambda done=done: {"step": done, "stages": grid.stages, "history": history})  # fmt: skip
         if stop:
             return {"stopped_at": step + 1}
     seconds = time.time() - started
