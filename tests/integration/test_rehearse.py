@@ -98,6 +98,8 @@ def offline_inputs(path: Path, folder: Path) -> tuple[Path, list[str]]:
         for group in ("datasets", "test_datasets"):
             for spec in recipe.get(group) or []:
                 spec["path"] = str(ROOT / spec["path"])
+        for module in path.parent.glob("*.py"):  # the recipe's own functions (GRPO's rewards) stay beside it
+            (folder / module.name).write_text(module.read_text())
         path = folder / path.name
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path, flags
