@@ -140,3 +140,47 @@ def _check_elastic_sizes(recipe: Recipe, cluster: Cluster, strategy: str, global
         raise UserError(f"with {', '.join(map(str, bad))} machine(s) the global batch {global_batch} can't be kept "
                         f"(it is not a multiple of micro_batch_size x processes = {per_step} per machine)",
                         "raise min_machines, or choose gradient_accumulation_steps so every machine count divides it")  # fmt: skip
+
+
+def check_wrap_class(names: str | None, facts: ModelFacts | None) -> None:
+    """fsdp_config.transformer_layer_cls_to_wrap names classes of this model's own modelling code (a copy from
+    another model's recipe fails in every rank, after loading, in accelerate). Read from transformers' modelling
+    files for the model type, without importing them; a model type transformers doesn't ship (remote code) or a
+    class found nowhere is left to accelerate."""
+    import re
+    from pathlib import Path
+
+    if not names or facts is None or not facts.model_type:
+        return
+    spec = importlib.util.find_spec("transformers")
+    folder = Path(spec.origin).parent / "models" / facts.model_type if spec and spec.origin else None
+    files = sorted(folder.glob("modeling_*.py")) if folder and folder.is_dir() else []
+    if not files:
+        return
+    source = "\n".join(file.read_text(encoding="utf-8", errors="replace") for file in files)
+    defined = set(re.findall(r"^class (\w+)\(", source, flags=re.MULTILINE))
+    own = re.findall(r"_no_split_modules\s*=\s*\[([^\]]*)\]", source)
+    layers = sorted({name for found in own for name in re.findall(r"[\"'](\w+)[\"']", found) if name in defined})
+    for name in (part.strip() for part in names.split(",")):
+        if name and name not in defined:
+            raise UserError(f"fsdp_config.transformer_layer_cls_to_wrap: {name} is not a class of {facts.model_type} "
+                            "models (accelerate would stop every rank after loading the model)",
+                            f"use {' or '.join(layers[:3]) or 'the model decoder layer class'}, or remove the key "
+                            "(the model's own _no_split_modules are wrapped)")  # fmt: skip
+
+
+FSDP1_ONLY = ("use_orig_params", "sync_module_states", "backward_prefetch", "forward_prefetch", "limit_all_gathers")
+
+
+def fsdp2_notes(recipe, settings) -> list[str]:
+    """What an FSDP2 plan says of FSDP1 intent: the version chosen without being asked for (Axolotl runs fsdp_config
+    alone as FSDP1, deprecated), and FSDP1 keys the recipe sets that FSDP2 has no use for."""
+    notes = []
+    if not recipe.fsdp_version and not settings.version:
+        notes.append("fsdp_config without fsdp_version runs FSDP2 (Axolotl would run FSDP1, which transformers "
+                     "deprecates); set fsdp_version: 1 to keep FSDP1")  # fmt: skip
+    unused = [key for key in FSDP1_ONLY if key in settings.model_fields_set]
+    if unused:
+        notes.append(f"fsdp_config: {', '.join(unused)} {'are FSDP1 keys' if len(unused) > 1 else 'is an FSDP1 key'}"
+                     " with no FSDP2 counterpart: not used")  # fmt: skip
+    return notes

@@ -30,6 +30,7 @@ PRESETS = {
     "zero3": ZeroPreset(3),
     "zero2_offload": ZeroPreset(2, offload_optimizer="cpu"),
     "zero3_offload": ZeroPreset(3, offload_optimizer="cpu", offload_param="cpu"),
+    "zero3_offload_params": ZeroPreset(3, offload_param="cpu"),
     "zero3_nvme": ZeroPreset(3, offload_optimizer="nvme", offload_param="nvme"),
 }
 # Axolotl ships deepspeed_configs/<name>.json; recipes name those files. They mean these presets.
@@ -92,11 +93,17 @@ def _preset_zero(preset: ZeroPreset, recipe, facts: ModelFacts | None) -> dict:
 
 
 def build_deepspeed_config(
-    recipe, data_parallel_size: int, precision: str, facts: ModelFacts | None
+    recipe, data_parallel_size: int, precision: str, facts: ModelFacts | None, rehearsal: bool = False
 ) -> tuple[dict, list[str]]:
     """The resolved DeepSpeed config and notes about what was filled or replaced."""
     user, preset_name = load_user_config(recipe.deepspeed)
     notes: list[str] = []
+    if rehearsal:  # CPU processes run fp32: a file's own bf16/fp16 (Axolotl's zero3_bf16*.json) as the recipe's
+        for key in ("bf16", "fp16"):
+            if isinstance(user.get(key), dict) and user[key].get("enabled") not in (None, "auto", False):
+                user = {**user, key: {**user[key], "enabled": "auto"}}
+                notes.append(f"CPU rehearsal: the deepspeed config's {key}.enabled becomes fp32 (the GPU run "
+                             f"keeps {key})")  # fmt: skip
     micro, accumulation = recipe.micro_batch_size, recipe.gradient_accumulation_steps
     resolved: dict[str, Any] = {
         "train_batch_size": micro * accumulation * data_parallel_size,
@@ -116,6 +123,12 @@ def build_deepspeed_config(
                          f"{preset_name} preset stands for it (a file at that path would be read instead)")  # fmt: skip
     else:
         zero = dict(config.get("zero_optimization") or {"stage": 0})
+        if isinstance(zero.get("stage"), str) and zero["stage"].strip().isdigit():
+            zero["stage"] = int(zero["stage"])  # DeepSpeed reads "3" as 3, transformers' is_zero3() doesn't
+        if int(zero.get("stage") or 0) < 3 and (zero.get("offload_param") or {}).get("device", "none") != "none":
+            del zero["offload_param"]
+            notes.append(f"deepspeed: offload_param works at ZeRO stage 3 only (DeepSpeed ignores it at stage "
+                         f"{zero.get('stage')}); left out, so the plan and the estimate keep the parameters on the GPU")  # fmt: skip
         auto_zero = _preset_zero(ZeroPreset(int(zero.get("stage", 0)) or 1), recipe, facts)
         for key, value in list(zero.items()):
             if value == "auto":
@@ -168,9 +181,12 @@ def _resolve_optimizer(config: dict, recipe, notes: list[str]) -> None:
         }
     elif offloaded:
         if not recipe.optimizer.startswith("adamw"):
+            source = recipe.deepspeed if isinstance(recipe.deepspeed, str) else "the inline mapping"
             raise UserError(
-                f"optimizer: {recipe.optimizer} can't run with DeepSpeed optimizer offload",
-                "use optimizer: adamw_torch (DeepSpeed's CPU Adam runs it), or a preset without offload",
+                f"optimizer: {recipe.optimizer} can't run with the optimizer offload of deepspeed: {source} "
+                "(DeepSpeed steps offloaded optimizer states with its own CPU Adam and refuses other optimizers)",
+                f"use optimizer: adamw_torch (DeepSpeed's CPU Adam runs it), or deepspeed: zero{zero.get('stage', 2)} "
+                "(no offload)",
             )
         config["optimizer"] = {"type": "AdamW", "params": params}
         notes.append("optimizer offload: DeepSpeed's CPU AdamW runs the optimizer step")

@@ -17,6 +17,12 @@ def _data_parallel_sizes(recipe: Recipe, world: int, inner: int, key: str, shard
         raise UserError(f"world size {world} is not divisible by {key} {inner}",
                         f"use --num-processes {inner * max(1, world // inner)}, or a {key} that divides {world}")  # fmt: skip
     rest = world // inner
+    for name, size in (("dp_shard_size", recipe.dp_shard_size), ("dp_replicate_size", recipe.dp_replicate_size)):
+        if size and rest % size:
+            by = f" x {key} {inner}" if inner > 1 else ""
+            raise UserError(f"world size {world} is not divisible by {name} {size}{by}",
+                            f"use --num-processes {size * inner * max(1, rest // size)}, or a {name} that divides "
+                            f"{rest}")  # fmt: skip
     shard = recipe.dp_shard_size or (rest // (recipe.dp_replicate_size or 1) if shard_the_rest else 1)
     replicate = recipe.dp_replicate_size or max(1, rest // shard)
     if replicate * shard * inner != world:

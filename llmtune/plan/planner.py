@@ -19,6 +19,8 @@ from llmtune.plan.checks import (
     _check_muon_offload,
     _check_relora,
     _qat_notes,
+    check_wrap_class,
+    fsdp2_notes,
     gptq_check,
 )
 from llmtune.plan.cluster import Cluster
@@ -203,7 +205,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
                         f"runs {STRATEGY_TITLES[strategy]}", "add fsdp_version: 2, or remove them")  # fmt: skip
     ds_path = None
     if strategy == "zero":
-        deepspeed_config, ds_notes = build_deepspeed_config(recipe, data_parallel, precision, facts)
+        deepspeed_config, ds_notes = build_deepspeed_config(recipe, data_parallel, precision, facts, cluster.rehearsal)
         notes += ds_notes
         zero = deepspeed_config["zero_optimization"]
         stage = int(zero.get("stage", 0))
@@ -226,6 +228,14 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
             # save proves nothing. (Its sharded resume: tests/integration/test_fsdp1_resume.py.)
             raise UserError("fsdp_version: 1 can't be rehearsed on CPU (its state dict can't be saved there)",
                             "rehearse with fsdp_version: 2 (FSDP1 is deprecated in transformers), or run on GPUs")  # fmt: skip
+        if settings.activation_checkpointing and recipe.adapter:
+            settings = settings.model_copy(update={"activation_checkpointing": False})
+            notes.append("fsdp_config.activation_checkpointing with an adapter: the model's own activation "
+                         "checkpointing instead (the same recomputation per decoder layer): under FSDP's checkpoint "
+                         "wrapper PEFT finds none of the adapter's weights, and the adapter would be saved empty")  # fmt: skip
+        check_wrap_class(settings.transformer_layer_cls_to_wrap, facts)
+        if version == 2:
+            notes += fsdp2_notes(recipe, settings)
         fsdp = fsdp_section(version, settings)
         offload = "cpu" if settings.offload_params else "none"
         if world == 1:

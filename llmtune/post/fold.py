@@ -44,6 +44,10 @@ def read_adapter(folder: Path) -> tuple[dict[str, LoraPair], dict[str, object], 
     if not weights.exists():
         raise UserError(f"{folder} has adapter_config.json but no adapter_model.safetensors", "rerun the training save")
     state = load_file(str(weights))
+    if not state:  # folding it would write the base model unchanged under the merged name
+        raise UserError(f"{weights} holds no tensors: the adapter lost its training when it was saved",
+                        "retrain with this llmtune (it checks each saved adapter), or merge a checkpoint-N folder whose "
+                        "adapter has weights")  # fmt: skip
     pairs: dict[str, dict] = {}
     replaced: dict[str, object] = {}
     for key, tensor in state.items():

@@ -316,11 +316,11 @@ def _values(data: dict, notes: Notes) -> None:
     steps = data.get("warmup_steps")
     if isinstance(steps, float) and 0 < steps < 1:
         notes.add(f"warmup_steps: {steps} is below 1, read as warmup_ratio (as transformers reads it)")
+    if isinstance(data.get("pretraining_dataset"), str):
+        notes.add("pretraining_dataset: a name (Axolotl v0.3.0-v0.4.0's form), read as [{path: that name}]")
     if data.get("pretraining_dataset"):
         notes.add("pretraining_dataset: read as plain-text completion data and packed (sample_packing: true); "
                   "hub sources are streamed up to what max_steps needs")  # fmt: skip
-    if data.get("batch_size") and data.get("gradient_accumulation_steps"):
-        notes.add("batch_size: ignored, gradient_accumulation_steps is set (as Axolotl does)")
 
 
 def action(key: str, kind: str = "top") -> str:

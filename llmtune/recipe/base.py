@@ -40,3 +40,20 @@ def empty_to_none(value: Any) -> Any:
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         return None
     return value
+
+
+def jinja_text(value: str | None, key: str) -> str | None:
+    """chat_template_jinja as the template text: Axolotl (v0.11.0 on) also takes a path to a .jinja file there."""
+    from pathlib import Path
+
+    if not isinstance(value, str) or "\n" in value or "{" in value:
+        return value
+    try:
+        path = Path(value.strip()).expanduser()
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, ValueError, RuntimeError, UnicodeDecodeError):  # not a name any file system takes: the text
+        return value
+    if path.suffix in (".jinja", ".j2", ".jinja2"):
+        raise ValueError(f"{key}: {value} is not a file (a path to a .jinja file, or the template text itself)")
+    return value

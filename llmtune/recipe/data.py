@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from llmtune.recipe.base import Section, empty_to_none
+from llmtune.recipe.model import template_keys
 from llmtune.recipe.preference import ALL_TYPES as PREFERENCE_TYPES
 from llmtune.recipe.preference import PreferenceFormat
 
@@ -185,6 +186,8 @@ class DatasetSpec(Section):
     def _dataset_empty(cls, value):
         return empty_to_none(value)
 
+    _templates = field_validator("chat_template", "chat_template_jinja")(template_keys)
+
     @property
     def transform(self) -> bool:
         """The type names a function in the user's file (module.function), GRPO's dataset transform."""
@@ -302,6 +305,12 @@ class DataKeys(Section):
     def _data_empty(cls, value):
         value = empty_to_none(value)
         return [value] if isinstance(value, dict) else value  # Axolotl accepts one mapping for a list
+
+    @field_validator("pretraining_dataset", mode="before")
+    @classmethod
+    def _pretraining_as_a_name(cls, value):
+        """Axolotl v0.3.0-v0.4.0 took one hub id or path as a string (loaded with split train, streamed)."""
+        return [{"path": value.strip()}] if isinstance(value, str) and value.strip() else value
 
     @model_validator(mode="after")
     def _pretraining(self):

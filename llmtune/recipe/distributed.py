@@ -61,7 +61,7 @@ class FsdpConfig(Section):
         return data
 
 
-DEEPSPEED_PRESETS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme")
+DEEPSPEED_PRESETS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_offload_params", "zero3_nvme")
 
 
 class DistributedKeys(Section):

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from llmtune.recipe.axolotl_keys import attention_alias
-from llmtune.recipe.base import Section, empty_to_none
+from llmtune.recipe.base import Section, empty_to_none, jinja_text
 from llmtune.recipe.kernels import CCE_PLUGIN, COMPILE_MODES, LIGER_PLUGIN, check_plugins
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
@@ -37,6 +37,22 @@ MODEL_QUANTIZATION_CONFIGS = {"Mxfp4Config": {"dequantize": True}}
 def known_chat_template(name: str) -> bool:
     name = name.removeprefix(FALLBACK_PREFIX) if name.startswith(FALLBACK_PREFIX) else name
     return name in NAMED_CHAT_TEMPLATES or name in FAMILY_CHAT_TEMPLATES
+
+
+def checked_template_name(value: str | None) -> str | None:
+    """A recipe's (or a dataset entry's) chat_template, if it names a template llmtune knows."""
+    if value is not None and not known_chat_template(value):
+        raise ValueError(f"'{value}' is not a known template; use one of "
+                         f"{', '.join(NAMED_CHAT_TEMPLATES + FAMILY_CHAT_TEMPLATES)}")  # fmt: skip
+    return value
+
+
+def template_keys(cls, value, info):
+    """chat_template names a known template; chat_template_jinja is the text, or a .jinja file's (the recipe's keys
+    and a dataset entry's)."""
+    if info.field_name == "chat_template":
+        return checked_template_name(value)
+    return jinja_text(value, info.field_name)
 
 
 class ModelKeys(Section):
@@ -158,13 +174,7 @@ class ModelKeys(Section):
                 raise ValueError(f"'{name}' is not a special token name; use one of {', '.join(SPECIAL_TOKEN_NAMES)}")
         return value
 
-    @field_validator("chat_template")
-    @classmethod
-    def _known_template(cls, value):
-        if value is not None and not known_chat_template(value):
-            names = ", ".join(NAMED_CHAT_TEMPLATES + FAMILY_CHAT_TEMPLATES)
-            raise ValueError(f"'{value}' is not a known template; use one of {names}")
-        return value
+    _templates = field_validator("chat_template", "chat_template_jinja")(template_keys)
 
     @field_validator("cls_model_config")
     @classmethod

@@ -6,6 +6,7 @@ on disk and doesn't look like a path is taken as a hub id and left for the worke
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
 from llmtune.errors import UserError
@@ -22,11 +23,13 @@ def _hub_gguf(name: str) -> bool:
     return name.endswith(".gguf") and not name.startswith(("/", ".", "~")) and name.count("/") >= 2
 
 
-# Axolotl ships these DeepSpeed files in its repository; a recipe naming one that isn't on disk gets the preset
+# Axolotl ships these DeepSpeed files in its repository; a recipe naming one that isn't on disk gets the preset with
+# the same stage and offload (read from the files, v0.4.0 to v0.18.0: zero2*.json offload the optimizer to CPU;
+# zero3_bf16_cpuoffload_params.json the parameters only). Precision follows the recipe, not the files' bf16.
 AXOLOTL_FILES = {
-    "zero1": "zero1", "zero1_torch_compile": "zero1", "zero2": "zero2", "zero2_torch_compile": "zero2",
+    "zero1": "zero1", "zero1_torch_compile": "zero1", "zero2": "zero2_offload", "zero2_torch_compile": "zero2_offload",
     "zero3": "zero3", "zero3_bf16": "zero3", "zero3_bf16_cpuoffload_all": "zero3_offload",
-    "zero3_bf16_cpuoffload_params": "zero3_offload",
+    "zero3_bf16_cpuoffload_params": "zero3_offload_params",
 }  # fmt: skip
 
 
@@ -101,5 +104,7 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
                 files = [spec.data_files] if isinstance(spec.data_files, str) else spec.data_files
                 for name in files:
                     where = f"{group}[{index}].data_files"
+                    if any(char in name for char in "*?[") and glob.glob(str(base / name), recursive=True):
+                        continue  # a glob, as `datasets` expands it
                     if not on_disk(str(base / name), where, recipe_path) and not on_disk(name, where, recipe_path):
                         raise UserError(f"{recipe_path}: {group}[{index}].data_files: {name} not found in {base}")

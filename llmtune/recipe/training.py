@@ -44,7 +44,7 @@ class TrainingKeys(Section):
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     batch_size: int | None = Field(
         None, gt=0, description="Axolotl's older key: without gradient_accumulation_steps, that becomes "
-        "batch_size // micro_batch_size (as Axolotl derives it); with it, batch_size is ignored.",
+        "batch_size // micro_batch_size (as Axolotl derives it); both set are refused, as Axolotl refuses them.",
     )  # fmt: skip
     num_epochs: float = Field(1.0, gt=0, description="Passes over the training data.")
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (wins over epochs).")
@@ -213,6 +213,11 @@ class TrainingKeys(Section):
         if isinstance(steps, float) and 0 < steps < 1 and data.get("warmup_ratio") is None:
             data["warmup_ratio"] = data.pop("warmup_steps")
         batch, micro = data.get("batch_size"), data.get("micro_batch_size") or 1
+        if batch and data.get("gradient_accumulation_steps"):  # Axolotl refuses the pair in every release
+            raise ValueError(f"batch_size ({batch}) and gradient_accumulation_steps "
+                             f"({data['gradient_accumulation_steps']}) are both set, and they disagree on the global "
+                             "batch: keep one (batch_size is rows per step per GPU; the accumulation is batch_size / "
+                             "micro_batch_size)")  # fmt: skip
         if data.get("gradient_accumulation_steps") is None and isinstance(batch, int) and isinstance(micro, int):
             if batch < micro:
                 raise ValueError(f"batch_size {batch} is below micro_batch_size {micro}; batch_size is rows per "

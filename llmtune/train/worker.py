@@ -33,6 +33,10 @@ def _reference_report(trainer, recipe) -> dict:
 
 def _save_model(trainer, folder: Path, relora, main: bool) -> None:
     trainer.save_model(str(folder))  # a collective where the model is sharded: every rank calls it
+    if main:
+        from llmtune.train.checkpoint.final import check_saved_adapter
+
+        check_saved_adapter(folder, trainer.model)
     (folder / "training_args.bin").unlink(missing_ok=True)  # a pickle; plan.json records the same
     if relora is not None and main:  # the Trainer saved the last cycle's adapter: every cycle's, stacked, replaces it
         relora.save_adapter(folder)
@@ -235,7 +239,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     )
     steady_seconds /= rank.world_size  # every rank times the same synchronised steps
     from llmtune.train.runtime.memory import cuda_peaks
-    from llmtune.train.runtime.ranks import engine_report, gather, local_parameter_numel
+    from llmtune.train.runtime.ranks import checkpointing_report, engine_report, gather, local_parameter_numel
 
     shards = gather({"rank": rank.rank, "local_parameters": local_parameter_numel(trainer.model),
                      "model_state_bytes": meter.result, "peak_rss_bytes": peak_rss_bytes(),
@@ -247,6 +251,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
                      "libraries": libraries.imported(), **({"profile": profiler.report} if profiler else {}),
                      **({"host_syncs": sync_watch.syncs, "sync_steps_watched": sync_watch.steps_watched}
                         if sync_watch else {}),
+                     "activation_checkpointing": checkpointing_report(trainer.model),
                      **engine_report(trainer), **_reference_report(trainer, recipe)})  # fmt: skip
     trainer._check_finite()
     full_state_dict_for_final_save(trainer)

@@ -39,7 +39,10 @@ CASES = [
     ("zero3-lora", {"deepspeed": "zero3", **LORA}, "lora"),
     ("zero3-offload", {"deepspeed": "zero3_offload"}, "full"),
     ("fsdp2", {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}}, "full"),
-    ("fsdp2-lora", {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}, **LORA}, "lora"),
+    # fsdp_config.activation_checkpointing as Axolotl's FSDP2 LoRA examples set it: under FSDP's checkpoint wrapper
+    # PEFT saved an empty adapter; the plan gives the recomputation to the model, and the adapter must equal one process's
+    ("fsdp2-lora", {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT",
+                                                       "activation_checkpointing": True}, **LORA}, "lora"),
     ("fsdp2-sharded", {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}}, "full"),
 ]
 SHARDED = ("zero3", "fsdp2")
@@ -125,6 +128,8 @@ def test_two_ranks_match_single_process(workspace, reference, name, changes, kin
         assert {key: rank.get(key) for key in engine_of(name)} == engine_of(name), rank
         # DeepSpeed is imported by the ranks of a ZeRO plan only (read from each rank's sys.modules)
         assert rank["libraries"].keys() == ({"deepspeed"} if name.startswith("zero") else set()), rank
+    # who recomputed activations: none asked for but fsdp2-lora's, which the plan gives to the model (not FSDP's wrapper)
+    assert {r["activation_checkpointing"] for r in ranks} == {"model" if name == "fsdp2-lora" else "none"}, ranks
     if name.startswith("zero") and "offload" not in name:
         assert all(r["optimizer"] != "DeepSpeedCPUAdam" for r in ranks)
     assert losses(metrics) == pytest.approx(losses(ref_metrics), abs=2e-5)

@@ -83,16 +83,7 @@ def chat(tok, **spec):
 
 def test_chat_template_trains_assistant_turns_and_their_eos(tok):
     ids, labels = chat(tok)
-    pieces, current = [], []
-    for i, label in zip(ids, labels, strict=True):
-        if label != IGNORE:
-            current.append(i)
-        elif current:
-            pieces.append(tok.decode(current))
-            current = []
-    if current:
-        pieces.append(tok.decode(current))
-    assert pieces == ["Paris.<|im_end|>", "Rome.<|im_end|>"]
+    assert pieces(tok, ids, labels) == ["Paris.<|im_end|>", "Rome.<|im_end|>"]
     assert tok.decode(ids).startswith("<|im_start|>system\nBe brief.<|im_end|>")
 
 
@@ -110,6 +101,45 @@ def test_chat_template_all_eos_and_roles_to_train(tok):
     text = trained_text(tok, ids, labels)
     assert text.count("<|im_end|>") == 5  # every turn's end, the system turn's too
     assert "Capital of France?" in text and "Be brief." not in text
+
+
+@pytest.mark.parametrize("name", ["mistral_v1", "mistral_v2v3"])
+def test_a_template_that_puts_a_space_before_the_answer_trains_its_first_word(tok, name):
+    # byte-level BPE fuses that space with the first word (" Paris"): the token overlaps the answer and trains, as
+    # Axolotl's find_turn labels it; it used to start one character early and was masked ("P" lost on every row)
+    from llmtune.train.data.templates import FAMILY_TEMPLATES
+
+    row = {"messages": [{"role": "user", "content": "Capital of France?"},
+                        {"role": "assistant", "content": "Paris is."}]}  # fmt: skip
+    [(ids, labels)] = run(tok, row, template=FAMILY_TEMPLATES[name], sequence_len=256, type="chat_template")
+    assert [piece.strip() for piece in pieces(tok, ids, labels)] == [f"Paris is.{tok.eos_token}"]
+
+
+def test_chat_template_train_on_inputs_trains_every_turn_not_the_headers(tok):
+    # Axolotl: every turn becomes trainable (should_train), headers stay masked, the ends follow train_on_eos
+    ids, labels = chat(tok, train_on_eos="last")
+    assert pieces(tok, ids, labels) == ["Paris.", "Rome.<|im_end|>"]
+    row = {"conversations": CONVERSATION}
+    spec = {"type": "chat_template", "field_messages": "conversations", "train_on_eos": "turn",
+            "message_property_mappings": {"role": "from", "content": "value"}}  # fmt: skip
+    [(ids, labels)] = run(tok, row, train_on_inputs=True, template=tok.chat_template, sequence_len=256, **spec)
+    trained = pieces(tok, ids, labels)
+    assert trained[0] == "Be brief.<|im_end|>" and "Paris.<|im_end|>" in trained and "Rome.<|im_end|>" in trained
+    assert not any("<|im_start|>" in piece or "assistant" in piece for piece in trained)
+
+
+def test_a_message_that_reads_like_its_header_and_an_empty_answer(tok):
+    # the user's text "user" is also in its header: the content is labelled, not the header
+    row = {"messages": [{"role": "user", "content": "user"}, {"role": "assistant", "content": "assistant"}]}
+    [(ids, labels)] = run(tok, row, template=tok.chat_template, sequence_len=256, type="chat_template",
+                          roles_to_train=["user", "assistant"])  # fmt: skip
+    assert pieces(tok, ids, labels) == ["user<|im_end|>", "assistant<|im_end|>"]
+    assert labels[ids.index(tok.convert_tokens_to_ids("<|im_start|>")) + 1] == IGNORE  # the header's "user"
+    # an empty answer trains nothing (Axolotl finds no turn), not its end marker and the newline after it
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+                        {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Yes."}]}  # fmt: skip
+    [(ids, labels)] = run(tok, row, template=tok.chat_template, sequence_len=256, type="chat_template")
+    assert pieces(tok, ids, labels) == ["Yes.<|im_end|>"]
 
 
 def test_chat_template_roles_aliases_and_drop_system(tok):

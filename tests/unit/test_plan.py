@@ -82,6 +82,21 @@ def test_axolotl_shipped_deepspeed_files_stand_for_presets_and_the_plan_says_so(
     assert plan.strategy == "zero3" and plan.deepspeed_config["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert any("deepspeed_configs/zero3_bf16_cpuoffload_all.json is Axolotl's own file, not on disk here: llmtune's "
                "zero3_offload preset stands for it" in note for note in plan.notes)  # fmt: skip
+    # each of Axolotl's files (v0.18.0, as in every release since v0.4.0): the stage and offloads it holds
+    shipped = {"zero1": (1, None, None), "zero1_torch_compile": (1, None, None), "zero2": (2, "cpu", None),
+               "zero2_torch_compile": (2, "cpu", None), "zero3": (3, None, None), "zero3_bf16": (3, None, None),
+               "zero3_bf16_cpuoffload_all": (3, "cpu", "cpu"), "zero3_bf16_cpuoffload_params": (3, None, "cpu")}  # fmt: skip
+    for name, (stage, optimizer, parameters) in shipped.items():
+        zero = make_plan(recipe(deepspeed=f"deepspeed_configs/{name}.json"), make_cluster(8, device="cuda"))
+        zero = zero.deepspeed_config["zero_optimization"]
+        found = [(zero.get(key) or {}).get("device") for key in ("offload_optimizer", "offload_param")]
+        assert (zero["stage"], *found) == (stage, optimizer, parameters), name
+    # zero2.json offloads the optimizer, so another optimizer than DeepSpeed's CPU Adam is refused, naming the file
+    with pytest.raises(UserError) as err:
+        make_plan(recipe(deepspeed="deepspeed_configs/zero2.json", optimizer="paged_adamw_8bit"),
+                  make_cluster(8, device="cuda"))  # fmt: skip
+    assert "optimizer offload of deepspeed: deepspeed_configs/zero2.json" in err.value.one_line()
+    assert "deepspeed: zero2 (no offload)" in err.value.one_line()
     # a file of the user's own at that path is read as it is (here: ZeRO-2), and no note claims otherwise
     monkeypatch.chdir(tmp_path)
     (tmp_path / "deepspeed_configs").mkdir()
@@ -259,7 +274,7 @@ def test_tensor_parallel_mesh_and_batch_follow_the_data_parallel_degree(tmp_path
     [
         ({"tensor_parallel_size": 3}, 4, ["world size 4", "tensor_parallel_size 3"]),
         ({"tensor_parallel_size": 4}, 4, ["tensor_parallel_size 4", "2 KV heads"]),
-        ({"tensor_parallel_size": 2, "dp_shard_size": 3}, 4, ["world size 4", "dp_shard_size 3", "= 6"]),
+        ({"tensor_parallel_size": 2, "dp_shard_size": 3}, 4, ["world size 4", "not divisible by dp_shard_size 3", "--num-processes 6"]),
         ({"fsdp_version": 2, "dp_replicate_size": 3}, 4, ["world size 4", "dp_replicate_size 3"]),
         ({"dp_shard_size": 2}, 2, ["dp_shard_size", "fsdp_version: 2"]),
     ],
@@ -462,3 +477,55 @@ def test_tensor_parallel_checkpoints_across_machines_need_a_shared_output_dir(mo
         )
     no_ssh = make_cluster(launcher="deepspeed", hostfile=str(hostfile), device="cuda", no_ssh=True)
     assert make_plan(recipe(tensor_parallel_size=2), no_ssh).shared_output_dir  # each machine checks in
+
+
+def test_a_deepspeed_file_that_forces_bf16_rehearses_in_fp32_and_says_so(tmp_path):
+    # Axolotl's zero3_bf16*.json hold "bf16": {"enabled": true}; CPU processes run fp32, as they do the recipe's bf16
+    path = tmp_path / "zero3_bf16.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
+    cpu = make_plan(recipe(deepspeed=str(path), bf16=True), make_cluster(2, device="cpu"))
+    assert cpu.deepspeed_config["bf16"]["enabled"] is False and cpu.precision == "no"
+    assert any("deepspeed config's bf16.enabled becomes fp32" in note for note in cpu.notes)
+    gpu = make_plan(recipe(deepspeed=str(path), bf16=True), make_cluster(2, device="cuda"))
+    assert gpu.deepspeed_config["bf16"]["enabled"] is True
+    with pytest.raises(UserError, match="sets bf16.enabled = True but the recipe implies False"):
+        make_plan(recipe(deepspeed=str(path)), make_cluster(2, device="cuda"))  # on GPUs the recipe must agree
+
+
+def test_deepspeed_json_values_are_read_as_deepspeed_reads_them():
+    # "stage": "3" is ZeRO-3 to DeepSpeed, but transformers' is_zero3() compares it with the number: written as 3
+    plan = make_plan(recipe(deepspeed={"zero_optimization": {"stage": "3"}}), make_cluster(2, device="cuda"))
+    assert plan.strategy == "zero3" and plan.deepspeed_config["zero_optimization"]["stage"] == 3
+    # offload_param at stage 2 does nothing in DeepSpeed: neither the JSON nor the plan claims it
+    stage2 = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
+    plan = make_plan(recipe(deepspeed=stage2), make_cluster(2, device="cuda"))
+    assert "offload_param" not in plan.deepspeed_config["zero_optimization"] and plan.offload == "none"
+    assert any("offload_param works at ZeRO stage 3 only" in note for note in plan.notes)
+
+
+def test_a_data_parallel_size_that_does_not_divide_the_world_is_named_alone():
+    with pytest.raises(UserError) as err:
+        make_plan(recipe(fsdp_version=2, dp_shard_size=3), make_cluster(8, device="cuda"))
+    assert err.value.one_line().startswith("world size 8 is not divisible by dp_shard_size 3 (hint: use --num-processes 6")
+
+
+def test_fsdp_plans_say_what_axolotl_would_have_run_and_refuse_another_models_layer_class(tmp_path):
+    plan = make_plan(recipe(fsdp_config={"fsdp_use_orig_params": False, "fsdp_offload_params": True}),
+                     make_cluster(8, device="cuda"))  # fmt: skip
+    assert plan.strategy == "fsdp2"
+    assert any("without fsdp_version runs FSDP2 (Axolotl would run FSDP1" in note for note in plan.notes)
+    assert any("use_orig_params is an FSDP1 key with no FSDP2 counterpart" in note for note in plan.notes)
+    asked = make_plan(recipe(fsdp_version=2, fsdp_config={"offload_params": True}), make_cluster(8, device="cuda"))
+    assert not any("FSDP1" in note for note in asked.notes)
+    # a wrap class copied from another model's recipe: one line naming the model's own, before any rank starts
+    llama = _llama_config(tmp_path)
+    with pytest.raises(UserError) as err:
+        make_plan(recipe(base_model=llama, fsdp_version=2, fsdp_config={"transformer_layer_cls_to_wrap":
+                                                                         "MistralDecoderLayer"}),
+                  make_cluster(8, device="cuda"))  # fmt: skip
+    assert "MistralDecoderLayer is not a class of llama models" in err.value.one_line()
+    assert "use LlamaDecoderLayer" in err.value.one_line()
+    own = make_plan(recipe(base_model=llama, fsdp_version=2, fsdp_config={"transformer_layer_cls_to_wrap":
+                                                                          "LlamaDecoderLayer"}),
+                    make_cluster(8, device="cuda"))  # fmt: skip
+    assert own.accelerate_config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"

@@ -78,12 +78,16 @@ KNOWN_MODELS = {
 }
 
 
+# Their config.json's model_type, by organisation (SmolLM2 and TinyLlama are llama)
+KNOWN_TYPES = {"mistralai": "mistral", "Qwen": "qwen2"}
+
+
 def known_model_facts(name: str) -> ModelFacts | None:
     """A known base model, or its -Instruct / -Chat / -v0.2 variant."""
     for known, shape in KNOWN_MODELS.items():
         stem = known.split("/")[1].lower()
         if name.lower() == known.lower() or name.split("/")[-1].lower().startswith(stem):
-            return ModelFacts("llama", *shape)
+            return ModelFacts(KNOWN_TYPES.get(known.split("/")[0], "llama"), *shape)
     return None
 
 

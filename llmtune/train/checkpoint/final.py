@@ -32,3 +32,21 @@ def write_run_files(output_dir: Path, recipe, plan: dict, metrics: dict, gguf_or
     left (launch.runner), off the ranks' critical path."""
     atomic_write(output_dir / "metrics.json", json.dumps(metrics, indent=2, default=str) + "\n")
     atomic_write(output_dir / "README.md", model_card(recipe, plan, metrics, gguf_origin))
+
+
+def check_saved_adapter(folder: Path, model) -> None:
+    """The adapter file holds a tensor for every trainable parameter. PEFT selects the adapter's tensors by module
+    name, and a wrapper it doesn't know between the model and its layers (torch's checkpoint wrapper, say) makes it
+    select none: the run would end "saved" with an empty adapter, and a merge would write the base model back."""
+    from safetensors import safe_open
+
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        return
+    with safe_open(str(weights), framework="pt") as saved:
+        count = len(list(saved.keys()))
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    if count < trainable:
+        raise RuntimeError(f"the adapter saved to {weights} holds {count} tensors for {trainable} trainable "
+                           "parameters: PEFT did not find the adapter's weights in the model (a bug in llmtune; "
+                           "please report it with the recipe)")  # fmt: skip

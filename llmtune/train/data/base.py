@@ -57,6 +57,8 @@ Example = tuple[list[int], list[int]]  # input_ids, labels
 
 def _field(row: dict, name: str, kind=str, required: bool = True):
     if name not in row or row[name] is None:
+        if required and name in row:
+            raise RowError(f"field '{name}' is null")
         if required:
             raise RowError(f"missing field '{name}' (row has: {', '.join(map(str, row)) or 'nothing'})")
         return kind()

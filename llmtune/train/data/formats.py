@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from llmtune.errors import UserError
 from llmtune.train.data.base import (  # noqa: F401  (re-exported: formats.IGNORE etc. are imported elsewhere)
     IGNORE,
     Example,
@@ -151,7 +152,8 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     eos_chars: list[tuple[int, int, bool]] = []
     previous_end = 0
     for index, message in enumerate(messages):
-        trained = message.get("training", message["role"] in train_roles)
+        # train_on_inputs makes every turn trainable (Axolotl's should_train); a message's own `training` wins
+        trained = message.get("training", ctx.train_on_inputs or message["role"] in train_roles)
         upto = render(template, messages[: index + 1], tokenizer)
         if not full.startswith(upto):
             raise RowError("the chat template renders earlier turns differently once later ones are added")
@@ -161,8 +163,9 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
             # Skip the assistant header exactly as the model will see it at inference time.
             start = len(render(template, messages[:index], tokenizer, add_generation_prompt=True))
         content = message["content"].strip()  # templates often trim the content
-        found = full.find(content, start, end) if content else -1
+        found = _content_start(template, messages, index, tokenizer, full, content, start, end)
         content_end = found + len(content) if found >= 0 else end
+        trained = trained and bool(content or message.get("has_thinking"))  # an empty answer teaches nothing
         if trained:
             # reasoning rendered before the answer trains with it
             begin = start if message.get("has_thinking") or found < 0 else found
@@ -177,10 +180,36 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     eot_mode = (spec.train_on_eot or spec.train_on_eos) if ctx.eot_ids else spec.train_on_eos
     spans = trained_chars + _chosen(eot_chars, eot_mode) + _chosen(eos_chars, spec.train_on_eos)
     labels = []
-    for (a, _b), token in zip(offsets, ids, strict=True):
-        keep = ctx.train_on_inputs or any(s <= a < e for s, e in spans)
+    for (a, b), token in zip(offsets, ids, strict=True):
+        # a token overlapping a trained span trains: byte-level BPE fuses the space a template puts before the
+        # content with its first word (" Paris" after "[/INST]"), as Axolotl's find_turn labels it
+        keep = any((a < e and b > s) if b > a else s <= a < e for s, e in spans)
         labels.append(token if keep else IGNORE)
     return [(list(ids), labels)]
+
+
+SENTINEL = "\u2063llmtune\u2063"  # text no template produces (invisible separators around a word)
+
+
+def _content_start(template: str, messages: list[dict], index: int, tokenizer, full: str, content: str, start: int,
+                   end: int) -> int:  # fmt: skip
+    """Where message `index`'s content starts in `full`, or -1. An assistant turn's search starts after its header;
+    any other turn's header can hold the content's text ("user" in "<|im_start|>user"): there the turn is rendered
+    with a stand-in content, whose position is the content's (Axolotl compares with a dummy render the same way)."""
+    from llmtune.train.data.templates import render
+
+    if not content:
+        return -1
+    if messages[index]["role"] != "assistant" or not index:
+        probe = [*messages[:index], {**messages[index], "content": SENTINEL}]
+        try:
+            rendered = render(template, probe, tokenizer)
+        except UserError:
+            rendered = ""
+        at = rendered.find(SENTINEL)
+        if at >= 0 and full.startswith(rendered[:at]) and full.startswith(content, at):
+            return at
+    return full.find(content, start, end)
 
 
 FORMATS: dict[str, Callable[[dict, FormatContext], list[Example]]] = {

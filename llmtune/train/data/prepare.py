@@ -22,7 +22,8 @@ from llmtune.train.data.reward import converter, fit_pair
 from llmtune.train.data.rows import TokenRows
 from llmtune.train.data.sources import fingerprint_source, read_rows
 
-CACHE_FORMAT = 3  # bump when tokenization or the cache layout changes (2: flat numpy arrays; 3: eot_tokens)
+CACHE_FORMAT = 4  # bump when tokenization or the cache layout changes (2: flat numpy arrays; 3: eot_tokens;
+# 4: chat_template labels a space-fused first word, train_on_inputs per turn, no empty answers)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

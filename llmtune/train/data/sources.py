@@ -6,6 +6,7 @@ named in the error. JSON and JSONL are parsed here, line by line, for exactly th
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 from collections.abc import Iterator
@@ -14,27 +15,61 @@ from pathlib import Path
 from llmtune.errors import UserError
 
 BUILDERS = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+# compressed files as `datasets` reads them (Axolotl's sources): opened by Python's own modules
+COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
 READABLE = (".jsonl", ".json", *BUILDERS)
 
 
+def _open_bytes(path: Path):
+    """A data file's bytes, decompressed by its suffix."""
+    import importlib
+
+    module = COMPRESSED.get(path.suffix)
+    return importlib.import_module(module).open(path, "rb") if module else path.open("rb")
+
+
+def _undecodable(path: Path, where: str, err: Exception) -> UserError:
+    if isinstance(err, UnicodeDecodeError):
+        return UserError(f"{path}{where}: not UTF-8 text (byte 0x{err.object[err.start]:02x})",
+                         "save the file as UTF-8 (compressed files need their .gz, .bz2 or .xz suffix)")  # fmt: skip
+    return UserError(f"{path}: can't be read ({err})", "check the file (a compressed one must be complete)")
+
+
+def _text(raw: bytes, path: Path, where: str) -> str:
+    """UTF-8 text (a byte-order mark at the start skipped), or one line naming where it isn't."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise _undecodable(path, where, err) from None
+
+
 def _jsonl(path: Path) -> Iterator[tuple[dict, str]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise UserError(
-                    f"{path} line {number}: not valid JSON ({err.msg})", "fix or remove that line"
-                ) from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path} line {number}: a row must be a JSON object, not {type(row).__name__}")
-            yield row, f"{path} line {number}"
+    try:
+        with _open_bytes(path) as handle:
+            for number, raw in enumerate(handle, start=1):
+                line = _text(raw, path, f" line {number}")
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise UserError(
+                        f"{path} line {number}: not valid JSON ({err.msg})", "fix or remove that line"
+                    ) from None
+                if not isinstance(row, dict):
+                    raise UserError(f"{path} line {number}: a row must be a JSON object, not {type(row).__name__}")
+                yield row, f"{path} line {number}"
+    except (OSError, EOFError) as err:
+        raise _undecodable(path, "", err) from None
 
 
 def _json(path: Path) -> Iterator[tuple[dict, str]]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        with _open_bytes(path) as handle:
+            raw = handle.read()
+    except (OSError, EOFError) as err:
+        raise _undecodable(path, "", err) from None
+    text = _text(raw, path, "")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
@@ -64,23 +99,85 @@ def _with_builder(builder: str, files: list[str], label: str) -> Iterator[tuple[
         yield row, f"{files[0] if len(files) == 1 else label} row {index}"
 
 
-def _files_in(folder: Path, data_files) -> list[Path]:
+def _files_in(folder: Path, data_files, split: str = "train") -> list[Path]:
+    """The data files of a local folder for one split. `data_files` names them (globs too, as `datasets` reads them);
+    otherwise the files whose names say the split (train.jsonl, data/test-00000-of-00001.parquet: `datasets`' own
+    patterns, as Axolotl's load_dataset(folder, split=...) reads them), or every readable file when no name says one."""
     if data_files:
         names = [data_files] if isinstance(data_files, str) else data_files
-        return [folder / n if (folder / n).exists() else Path(n) for n in names]
-    return sorted(p for p in folder.rglob("*") if p.suffix in READABLE and p.is_file())
+        found: list[Path] = []
+        for name in names:
+            if any(char in name for char in "*?["):
+                found += sorted(Path(p) for p in glob.glob(str(folder / name), recursive=True) if Path(p).is_file())
+            else:
+                found.append(folder / name if (folder / name).exists() else Path(name))
+        return found
+    files = sorted(p for p in folder.rglob("*") if _kind(p, None) and p.is_file() and not p.name.startswith("."))
+    by_split = _splits_by_name(folder, files)
+    if not by_split:
+        return files
+    base = split_name(split)
+    if base not in by_split:
+        raise UserError(f"split '{base}' is not among the files of {folder} (their names say "
+                        f"{', '.join(sorted(by_split))})", "set split: to one of those")  # fmt: skip
+    return by_split[base]
+
+
+def _splits_by_name(folder: Path, files: list[Path]) -> dict[str, list[Path]]:
+    """{split: files} where file names say their split, as `datasets` infers it; {} where none do."""
+    import re
+
+    words = r"(train|training|test|testing|eval|evaluation|valid|validation|dev)"
+    if not any(re.search(rf"(^|[/\\._-]){words}([/\\._-]|$)", str(f.relative_to(folder)), re.I) for f in files):
+        return {}  # no name says a split (and `datasets` isn't imported for it)
+    try:
+        from datasets.data_files import DataFilesDict, get_data_patterns
+
+        patterns = get_data_patterns(str(folder))
+        resolved = DataFilesDict.from_patterns(patterns, base_path=str(folder))
+    except Exception:  # no patterns match (EmptyDatasetError) or an older datasets: read every file
+        return {}
+    if list(resolved) == ["train"] and set(map(str, patterns.get("train", []))) <= {"**", "**/*"}:
+        return {}
+    wanted = {str(p.resolve()) for p in files}
+    found = {
+        split: sorted(Path(f) for f in names if str(Path(f).resolve()) in wanted) for split, names in resolved.items()
+    }
+    return {str(split): names for split, names in found.items() if names}
+
+
+def split_name(split: str | None) -> str:
+    """'train[:500]' -> 'train'."""
+    return (split or "train").split("[", 1)[0].strip()
+
+
+def split_slice(rows: list, split: str | None, label: str) -> list:
+    """The rows a split's slice keeps ('train[:500]', 'train[10%:]', as `datasets` reads it); all without one."""
+    import re
+
+    if not split or "[" not in split:
+        return rows
+    match = re.fullmatch(r"\s*\w+\[\s*(-?\d+%?)?\s*:\s*(-?\d+%?)?\s*\]\s*", split)
+    if not match:
+        raise UserError(f"{label}.split: '{split}' is not a slice llmtune reads for local files",
+                        "write it as train[:N], train[N:], train[A:B] or with percentages, e.g. train[:10%]")  # fmt: skip
+
+    def bound(text: str | None) -> int | None:
+        if text is None:
+            return None
+        if text.endswith("%"):
+            return round(len(rows) * int(text[:-1]) / 100)
+        return int(text)
+
+    return rows[bound(match.group(1)) : bound(match.group(2))]
 
 
 def _file_rows(path: Path, ds_type: str | None, label: str) -> Iterator[tuple[dict, str]]:
-    kind = _kind(path, ds_type)
+    kind = _kind(path, ds_type) or "jsonl"  # any other name is read as JSON, as Axolotl reads it
     if kind in ("json", "jsonl"):
-        yield from (_json(path) if path.suffix == ".json" else _jsonl(path))
-    elif kind:
+        yield from (_json(path) if _plain_suffix(path) == ".json" else _jsonl(path))
+    else:  # `datasets` decompresses csv and text itself
         yield from _with_builder(kind, [str(path)], label)
-    else:
-        raise UserError(
-            f"{label}: don't know how to read {path.name}", "set ds_type: json, csv, parquet, arrow or text"
-        )
 
 
 def _hub_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict, str]]:
@@ -118,9 +215,9 @@ def _saved_dataset_rows(folder: Path, spec, label: str) -> Iterator[tuple[dict, 
 
     table = load_from_disk(str(folder))
     if isinstance(table, DatasetDict):
-        if spec.split not in table:
-            raise UserError(f"{label}: split '{spec.split}' not in {folder} (has {', '.join(table)})")
-        table = table[spec.split]
+        if split_name(spec.split) not in table:
+            raise UserError(f"{label}: split '{split_name(spec.split)}' not in {folder} (has {', '.join(table)})")
+        table = table[split_name(spec.split)]
     for index, row in enumerate(table):
         yield row, f"{folder} row {index}"
 
@@ -129,19 +226,26 @@ def reads_with_datasets(spec) -> bool:
     """Whether read_rows needs the `datasets` library for this source: every source but local JSON files (a
     missing path is a hub id)."""
     path = Path(spec.path)
-    files = [path] if path.is_file() else _files_in(path, spec.data_files) if path.is_dir() else _builder_files(spec)
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        return True
+    files = ([path] if path.is_file() else _files_in(path, spec.data_files, spec.split) if path.is_dir()
+             else _builder_files(spec))  # fmt: skip
     if _builder_files(spec):
         return any(_kind(f, spec.path) not in ("json", "jsonl") for f in files)
-    if not files or (
-        path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
-    ):
+    if not files:
         return True
     return any(_kind(f, spec.ds_type) not in ("json", "jsonl") for f in files)
 
 
+def _plain_suffix(path: Path) -> str:
+    """The suffix that says the format: alpaca.jsonl.gz -> .jsonl."""
+    return Path(path.stem).suffix if path.suffix in COMPRESSED else path.suffix
+
+
 def _kind(path: Path, ds_type: str | None) -> str | None:
-    """How a file is read: ds_type when given, else by its extension."""
-    return ds_type or {".jsonl": "jsonl", ".json": "json"}.get(path.suffix) or BUILDERS.get(path.suffix)
+    """How a file is read: ds_type when given, else by its extension (under a compression suffix)."""
+    suffix = _plain_suffix(path)
+    return ds_type or {".jsonl": "jsonl", ".json": "json"}.get(suffix) or BUILDERS.get(suffix)
 
 
 def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict, str]]:
@@ -155,7 +259,7 @@ def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict,
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
             rows = _saved_dataset_rows(path, spec, label)
         else:
-            files = _files_in(path, spec.data_files)
+            files = _files_in(path, spec.data_files, spec.split)
             if not files:
                 raise UserError(f"{label}: no data files in {path}", f"put {', '.join(READABLE)} files there")
             rows = (item for f in files for item in _file_rows(f, spec.ds_type, label))
@@ -163,6 +267,8 @@ def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict,
         rows = (item for f in _builder_files(spec) for item in _file_rows(f, spec.path, label))
     else:
         rows = _hub_rows(spec, label, streaming)
+    if "[" in (spec.split or "") and (path.exists() or _builder_files(spec)):  # the hub reads its own slices
+        rows = iter(split_slice(list(rows), spec.split, label))
     if spec.skip:
         rows = itertools.islice(rows, spec.skip, None)
     if spec.shards:
@@ -175,7 +281,9 @@ def fingerprint_source(spec) -> str:
     import hashlib
 
     path = Path(spec.path)
-    files = [path] if path.is_file() else _files_in(path, spec.data_files) if path.is_dir() else _builder_files(spec)
+    saved = path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
+    files = ([path] if path.is_file() else _files_in(path, spec.data_files, spec.split) if path.is_dir() and not saved
+             else _builder_files(spec))  # fmt: skip
     if path.is_dir() and not files:
         files = sorted(p for p in path.rglob("*") if p.is_file())
     digest = hashlib.sha256()

@@ -15,6 +15,17 @@ def fsdp_checkpointing(plan: dict) -> bool:
     return plan["strategy"].startswith("fsdp") and bool(section.get("fsdp_activation_checkpointing"))
 
 
+def model_checkpointing(recipe, plan: dict) -> bool:
+    """The model's own activation checkpointing is on: gradient_checkpointing, unless FSDP's replaces it, or
+    fsdp_config.activation_checkpointing with an adapter, which the plan gives to the model (planner's note)."""
+    if fsdp_checkpointing(plan):
+        return False
+    if recipe.gradient_checkpointing:
+        return True
+    fsdp = recipe.resolved_fsdp() if plan["strategy"].startswith("fsdp") else None
+    return bool(fsdp and recipe.adapter and fsdp[1].activation_checkpointing)
+
+
 def steps_per_epoch(train_rows: int, plan: dict) -> int:
     per_step = plan["micro_batch_size"] * plan["data_parallel_size"] * plan["gradient_accumulation_steps"]
     return max(1, math.ceil(train_rows / per_step))
@@ -120,7 +131,7 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
         fp16=precision == "fp16",
         tf32=recipe.tf32 and not rehearsal or None,
         **_checkpointing_arguments(
-            recipe.gradient_checkpointing and not fsdp_checkpointing(plan),
+            model_checkpointing(recipe, plan),
             recipe.gradient_checkpointing_kwargs or {"use_reentrant": False},
             # a CPU rehearsal's activations are in host memory already (and pinning needs an accelerator)
             bool(recipe.activation_offloading) and not rehearsal,

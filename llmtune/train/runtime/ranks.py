@@ -123,6 +123,17 @@ def local_parameter_numel(model) -> int:
     return sum(local_tensor(param).numel() for param in model.parameters())
 
 
+def checkpointing_report(model) -> str:
+    """Who recomputes activations in this rank's live model: "fsdp" (torch's checkpoint wrapper around layers,
+    accelerate's FSDP activation_checkpointing), "model" (the model's own, transformers') or "none"."""
+    if any(type(module).__name__ == "CheckpointWrapper" for module in model.modules()):
+        return "fsdp"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    on = getattr(base, "is_activation_checkpointing", None)
+    on = getattr(base, "is_gradient_checkpointing", False) if on is None else on
+    return "model" if on else "none"
+
+
 def engine_report(trainer) -> dict:
     """What this rank really ran, read from the live engine objects after training (not from the plan).
 

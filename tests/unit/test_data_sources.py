@@ -1,0 +1,113 @@
+"""Local data as Axolotl users keep it, read as Axolotl (through `datasets`) reads it: a folder whose file names say
+their split, a split's slice, compressed or extension-less JSON lines, a byte-order mark, globs in data_files; and
+the recipe forms of older releases (pretraining_dataset as a name, chat_template_jinja as a path)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from llmtune.errors import UserError
+from llmtune.recipe.data import DatasetSpec
+from llmtune.recipe.loader import recipe_from_mapping
+from llmtune.train.data.sources import read_rows
+
+
+def _rows(prefix: str, count: int) -> str:
+    return "".join(json.dumps({"instruction": f"{prefix}{i}", "input": "", "output": "o"}) + "\n" for i in range(count))
+
+
+def read(path: Path, **spec) -> list[str]:
+    return [row["instruction"] for row, _ in read_rows(DatasetSpec(path=str(path), type="alpaca", **spec), "datasets[0]")]
+
+
+def test_a_folder_whose_file_names_say_the_split_gives_each_split_its_own_files(tmp_path):
+    # train.jsonl beside test.jsonl: the held-out row must not reach training (it did: every file was read)
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(_rows("train", 3))
+    (folder / "test.jsonl").write_text(_rows("test", 1))
+    assert read(folder) == ["train0", "train1", "train2"]
+    assert read(folder, split="test") == ["test0"]
+    with pytest.raises(UserError, match=r"split 'validation' is not among the files of .* \(their names say test, train\)"):
+        read(folder, split="validation")
+    # a hub snapshot's layout (data/train-00000-of-00001.parquet)
+    import pandas as pd
+
+    snapshot = tmp_path / "snapshot" / "data"
+    snapshot.mkdir(parents=True)
+    for split, count in (("train", 15), ("test", 5)):
+        rows = [{"instruction": f"{split}{i}", "input": "", "output": "o"} for i in range(count)]
+        pd.DataFrame(rows).to_parquet(snapshot / f"{split}-00000-of-00001.parquet")
+    assert len(read(snapshot.parent)) == 15 and len(read(snapshot.parent, split="test")) == 5
+    # names that say no split: every file, in name order
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "part1.jsonl").write_text(_rows("a", 2))
+    (plain / "part2.jsonl").write_text(_rows("b", 2))
+    assert read(plain) == ["a0", "a1", "b0", "b1"]
+    assert read(plain, data_files="part2*.jsonl") == ["b0", "b1"]  # a glob, as `datasets` expands it
+    # a split's slice on local data, as load_dataset reads it (it was ignored: every row trained)
+    assert read(plain, split="train[:3]") == ["a0", "a1", "b0"]
+    assert read(plain, split="train[50%:]") == ["b0", "b1"]
+    assert read(folder, split="test[:5]") == ["test0"]
+    with pytest.raises(UserError, match=r"datasets\[0\].split: 'train\[:2\]\+train\[3:\]' is not a slice"):
+        read(plain, split="train[:2]+train[3:]")
+
+
+def test_compressed_extension_less_and_bom_files_read_and_other_bytes_are_one_line(tmp_path):
+    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress(_rows("g", 3).encode()))
+    assert read(tmp_path / "rows.jsonl.gz") == ["g0", "g1", "g2"]
+    assert read(tmp_path / "rows.jsonl.gz", ds_type="json") == ["g0", "g1", "g2"]
+    (tmp_path / "rows").write_text(_rows("n", 2))  # no extension: JSON, as Axolotl's get_dataset_type says
+    assert read(tmp_path / "rows") == ["n0", "n1"]
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + _rows("b", 2).encode())
+    assert read(tmp_path / "bom.jsonl") == ["b0", "b1"]
+    (tmp_path / "latin.jsonl").write_bytes(_rows("ok", 1).encode() + b'{"instruction": "caf\xe9", "output": "o"}\n')
+    with pytest.raises(UserError) as err:  # a traceback before
+        read(tmp_path / "latin.jsonl")
+    assert "latin.jsonl line 2: not UTF-8 text (byte 0xe9)" in err.value.one_line()
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(_rows("c", 50).encode())[:40])
+    with pytest.raises(UserError, match="cut.jsonl.gz"):
+        read(tmp_path / "cut.jsonl.gz")
+
+
+def recipe(tmp_path: Path, **changes):
+    data = tmp_path / "rows.jsonl"
+    data.write_text(_rows("r", 2))
+    mapping = {"base_model": "org/model", "datasets": [{"path": str(data), "type": "alpaca"}],
+               "output_dir": str(tmp_path / "out"), **changes}  # fmt: skip
+    return recipe_from_mapping(mapping, Path("r.yaml"), check_files=False)
+
+
+def test_older_recipe_forms_of_data_keys(tmp_path):
+    # pretraining_dataset: one name (v0.3.0-v0.4.0)
+    loaded = recipe(tmp_path, datasets=None, pretraining_dataset=str(tmp_path / "rows.jsonl"))
+    assert [spec.path for spec in loaded.recipe.datasets] == [str(tmp_path / "rows.jsonl")]
+    assert loaded.recipe.datasets[0].type == "completion" and loaded.recipe.sample_packing
+    assert any("pretraining_dataset: a name" in note for note in loaded.notes)
+    # chat_template_jinja: a path to a .jinja file (v0.11.0 on), at the top and in a dataset entry
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    loaded = recipe(tmp_path, chat_template="jinja", chat_template_jinja=str(tmp_path / "t.jinja"))
+    assert loaded.recipe.chat_template_jinja == template
+    entry = {"path": str(tmp_path / "rows.jsonl"), "type": "chat_template", "chat_template": "jinja",
+             "chat_template_jinja": str(tmp_path / "t.jinja")}  # fmt: skip
+    assert recipe(tmp_path, datasets=[entry]).recipe.datasets[0].chat_template_jinja == template
+    with pytest.raises(UserError, match="chat_template_jinja: .*missing.jinja is not a file"):
+        recipe(tmp_path, chat_template="jinja", chat_template_jinja=str(tmp_path / "missing.jinja"))
+    # a dataset entry's chat_template is checked when the recipe is read, naming the entry
+    with pytest.raises(UserError, match=r"datasets\[0\].*'notatemplate' is not a known template"):
+        recipe(tmp_path, datasets=[{**entry, "chat_template": "notatemplate"}])
+
+
+def test_a_null_field_is_called_null(tmp_path):
+    from llmtune.train.data.base import RowError, _field
+
+    with pytest.raises(RowError, match="field 'output' is null"):
+        _field({"instruction": "g", "output": None}, "output")
+    with pytest.raises(RowError, match=r"missing field 'output' \(row has: instruction\)"):
+        _field({"instruction": "g"}, "output")
