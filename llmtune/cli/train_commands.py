@@ -158,6 +158,14 @@ def train(
                             "fix it, then run the same command again (llmtune doctor gives the full checks)")  # fmt: skip
     write_plan_files(Path(the_plan.config_dir), files)
     code = run(the_plan, ctx.args, loaded.recipe.rdzv_timeout, verbose=verbose)
+    if code in (128 + 2, 128 + 15):  # Ctrl-C or SIGTERM: say what is kept and what a rerun does
+        from llmtune.plan.checkpoint_layout import last_complete
+
+        kept = last_complete(Path(loaded.recipe.output_dir))
+        typer.echo(f"stopped ({'Ctrl-C' if code == 130 else 'SIGTERM'}); "
+                   + (f"{kept.name} is the last complete checkpoint: the same command resumes from it (the steps "
+                      "after it are trained again)" if kept else "no checkpoint was complete: the same command "
+                      "starts over"), err=True)  # fmt: skip
     if code:
         # 2: a user error the worker already explained; 3: a stalled run, named and stopped (launch/hangs.py);
         # 128+N: stopped by signal N (130 for Ctrl-C); else 1

@@ -107,12 +107,16 @@ def choose_strategy(recipe: Recipe, world_size: int) -> str:
 
 
 def _precision(recipe: Recipe, cluster: Cluster, notes: list[str]) -> str:
-    precision = "bf16" if recipe.bf16 == "auto" and not cluster.rehearsal else recipe.precision
-    if recipe.bf16 == "auto" and cluster.rehearsal:
+    auto = recipe.bf16 == "auto" and not recipe.fp16  # fp16 asked for wins over the default (as in Axolotl)
+    precision = "bf16" if auto and not cluster.rehearsal else recipe.precision
+    if auto and cluster.rehearsal:
         precision = "no"
     if cluster.rehearsal and precision != "no":
         notes.append(f"CPU rehearsal: {precision} mixed precision becomes fp32 (the GPU run keeps {precision})")
         return "no"
+    if precision == "no" and not cluster.rehearsal and not {"bf16", "fp16"} & recipe.model_fields_set:
+        notes.append("precision fp32: the recipe sets neither bf16 nor fp16 (Axolotl v0.5.0 and later default to "
+                     "bf16: auto, bf16 on Ampere and newer GPUs; add bf16: auto for that)")  # fmt: skip
     return precision
 
 

@@ -53,7 +53,7 @@ def _reference_model(info, model):
     recipe = info.recipe
     if recipe.rl not in WITH_REFERENCE or not info.is_run:
         return None, None
-    if info.adapter_dir:
+    if info.adapter_dir and not recipe.lora_model_dir:
         return model, model.disable_adapter
     from transformers import AutoModelForCausalLM
 
@@ -63,6 +63,10 @@ def _reference_model(info, model):
     device, dtype = inference_device()
     base = AutoModelForCausalLM.from_pretrained(model_source(recipe)[0], dtype=dtype,
                                                 trust_remote_code=recipe.trust_remote_code)  # fmt: skip
+    if info.adapter_dir:  # trained on from lora_model_dir: that adapter, frozen, is the reference (as in training)
+        from peft import PeftModel
+
+        base = PeftModel.from_pretrained(base, recipe.lora_model_dir)
     return base.to(device).eval(), nullcontext
 
 

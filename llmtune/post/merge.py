@@ -62,8 +62,7 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
     max_bytes = int(parse_size_option("--max-shard-size", max_shard_size))
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype '{dtype}' is not one of {', '.join(DTYPES)}", "use bf16, fp16 or fp32")
-    if output.exists() and any(output.iterdir()) and not force:
-        raise UserError(f"{output} already exists", "pass --output DIR, or --force to replace it")
+    _check_output(run, output, force)
     weights = find_weights(run)
     target = _target_dtype(plan, dtype)
     staging = output.with_name(f".{output.name}.merging-{os.getpid()}")
@@ -95,6 +94,27 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _check_output(run: Path, output: Path, force: bool) -> None:
+    """The merged folder may replace only an earlier merge: never the run, a folder holding it, a file, or a folder
+    with anything but a model's files in it (other runs, checkpoints, notes), --force or not."""
+    where, source = output.resolve(), run.resolve()
+    if where == source or where in source.parents:
+        raise UserError(f"--output {output} holds the run being merged ({run})", "pick a new folder for the merge")
+    if where.exists() and not where.is_dir():
+        raise UserError(f"--output {output} is a file", "pick a folder for the merged model")
+    if not where.exists() or not any(where.iterdir()):
+        return
+    if not force:
+        raise UserError(f"{output} already exists", "pass --output DIR, or --force to replace it")
+    foreign = sorted(entry.name for entry in where.iterdir()
+                     if (entry.is_dir() and entry.name != "llmtune") or entry.name in ("metrics.json",)
+                     or entry.name.startswith("checkpoint-"))  # fmt: skip
+    if foreign or not (where / "config.json").is_file():
+        what = ", ".join(foreign[:3]) if foreign else "no config.json"
+        raise UserError(f"--force replaces only an earlier merged model, and {output} is not one ({what})",
+                        "pick a new folder for the merge")  # fmt: skip
 
 
 def _write_weights(recipe, weights: RunWeights, writer: ShardWriter, target, progress):

@@ -8,11 +8,16 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from llmtune.errors import did_you_mean
 
+# Names users write for a key, which spelling distance alone would match with another (lora_rank ~ local_rank)
+MEANT = {"lora_rank": "lora_r", "rank": "lora_r", "lora_dim": "lora_r", "lr": "learning_rate",
+         "max_seq_length": "sequence_len", "max_seq_len": "sequence_len", "epochs": "num_epochs",
+         "batch_size_per_device": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size"}  # fmt: skip
+
 
 def unknown_key_message(key: Any, known: list[str]) -> str:
     if not isinstance(key, str):
         return f"key {key!r} is not a string"
-    guess = did_you_mean(key, known)
+    guess = MEANT.get(key) if MEANT.get(key) in known else did_you_mean(key, known)
     text = f"unknown key '{key}'"
     return text + (f"; did you mean '{guess}'?" if guess else "")
 

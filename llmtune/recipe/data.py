@@ -205,7 +205,13 @@ class DatasetSpec(Section):
             known = (*DATASET_TYPES, *LEGACY_TYPES)
             if base not in known and is_transform(base):
                 return value  # module.function: a transform from the user's file (rl: grpo/gdpo, checked there)
-            if base not in known and base.split(".")[0] in ("chatml", "llama3", "user_defined", "passthrough"):
+            if base not in known and base.split(".")[0] in (
+                "chatml",
+                "llama3",
+                "zephyr",
+                "user_defined",
+                "passthrough",
+            ):
                 raise ValueError(f"'{value}' is not one of the preference types llmtune converts; with rl: use one of "
                                  f"{', '.join(sorted(PREFERENCE_TYPES))}")  # fmt: skip
             if base not in known and base.split(".")[0] in AXOLOTL_TYPES:

@@ -39,9 +39,23 @@ def aggregation(recipe) -> str:
                                                                "sum_then_normalize")  # fmt: skip
 
 
+# trl: keys Axolotl reads for GRPO that TRL 1.16's GRPOConfig doesn't have (set to anything but off, they'd be
+# refused by the ranks after the data and the model are loaded; here they are refused when the recipe is read)
+AXOLOTL_ONLY_GRPO = frozenset("""
+    async_prefetch prefetch_depth replay_buffer_size replay_recompute_logps reroll_max_groups reroll_start_fraction
+    reward_num_workers skip_zero_advantage_batches streaming_min_groups streaming_partial_batch use_data_producer
+    use_liger_loss vllm_guided_decoding_regex vllm_lora_sync vllm_sync_interval
+""".split())  # fmt: skip
+
+
 def check_online(recipe) -> None:
     """ValueError naming the key, for what TRL's GRPO (or the plan) can't honour."""
     rl = recipe.rl
+    for key, value in (recipe.trl or {}).items():
+        if key in AXOLOTL_ONLY_GRPO and value not in (None, False, "", [], {}):
+            raise ValueError(f"trl.{key} is a setting of Axolotl's own GRPO (asynchronous generation, replay, "
+                             "streaming, its Liger loss), not of TRL 1.16's GRPOTrainer, which llmtune runs: remove "
+                             "it")  # fmt: skip
     names = reward_names(recipe)
     if not names:
         raise ValueError(f"rl: {rl} needs trl.reward_funcs: the functions (module.function in a .py file beside the "

@@ -68,8 +68,45 @@ def resolve(name: str, key: str, recipe_path: Path, must_be_dir: bool = False) -
     return name
 
 
+def check_output_dir(value: str, recipe_path: Path | None, key: str = "output_dir") -> None:
+    """output_dir is a folder, or can be made one: no file on the way, and the nearest existing folder writable."""
+    import os
+
+    where = f"{recipe_path}: " if recipe_path else ""
+    path = Path(value).expanduser().absolute()
+    for folder in (path, *path.parents):
+        try:
+            exists = folder.exists()
+        except OSError:
+            exists = False
+        if not exists:
+            continue
+        if not folder.is_dir():
+            raise UserError(f"{where}{key}: {folder} is a file, not a folder", f"point {key} at a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UserError(f"{where}{key}: {path} can't be created ({folder} is not writable)",
+                            f"point {key} at a folder you can write")  # fmt: skip
+        return
+
+
+def check_checkpoint_kind(folder: Path, adapter: str | None, recipe_path: Path) -> None:
+    """A checkpoint resumes the kind of run that saved it: an adapter's with an adapter, a whole model's without one
+    (the optimizer state of the one doesn't fit the other: the Trainer fails after loading everything)."""
+    saved_adapter = (folder / "adapter_config.json").is_file()
+    whole_model = (folder / "config.json").is_file() and any(folder.glob("model*.safetensors"))
+    if saved_adapter and not adapter:
+        raise UserError(f"{recipe_path}: resume_from_checkpoint: {folder} was saved by a LoRA run, and this recipe "
+                        "trains the whole model", "resume it with the adapter settings it was trained with, or start "
+                        "from a merged model (llmtune merge) as base_model")  # fmt: skip
+    if adapter and whole_model and not saved_adapter:
+        raise UserError(f"{recipe_path}: resume_from_checkpoint: {folder} was saved by a full fine-tune, and this "
+                        f"recipe trains a {adapter} adapter", "use that folder as base_model for a new adapter, or "
+                        "resume it without adapter:")  # fmt: skip
+
+
 def check_local_paths(recipe, recipe_path: Path) -> None:
     """Replace local names in the recipe by absolute paths, failing on ones that don't exist."""
+    check_output_dir(recipe.output_dir, recipe_path)
     recipe.base_model = resolve(recipe.base_model, "base_model", recipe_path)
     for key in ("base_model_config", "tokenizer_config", "lora_model_dir"):
         value = getattr(recipe, key)
@@ -81,6 +118,7 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
         )
         if not Path(recipe.resume_from_checkpoint).exists():
             raise UserError(f"{recipe_path}: resume_from_checkpoint: {recipe.resume_from_checkpoint} does not exist")
+        check_checkpoint_kind(Path(recipe.resume_from_checkpoint), recipe.adapter, recipe_path)
     if isinstance(recipe.deepspeed, str) and (recipe.deepspeed.endswith(".json") or "/" in recipe.deepspeed):
         if on_disk(recipe.deepspeed, "deepspeed", recipe_path) or preset_for_axolotl_file(recipe.deepspeed) is None:
             recipe.deepspeed = resolve(recipe.deepspeed, "deepspeed", recipe_path)

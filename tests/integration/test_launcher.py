@@ -31,8 +31,9 @@ def processes_mentioning(text: str) -> list[int]:
 def test_ctrl_c_leaves_no_rank_behind(make_recipe):
     recipe = make_recipe("sigint", num_epochs=200)
     plan_file = str(recipe.parent / "sigint" / "llmtune" / "plan.json")
+    said = (recipe.parent / "sigint.stderr").open("w+")
     launcher = subprocess.Popen([sys.executable, "-m", "llmtune", "train", str(recipe), "--num-processes", "2"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                                stdout=subprocess.DEVNULL, stderr=said)  # fmt: skip
     try:
         deadline = time.time() + 180
         while len(processes_mentioning(plan_file)) < 3 and time.time() < deadline:  # accelerate + 2 ranks
@@ -46,6 +47,9 @@ def test_ctrl_c_leaves_no_rank_behind(make_recipe):
         while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.time() < deadline:
             time.sleep(0.2)
         assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "ranks survived Ctrl-C"
+        said.seek(0)
+        last = said.read().strip().splitlines()[-1]  # what is kept, and what the same command does next
+        assert last.startswith("stopped (Ctrl-C); ") and "the same command" in last, last
     finally:
         if launcher.poll() is None:
             launcher.kill()

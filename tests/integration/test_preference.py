@@ -99,6 +99,16 @@ def test_dpo_lora_on_two_ranks_with_zero2_matches_one_process_and_merges(workspa
     for name in ("rewards/margins", "rewards/chosen", "rewards/rejected", "rewards/accuracies"):
         assert written[name] == pytest.approx(single[f"eval_{name}"], rel=1e-4, abs=1e-7), name
     assert written["rewards/margins"] != 0.0
+    # trained on from an adapter (lora_model_dir: an SFT result, here this DPO one): that adapter, frozen, is the
+    # reference in training, and `llmtune eval` takes the same one (it took the base model before)
+    onward, onward_dir = train_run(workspace, "dpo-onward", 1, gradient_accumulation_steps=2, **LORA,
+                                   **dpo(workspace, **evaluation, max_steps=2, lora_model_dir=str(single_dir)))  # fmt: skip
+    assert losses(onward)[0] == pytest.approx(math.log(2), abs=1e-6)  # policy == that reference at step 1
+    result = llmtune("eval", onward_dir, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = json.loads((onward_dir / "eval.json").read_text())
+    for name in ("rewards/margins", "rewards/chosen", "rewards/rejected"):
+        assert written[name] == pytest.approx(onward[f"eval_{name}"], rel=1e-4, abs=1e-7), name
 
 
 def test_full_dpo_under_zero3_shards_its_reference_and_matches_one_process(workspace):

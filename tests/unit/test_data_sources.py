@@ -111,3 +111,60 @@ def test_a_null_field_is_called_null(tmp_path):
         _field({"instruction": "g", "output": None}, "output")
     with pytest.raises(RowError, match=r"missing field 'output' \(row has: instruction\)"):
         _field({"instruction": "g"}, "output")
+
+
+def test_output_dir_and_resume_point_mistakes_are_one_line_when_the_recipe_is_read(tmp_path):
+    from llmtune.recipe import load_recipe
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "rows.jsonl").write_text(_rows("r", 2))
+
+    def load(**changes):
+        import yaml
+
+        mapping = {"base_model": "org/model", "datasets": [{"path": str(tmp_path / "rows.jsonl"), "type": "alpaca"}],
+                   "output_dir": str(tmp_path / "out"), **changes}  # fmt: skip
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump(mapping))
+        return load_recipe(tmp_path / "r.yaml")
+
+    for output in ("afile", "afile/sub"):  # a traceback at launch before
+        with pytest.raises(UserError, match=r"output_dir: .*afile is a file, not a folder"):
+            load(output_dir=str(tmp_path / output))
+    lora = tmp_path / "lora" / "checkpoint-3"
+    lora.mkdir(parents=True)
+    (lora / "adapter_config.json").write_text("{}")
+    with pytest.raises(UserError, match="was saved by a LoRA run, and this recipe trains the whole model"):
+        load(resume_from_checkpoint=str(lora))
+    full = tmp_path / "full" / "checkpoint-3"
+    full.mkdir(parents=True)
+    (full / "config.json").write_text("{}")
+    (full / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError, match="was saved by a full fine-tune, and this recipe trains a lora adapter"):
+        load(resume_from_checkpoint=str(full), adapter="lora")
+    assert load(resume_from_checkpoint=str(lora), adapter="lora").recipe.adapter == "lora"
+
+
+def test_a_key_users_write_for_another_is_pointed_at_it(tmp_path):
+    with pytest.raises(UserError, match="unknown key 'lora_rank'; did you mean 'lora_r'"):
+        recipe(tmp_path, lora_rank=16)
+
+
+def test_axolotl_only_grpo_settings_are_refused_when_the_recipe_is_read(tmp_path):
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from llmtune.recipe.online import AXOLOTL_ONLY_GRPO
+
+    assert not AXOLOTL_ONLY_GRPO & {field.name for field in dataclasses.fields(GRPOConfig)}  # none is TRL's
+    (tmp_path / "rwd.py").write_text("def fn(completions, **kw):\n    return [0.0 for _ in completions]\n")
+    trl = {"num_generations": 2, "reward_funcs": ["rwd.fn"], "async_prefetch": True}
+    with pytest.raises(UserError, match="trl.async_prefetch is a setting of Axolotl's own GRPO"):
+        recipe(tmp_path, rl="grpo", trl=trl, datasets=[{"path": str(tmp_path / "rows.jsonl")}])
+
+
+def test_an_axolotl_preference_type_llmtune_lacks_is_answered_with_the_preference_types():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="'zephyr.nectar' is not one of the preference types .* chatml.intel"):
+        DatasetSpec(path="x", type="zephyr.nectar")

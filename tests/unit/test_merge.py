@@ -117,3 +117,21 @@ def test_dtype_and_errors(tmp_path):
     with pytest.raises(UserError, match="update has shape"):
         merge_run(run, tmp_path / "wrong")
     assert not (tmp_path / "wrong").exists() and not list(tmp_path.glob(".wrong.merging-*"))
+
+
+def test_force_replaces_an_earlier_merge_only_never_the_run_or_what_holds_it(tmp_path):
+    from llmtune.post.merge import merge_run
+
+    base = make_tiny_model(tmp_path / "base")
+    run, _ = fake_run(tmp_path, base, r=4, lora_alpha=8, target_modules="all-linear")
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "other_run" / "checkpoint-100").mkdir(parents=True)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for output, said in ((run, "holds the run being merged"), (tmp_path, "holds the run being merged"),
+                         (tmp_path / "other_run", r"not one \(checkpoint-100\)"), (tmp_path / "notes.txt", "is a file")):
+        with pytest.raises(UserError, match=said):
+            merge_run(run, output, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and (run / "adapter_model.safetensors").is_file()
+    merge_run(run, tmp_path / "merged")
+    merge_run(run, tmp_path / "merged", force=True)  # an earlier merge is what --force replaces
+    assert (tmp_path / "merged" / "config.json").is_file()

@@ -529,3 +529,13 @@ def test_fsdp_plans_say_what_axolotl_would_have_run_and_refuse_another_models_la
                                                                           "LlamaDecoderLayer"}),
                     make_cluster(8, device="cuda"))  # fmt: skip
     assert own.accelerate_config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+
+
+def test_precision_follows_the_recipe_and_says_when_axolotl_would_have_chosen_bf16():
+    plain = make_plan(recipe(), make_cluster(8, device="cuda"))
+    assert plain.precision == "no" and any("Axolotl v0.5.0 and later default to bf16: auto" in n for n in plain.notes)
+    said = make_plan(recipe(bf16=False), make_cluster(8, device="cuda"))
+    assert said.precision == "no" and not any("default to bf16" in n for n in said.notes)
+    # fp16 asked for wins over bf16: auto (Axolotl turns auto off beside fp16)
+    assert make_plan(recipe(bf16="auto", fp16=True), make_cluster(8, device="cuda")).precision == "fp16"
+    assert make_plan(recipe(bf16="auto"), make_cluster(8, device="cuda")).precision == "bf16"

@@ -56,6 +56,17 @@ def _check_optimizer_package(optimizer: str) -> None:
                         f"pip install {package[1]}, or use adamw_torch / adamw_bnb_8bit")  # fmt: skip
 
 
+def _check_bf16_device(precision: str, rehearsal: bool) -> None:
+    """One line where this GPU has no bf16 (before Ampere), instead of the Trainer's error at the first step."""
+    import torch
+
+    if precision == "bf16" and not rehearsal and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        from llmtune.errors import UserError
+
+        raise UserError(f"bf16 needs an Ampere or newer GPU; this one is a {torch.cuda.get_device_name()}",
+                        "set bf16: false and fp16: true (or fp32: neither), and plan again")  # fmt: skip
+
+
 def _sampling(recipe) -> str:
     """curriculum_sampling trains on rows in data order (Axolotl's sequential sampler)."""
     if recipe.curriculum_sampling:
@@ -100,6 +111,7 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
     epoch_steps = steps_per_epoch(train_rows, plan)
     precision = plan["precision"]
     rehearsal = plan["cluster"]["device"] == "cpu"
+    _check_bf16_device(precision, rehearsal)
     kernels = plan.get("kernels") or {}
     save_strategy, save_steps = _every(recipe.save_steps, recipe.saves_per_epoch, epoch_steps)
     save_strategy = recipe.save_strategy or save_strategy
