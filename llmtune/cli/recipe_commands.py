@@ -152,6 +152,8 @@ def estimate(
 
     if interconnect not in ("fast", "slow"):
         raise UserError(f"--interconnect {interconnect!r} is not fast or slow")
+    if num_machines < 1:
+        raise UserError(f"--num-machines {num_machines} is not a machine count", "give 1 or more")
     loaded = load_recipe(recipe).recipe
     report = estimate_recipe(
         loaded, gpus_per_machine, num_machines, parse_size_option("--gpu-memory", gpu_memory),

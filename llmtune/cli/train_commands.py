@@ -156,6 +156,10 @@ def train(
         if run_doctor(loaded, cluster, loaded.recipe.rdzv_timeout, json_output=False, quick=True):
             raise UserError("the preflight found a problem (above); nothing was trained",
                             "fix it, then run the same command again (llmtune doctor gives the full checks)")  # fmt: skip
+    if cluster.num_machines == 1 and the_plan.world_size > 1:  # refused before anything is written to output_dir
+        from llmtune.launch.net import check_port_free
+
+        check_port_free(cluster.main_process_port)
     write_plan_files(Path(the_plan.config_dir), files)
     code = run(the_plan, ctx.args, loaded.recipe.rdzv_timeout, verbose=verbose)
     if code in (128 + 2, 128 + 15):  # Ctrl-C or SIGTERM: say what is kept and what a rerun does

@@ -1,6 +1,7 @@
 """`llmtune chat` and `llmtune infer`: generate with a run's adapter, a merged folder, any HF folder or a hub id.
 
-Prompts go through the model's chat template when it has one (`--raw` sends them as plain text).
+Prompts go through the model's chat template when it has one (`--raw` sends them as plain text); a run trained on
+alpaca rows (and its merged folder) is prompted with the alpaca prompt it was trained on instead.
 Batched generation pads on the left, so every prompt's answer starts at the same column.
 """
 
@@ -19,6 +20,37 @@ class Loaded:
     model: object
     tokenizer: object
     label: str
+    prompt_format: str | None = None  # "alpaca": the run trained on alpaca rows, and is prompted as it was trained
+
+
+def trained_prompt_format(folder: Path) -> str | None:
+    """'alpaca' when the run (or the merged folder) at `folder` trained on alpaca rows only, else None."""
+    plan_file = folder / "llmtune" / "plan.json"
+    if not plan_file.is_file():
+        return None
+    recipe = json.loads(plan_file.read_text()).get("recipe") or {}
+    types = [spec.get("type") for spec in recipe.get("datasets") or [] if isinstance(spec, dict)]
+    return "alpaca" if types and not recipe.get("rl") and all(kind == "alpaca" for kind in types) else None
+
+
+def alpaca_text(tokenizer, instruction: str, extra: str = "") -> str:
+    """The alpaca prompt as training built it, the tokenizer's BOS included where it adds one."""
+    from llmtune.train.data.formats import ALPACA_NO_INPUT, ALPACA_WITH_INPUT
+
+    text = (ALPACA_WITH_INPUT if extra.strip() else ALPACA_NO_INPUT).format(instruction=instruction, input=extra)
+    ids = tokenizer("x", add_special_tokens=True)["input_ids"]
+    bos = tokenizer.bos_token if tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id] else ""
+    return bos + text
+
+
+def prompt_text(loaded: Loaded, row: dict, prompt, raw: bool) -> str:
+    """What the model sees for one prompt: the trained alpaca prompt for an alpaca run's text prompts (a row's own
+    instruction and input kept apart), else the chat template (render)."""
+    if loaded.prompt_format == "alpaca" and not raw and isinstance(prompt, str):
+        if isinstance(row.get("instruction"), str):
+            return alpaca_text(loaded.tokenizer, row["instruction"], str(row.get("input") or ""))
+        return alpaca_text(loaded.tokenizer, prompt)
+    return render(loaded.tokenizer, prompt, raw)
 
 
 def inference_device() -> tuple[str, object]:
@@ -90,7 +122,7 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return Loaded(model, tokenizer, label)
+    return Loaded(model, tokenizer, label, trained_prompt_format(path) if path.is_dir() else None)
 
 
 @dataclass
@@ -179,7 +211,7 @@ def infer(target: str, prompts: list[str], file: Path | None, output: Path | Non
         raise UserError("no prompt given", "pass --prompt TEXT (repeatable) or --file prompts.jsonl")
     loaded = load_for_generation(target)
     set_seed(sampling.seed)
-    texts = [render(loaded.tokenizer, prompt, raw) for _, prompt in rows]
+    texts = [prompt_text(loaded, row, prompt, raw) for row, prompt in rows]
     results = []
     starts = range(0, len(texts), batch_size)
     for start in progress(starts, "generating", total=len(starts)):
@@ -215,6 +247,8 @@ def chat(
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
     stdout.write(f"chatting with {loaded.label}: /reset starts over, /exit ends\n")
+    if loaded.prompt_format == "alpaca" and not raw:
+        stdout.write("(trained on alpaca prompts: each message goes alone, as one alpaca instruction)\n")
     while True:
         stdout.write("you> ")
         stdout.flush()
@@ -230,7 +264,10 @@ def chat(
             stdout.write("(conversation cleared)\n")
             continue
         history.append({"role": "user", "content": text})
-        prompt = text if raw or tokenizer.chat_template is None else render(tokenizer, history, raw)
+        if loaded.prompt_format == "alpaca" and not raw:
+            prompt = alpaca_text(tokenizer, text)
+        else:
+            prompt = text if raw or tokenizer.chat_template is None else render(tokenizer, history, raw)
         batch = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
         stdout.write("model> ")
         stdout.flush()

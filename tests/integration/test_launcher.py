@@ -62,9 +62,11 @@ def test_port_in_use_is_reported_before_launch(make_recipe):
         holder.bind(("", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        result = llmtune("train", make_recipe("port"), "--num-processes", "2", "--main-process-port", port, timeout=120)
+        recipe = make_recipe("port")
+        result = llmtune("train", recipe, "--num-processes", "2", "--main-process-port", port, timeout=120)
     assert result.returncode == 2
     assert f"--main-process-port {port} is already in use" in result.stderr
+    assert not (recipe.parent / "port").exists()  # nothing written for a run that never started
 
 
 def _free_port() -> int:

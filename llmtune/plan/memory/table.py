@@ -10,9 +10,12 @@ def parse_size_option(flag: str, text: str) -> float:
     from llmtune.errors import UserError
 
     try:
-        return parse_size(text)
+        size = parse_size(text)
     except ValueError:
         raise UserError(f"{flag} {text!r} is not a size", "write e.g. 80GB or 24GiB") from None
+    if not size > 0:
+        raise UserError(f"{flag} {text!r} is not above zero", "write e.g. 80GB or 24GiB")
+    return size
 
 
 def parse_size(text: str) -> float:

@@ -1,6 +1,9 @@
-"""Local data as Axolotl users keep it, read as Axolotl (through `datasets`) reads it: a folder whose file names say
-their split, a split's slice, compressed or extension-less JSON lines, a byte-order mark, globs in data_files; and
-the recipe forms of older releases (pretraining_dataset as a name, chat_template_jinja as a path)."""
+"""What a review with recipes, data and commands written the way Axolotl users write them found, each fixed and
+checked here. Local data read as Axolotl (through `datasets`) reads it: a folder whose file names say their split, a
+split's slice, compressed or extension-less JSON lines, a byte-order mark, globs in data_files; the recipe forms of
+older releases (pretraining_dataset as a name, chat_template_jinja as a path); and one-line answers, when the recipe
+is read, for an output_dir that is a file, a checkpoint of the other kind, Axolotl-only GRPO settings, common names
+of keys, a preference type llmtune lacks, and estimate flags that are not there."""
 
 from __future__ import annotations
 
@@ -168,3 +171,42 @@ def test_an_axolotl_preference_type_llmtune_lacks_is_answered_with_the_preferenc
 
     with pytest.raises(ValidationError, match="'zephyr.nectar' is not one of the preference types .* chatml.intel"):
         DatasetSpec(path="x", type="zephyr.nectar")
+
+
+def test_estimate_refuses_sizes_and_counts_that_are_not_there(tmp_path, run_cli):
+    loaded = recipe(tmp_path)
+    path = tmp_path / "r.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(loaded.recipe.model_dump(mode="json", exclude_unset=True)))
+    for flags, said in ((["--num-machines", "-1"], "--num-machines -1 is not a machine count"),
+                        (["--gpu-memory", "0GB"], "--gpu-memory '0GB' is not above zero")):  # fmt: skip
+        result = run_cli("estimate", str(path), *flags)
+        assert result.code == 2 and said in result.err and "Traceback" not in result.err, result.err
+
+
+def test_an_alpaca_run_is_prompted_with_the_tokens_it_was_trained_on(tmp_path):
+    # infer/chat on an alpaca run used the chat template: answers disagreed with `llmtune eval`'s (training format)
+    from tiny import load_tokenizer
+
+    from llmtune.post.generate import Loaded, prompt_text, trained_prompt_format
+    from llmtune.train.data.formats import IGNORE, FormatContext, format_for
+
+    run = tmp_path / "run"
+    (run / "llmtune").mkdir(parents=True)
+    plan = {"recipe": {"datasets": [{"path": "x.jsonl", "type": "alpaca"}]}, "plan": {}}
+    (run / "llmtune" / "plan.json").write_text(json.dumps(plan))
+    assert trained_prompt_format(run) == "alpaca"
+    plan["recipe"]["datasets"].append({"path": "y.jsonl", "type": "chat_template"})
+    (run / "llmtune" / "plan.json").write_text(json.dumps(plan))
+    assert trained_prompt_format(run) is None  # mixed formats: the chat template, as before
+    tok = load_tokenizer()
+    loaded = Loaded(None, tok, "run", "alpaca")
+    spec = DatasetSpec(path="x", type="alpaca")
+    for row in ({"instruction": "Repeat stone", "input": "twice"}, {"instruction": "Repeat stone", "input": ""}):
+        [(ids, labels)] = format_for(spec)({**row, "output": "stone"}, FormatContext(tok, spec, False, 256, None))
+        trained_prompt = ids[: labels.index(next(label for label in labels if label != IGNORE))]
+        text = prompt_text(loaded, row, row["instruction"], raw=False)
+        assert tok(text, add_special_tokens=False)["input_ids"] == trained_prompt
+    assert "### Instruction:\nRepeat apple" in prompt_text(loaded, {"prompt": "Repeat apple"}, "Repeat apple", False)
+    assert prompt_text(loaded, {"prompt": "hi"}, "hi", raw=True) == "hi"
