@@ -28,7 +28,7 @@ from llmtune.recipe.axolotl_keys import (
     is_inert,
     plugin_entry,
 )
-from llmtune.recipe.base import unknown_key_message
+from llmtune.recipe.base import key_guess, unknown_key_message
 from llmtune.recipe.data import DatasetSpec
 from llmtune.recipe.distributed import FsdpConfig
 from llmtune.recipe.model import SPECIAL_TOKEN_NAMES
@@ -116,6 +116,7 @@ def _rl_with_generation(raw: dict, path: Path) -> None:
 
 def _top_level(raw: dict, path: Path, notes: Notes) -> dict:
     data: dict[str, Any] = {}
+    unknown: list[str] = []
     known = [*Recipe.model_fields, *AXOLOTL_ONLY_KEYS, *RENAMED, "bnb_config_kwargs"]
     for key, value in raw.items():
         if not isinstance(key, str):
@@ -141,7 +142,13 @@ def _top_level(raw: dict, path: Path, notes: Notes) -> dict:
             raise UserError(f"{path}: {key} is not supported by llmtune ({history(key) or 'a key of Axolotl'})",
                             REFERENCE_HINT)  # fmt: skip
         else:
-            raise UserError(f"{path}: {unknown_key_message(key, known)}", REFERENCE_HINT)
+            unknown.append(key)
+    if len(unknown) == 1:
+        raise UserError(f"{path}: {unknown_key_message(unknown[0], known)}", REFERENCE_HINT)
+    if unknown:  # every one named in the one line, each with its did-you-mean
+        named = [f"'{key}'" + (f" (did you mean '{guess}'?)" if (guess := key_guess(key, known)) else "")
+                 for key in unknown]  # fmt: skip
+        raise UserError(f"{path}: {len(unknown)} unknown keys: {', '.join(named)}", REFERENCE_HINT)
     for key in TRANSLATED:
         if key in raw:
             _translated(key, raw[key], data, path, notes)

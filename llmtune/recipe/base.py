@@ -14,10 +14,15 @@ MEANT = {"lora_rank": "lora_r", "rank": "lora_r", "lora_dim": "lora_r", "lr": "l
          "batch_size_per_device": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size"}  # fmt: skip
 
 
+def key_guess(key: str, known: list[str]) -> str | None:
+    """The known key a user most likely meant by `key`, or None."""
+    return MEANT.get(key) if MEANT.get(key) in known else did_you_mean(key, known)
+
+
 def unknown_key_message(key: Any, known: list[str]) -> str:
     if not isinstance(key, str):
         return f"key {key!r} is not a string"
-    guess = MEANT.get(key) if MEANT.get(key) in known else did_you_mean(key, known)
+    guess = key_guess(key, known)
     text = f"unknown key '{key}'"
     return text + (f"; did you mean '{guess}'?" if guess else "")
 

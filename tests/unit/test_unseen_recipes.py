@@ -210,3 +210,11 @@ def test_an_alpaca_run_is_prompted_with_the_tokens_it_was_trained_on(tmp_path):
         assert tok(text, add_special_tokens=False)["input_ids"] == trained_prompt
     assert "### Instruction:\nRepeat apple" in prompt_text(loaded, {"prompt": "Repeat apple"}, "Repeat apple", False)
     assert prompt_text(loaded, {"prompt": "hi"}, "hi", raw=True) == "hi"
+
+
+def test_every_unknown_key_is_named_in_the_one_line(tmp_path):
+    with pytest.raises(UserError) as err:
+        recipe(tmp_path, lora_rank=16, learnig_rate=1e-4, foo_bar_baz=1)
+    line = err.value.one_line()
+    assert "3 unknown keys: 'lora_rank' (did you mean 'lora_r'?), 'learnig_rate' (did you mean 'learning_rate'?)" in line
+    assert "'foo_bar_baz'" in line
