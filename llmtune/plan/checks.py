@@ -3,6 +3,7 @@ with offload, QAT, an elastic world's sizes. Each raises a UserError naming the 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 from llmtune.errors import UserError
@@ -142,25 +143,34 @@ def _check_elastic_sizes(recipe: Recipe, cluster: Cluster, strategy: str, global
                         "raise min_machines, or choose gradient_accumulation_steps so every machine count divides it")  # fmt: skip
 
 
+@functools.cache
+def _modelling_classes(model_type: str) -> tuple[frozenset[str], tuple[str, ...]] | None:
+    """(classes defined, the _no_split_modules among them) in transformers' modelling files for `model_type`, read
+    without importing them; None where transformers ships none (remote code)."""
+    import re
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("transformers")
+    folder = Path(spec.origin).parent / "models" / model_type if spec and spec.origin else None
+    files = sorted(folder.glob("modeling_*.py")) if folder and folder.is_dir() else []
+    if not files:
+        return None
+    source = "\n".join(file.read_text(encoding="utf-8", errors="replace") for file in files)
+    defined = frozenset(re.findall(r"^class (\w+)\(", source, flags=re.MULTILINE))
+    own = re.findall(r"_no_split_modules\s*=\s*\[([^\]]*)\]", source)
+    layers = sorted({name for found in own for name in re.findall(r"[\"'](\w+)[\"']", found) if name in defined})
+    return defined, tuple(layers)
+
+
 def check_wrap_class(names: str | None, facts: ModelFacts | None) -> None:
     """fsdp_config.transformer_layer_cls_to_wrap names classes of this model's own modelling code (a copy from
     another model's recipe fails in every rank, after loading, in accelerate). Read from transformers' modelling
     files for the model type, without importing them; a model type transformers doesn't ship (remote code) or a
     class found nowhere is left to accelerate."""
-    import re
-    from pathlib import Path
-
-    if not names or facts is None or not facts.model_type:
+    found = _modelling_classes(facts.model_type) if names and facts is not None and facts.model_type else None
+    if found is None:
         return
-    spec = importlib.util.find_spec("transformers")
-    folder = Path(spec.origin).parent / "models" / facts.model_type if spec and spec.origin else None
-    files = sorted(folder.glob("modeling_*.py")) if folder and folder.is_dir() else []
-    if not files:
-        return
-    source = "\n".join(file.read_text(encoding="utf-8", errors="replace") for file in files)
-    defined = set(re.findall(r"^class (\w+)\(", source, flags=re.MULTILINE))
-    own = re.findall(r"_no_split_modules\s*=\s*\[([^\]]*)\]", source)
-    layers = sorted({name for found in own for name in re.findall(r"[\"'](\w+)[\"']", found) if name in defined})
+    defined, layers = found
     for name in (part.strip() for part in names.split(",")):
         if name and name not in defined:
             raise UserError(f"fsdp_config.transformer_layer_cls_to_wrap: {name} is not a class of {facts.model_type} "

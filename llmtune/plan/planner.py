@@ -232,7 +232,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
             # save proves nothing. (Its sharded resume: tests/integration/test_fsdp1_resume.py.)
             raise UserError("fsdp_version: 1 can't be rehearsed on CPU (its state dict can't be saved there)",
                             "rehearse with fsdp_version: 2 (FSDP1 is deprecated in transformers), or run on GPUs")  # fmt: skip
-        if settings.activation_checkpointing and recipe.adapter:
+        if recipe.model_recomputes_for_fsdp:
             settings = settings.model_copy(update={"activation_checkpointing": False})
             notes.append("fsdp_config.activation_checkpointing with an adapter: the model's own activation "
                          "checkpointing instead (the same recomputation per decoder layer): under FSDP's checkpoint "

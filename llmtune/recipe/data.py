@@ -115,6 +115,10 @@ def is_transform(kind) -> bool:
                           "passthrough", "chat_template")  # fmt: skip
 
 
+# Axolotl's preference strategy families (`family.function`): an unknown one is answered with the preference types
+PREFERENCE_FAMILIES = ("chatml", "llama3", "zephyr", "user_defined", "passthrough")
+
+
 class DatasetSpec(Section):
     path: str = Field(description="Local file or folder, a `datasets` saved folder, or a hub dataset id.")
     type: str | CustomFormat | PreferenceFormat | None = Field(
@@ -205,13 +209,7 @@ class DatasetSpec(Section):
             known = (*DATASET_TYPES, *LEGACY_TYPES)
             if base not in known and is_transform(base):
                 return value  # module.function: a transform from the user's file (rl: grpo/gdpo, checked there)
-            if base not in known and base.split(".")[0] in (
-                "chatml",
-                "llama3",
-                "zephyr",
-                "user_defined",
-                "passthrough",
-            ):
+            if base not in known and base.split(".")[0] in PREFERENCE_FAMILIES:
                 raise ValueError(f"'{value}' is not one of the preference types llmtune converts; with rl: use one of "
                                  f"{', '.join(sorted(PREFERENCE_TYPES))}")  # fmt: skip
             if base not in known and base.split(".")[0] in AXOLOTL_TYPES:

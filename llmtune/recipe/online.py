@@ -10,7 +10,7 @@ the loader (llmtune/recipe/user_code.py), which knows the recipe's folder.
 
 from __future__ import annotations
 
-from llmtune.recipe.trl_trainers import refuse_clashes
+from llmtune.recipe.trl_trainers import INERT, refuse_clashes
 from llmtune.recipe.user_code import looks_like_function
 
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -52,7 +52,7 @@ def check_online(recipe) -> None:
     """ValueError naming the key, for what TRL's GRPO (or the plan) can't honour."""
     rl = recipe.rl
     for key, value in (recipe.trl or {}).items():
-        if key in AXOLOTL_ONLY_GRPO and value not in (None, False, "", [], {}):
+        if key in AXOLOTL_ONLY_GRPO and value not in INERT:
             raise ValueError(f"trl.{key} is a setting of Axolotl's own GRPO (asynchronous generation, replay, "
                              "streaming, its Liger loss), not of TRL 1.16's GRPOTrainer, which llmtune runs: remove "
                              "it")  # fmt: skip

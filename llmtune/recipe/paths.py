@@ -68,6 +68,11 @@ def resolve(name: str, key: str, recipe_path: Path, must_be_dir: bool = False) -
     return name
 
 
+def is_glob(name: str) -> bool:
+    """A data_files name with wildcards, which `datasets` (and Axolotl through it) expands."""
+    return any(char in name for char in "*?[")
+
+
 def check_output_dir(value: str, recipe_path: Path | None, key: str = "output_dir") -> None:
     """output_dir is a folder, or can be made one: no file on the way, and the nearest existing folder writable."""
     import os
@@ -142,7 +147,7 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
                 files = [spec.data_files] if isinstance(spec.data_files, str) else spec.data_files
                 for name in files:
                     where = f"{group}[{index}].data_files"
-                    if any(char in name for char in "*?[") and glob.glob(str(base / name), recursive=True):
+                    if is_glob(name) and glob.glob(str(base / name), recursive=True):
                         continue  # a glob, as `datasets` expands it
                     if not on_disk(str(base / name), where, recipe_path) and not on_disk(name, where, recipe_path):
                         raise UserError(f"{recipe_path}: {group}[{index}].data_files: {name} not found in {base}")

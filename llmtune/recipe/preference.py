@@ -13,7 +13,7 @@ from pydantic import Field, field_validator
 
 from llmtune.errors import did_you_mean
 from llmtune.recipe.base import Section, empty_to_none
-from llmtune.recipe.trl_trainers import refuse_clashes
+from llmtune.recipe.trl_trainers import INERT, refuse_clashes
 
 RL_METHODS = ("dpo", "ipo", "orpo", "kto", "simpo")  # preference training: fixed pairs or labelled completions
 ONLINE_METHODS = ("grpo", "gdpo")  # online RL: generations scored by reward functions (llmtune/recipe/online.py)
@@ -54,7 +54,6 @@ TRL_GRPO_KEYS = frozenset("""
     entropy_coef vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min log_unique_prompts
     max_tool_calling_iterations disable_dropout
 """.split())  # GRPOConfig's fields (TRL 1.16) and Axolotl's names; the worker checks them against TRL's own  # fmt: skip
-_INERT = (None, False, "", [], {})
 
 # Which method each key belongs to (a key set for another method is an error, not silently unused).
 KEY_METHODS = {
@@ -160,7 +159,7 @@ class PreferenceKeys(Section):
         if value is not None and not isinstance(value, dict):
             raise ValueError("trl: is a mapping of TRL arguments, e.g. {beta: 0.1}")
         for key, item in (value or {}).items():
-            if key in TRL_PREFERENCE_KEYS or key in TRL_GRPO_KEYS or item in _INERT:
+            if key in TRL_PREFERENCE_KEYS or key in TRL_GRPO_KEYS or item in INERT:
                 continue
             guess = did_you_mean(str(key), [*TRL_PREFERENCE_KEYS, *TRL_GRPO_KEYS])
             raise ValueError(f"unknown key 'trl.{key}'" + (f"; did you mean '{guess}'?" if guess else ""))
@@ -219,7 +218,7 @@ def check(recipe) -> None:
 
         check_online(recipe)
         return
-    grpo_key = next((k for k, v in (recipe.trl or {}).items() if k in TRL_GRPO_KEYS and v not in _INERT), None)
+    grpo_key = next((k for k, v in (recipe.trl or {}).items() if k in TRL_GRPO_KEYS and v not in INERT), None)
     if grpo_key:
         raise ValueError(f"trl.{grpo_key} is a GRPO setting (generation, rewards, vLLM): it belongs to rl: grpo or "
                          f"gdpo, and rl: {rl} takes only {', '.join(TRL_PREFERENCE_KEYS)}")  # fmt: skip

@@ -117,6 +117,13 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys, Pr
                              f"unpacked rows through the HF Trainer); remove {clash.split()[0]}")  # fmt: skip
 
     @property
+    def model_recomputes_for_fsdp(self) -> bool:
+        """fsdp_config.activation_checkpointing with an adapter runs as the model's own activation checkpointing:
+        under FSDP's checkpoint wrapper PEFT finds none of the adapter's weights (it would save an empty adapter)."""
+        fsdp = self.resolved_fsdp()
+        return bool(fsdp and self.adapter and fsdp[1].activation_checkpointing)
+
+    @property
     def precision(self) -> str:
         """'bf16', 'fp16' or 'no' ('auto' bf16 is resolved by the planner, which knows the devices)."""
         if self.fp16:

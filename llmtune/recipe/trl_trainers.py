@@ -4,6 +4,8 @@ where it has them."""
 
 from __future__ import annotations
 
+INERT = (None, False, "", [], {})  # a trl: value that asks for nothing
+
 
 def refuse_clashes(recipe, why: dict[str, str], otherwise: str, extra: dict[str, bool] | None = None) -> None:
     """ValueError naming the first key set that the method `recipe.rl` can't honour, with `why[key]` (else

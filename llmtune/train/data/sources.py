@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from llmtune.errors import UserError
+from llmtune.recipe.paths import is_glob
 
 BUILDERS = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
 # compressed files as `datasets` reads them (Axolotl's sources): opened by Python's own modules
@@ -107,7 +108,7 @@ def _files_in(folder: Path, data_files, split: str = "train") -> list[Path]:
         names = [data_files] if isinstance(data_files, str) else data_files
         found: list[Path] = []
         for name in names:
-            if any(char in name for char in "*?["):
+            if is_glob(name):
                 found += sorted(Path(p) for p in glob.glob(str(folder / name), recursive=True) if Path(p).is_file())
             else:
                 found.append(folder / name if (folder / name).exists() else Path(name))
@@ -222,14 +223,27 @@ def _saved_dataset_rows(folder: Path, spec, label: str) -> Iterator[tuple[dict, 
         yield row, f"{folder} row {index}"
 
 
+def _saved_dataset(path: Path) -> bool:
+    """A folder `datasets`' save_to_disk wrote."""
+    return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
+
+
+def _local_files(spec) -> list[Path]:
+    """The files a local source reads for its split ([] for a saved dataset or a hub id)."""
+    path = Path(spec.path)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return [] if _saved_dataset(path) else _files_in(path, spec.data_files, spec.split)
+    return _builder_files(spec)
+
+
 def reads_with_datasets(spec) -> bool:
     """Whether read_rows needs the `datasets` library for this source: every source but local JSON files (a
     missing path is a hub id)."""
-    path = Path(spec.path)
-    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+    if _saved_dataset(Path(spec.path)):
         return True
-    files = ([path] if path.is_file() else _files_in(path, spec.data_files, spec.split) if path.is_dir()
-             else _builder_files(spec))  # fmt: skip
+    files = _local_files(spec)
     if _builder_files(spec):
         return any(_kind(f, spec.path) not in ("json", "jsonl") for f in files)
     if not files:
@@ -256,7 +270,7 @@ def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict,
     if path.is_file():
         rows = _file_rows(path, spec.ds_type, label)
     elif path.is_dir():
-        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+        if _saved_dataset(path):
             rows = _saved_dataset_rows(path, spec, label)
         else:
             files = _files_in(path, spec.data_files, spec.split)
@@ -281,9 +295,7 @@ def fingerprint_source(spec) -> str:
     import hashlib
 
     path = Path(spec.path)
-    saved = path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
-    files = ([path] if path.is_file() else _files_in(path, spec.data_files, spec.split) if path.is_dir() and not saved
-             else _builder_files(spec))  # fmt: skip
+    files = _local_files(spec)
     if path.is_dir() and not files:
         files = sorted(p for p in path.rglob("*") if p.is_file())
     digest = hashlib.sha256()

@@ -20,10 +20,9 @@ def model_checkpointing(recipe, plan: dict) -> bool:
     fsdp_config.activation_checkpointing with an adapter, which the plan gives to the model (planner's note)."""
     if fsdp_checkpointing(plan):
         return False
-    if recipe.gradient_checkpointing:
-        return True
-    fsdp = recipe.resolved_fsdp() if plan["strategy"].startswith("fsdp") else None
-    return bool(fsdp and recipe.adapter and fsdp[1].activation_checkpointing)
+    return bool(recipe.gradient_checkpointing) or (
+        plan["strategy"].startswith("fsdp") and recipe.model_recomputes_for_fsdp
+    )
 
 
 def steps_per_epoch(train_rows: int, plan: dict) -> int:
