@@ -245,8 +245,8 @@ def _draft_recipe(answers: Answers):
         mapping.update(adapter=answers.method, lora_r=16, lora_alpha=32, lora_target_linear=True)
         if answers.method == "qlora":
             mapping["load_in_4bit"] = True
-    if answers.mixed_precision != "no":
-        mapping[answers.mixed_precision] = True
+    # "no" is written out: a recipe without bf16 is bf16: auto (Axolotl's default)
+    mapping.update({"bf16": False} if answers.mixed_precision == "no" else {answers.mixed_precision: True})
     return recipe_from_mapping(mapping, Path("llmtune-config.yaml"), check_files=False).recipe
 
 

@@ -328,8 +328,8 @@ def blocks(answers: Answers, pref: Preference) -> list[tuple[str, dict]]:
     out.append((f"Training. Each step runs {batch}; no packing (TRL pads each row).\nlearning_rate: TRL's default "
                 "for a full model (1e-6), about 10x that for adapters; 20x below SFT's, as the model is already "
                 "tuned.", training))  # fmt: skip
-    if answers.mixed_precision != "no":
-        out.append(("Mixed precision.", {answers.mixed_precision: True}))
+    out.append(("Mixed precision.", {"bf16": False} if answers.mixed_precision == "no"
+                else {answers.mixed_precision: True}))  # fmt: skip
     return out
 
 

@@ -41,13 +41,17 @@ def eval_command(
 def merge(
     run: RunArg,
     output: Annotated[
-        Optional[Path], typer.Option("--output", "-o", help="Where to write (default RUN/merged).")
+        Optional[Path],
+        typer.Option("--output", "-o", help="Where to write (default RUN/merged, RUN/merged-checkpoint-N)."),
     ] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard.")] = "5GB",
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32 (default: the recipe's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
 ) -> None:
-    """Fold a LoRA/QLoRA adapter into its base (or consolidate a full fine-tune) into one HF model folder."""
+    """Fold a LoRA/QLoRA adapter into its base (or consolidate a full fine-tune) into one HF model folder.
+
+    RUN is a run's output_dir (its final save, else its newest complete checkpoint) or one of its checkpoint-N
+    folders (that checkpoint's weights)."""
     from llmtune.post.merge import merge_run
     from llmtune.train.runtime.progress import track
 

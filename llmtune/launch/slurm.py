@@ -109,6 +109,8 @@ def sbatch_script(recipe_path: Path, output_dir: Path, job: SlurmJob, workdir: P
     python = shlex.quote(llmtune[0]) if "python" in Path(llmtune[0]).name else "python3"
     header = "\n".join(f"#SBATCH {d}" for d in directives)
     server, srun_nodes, visible = _vllm_server(recipe_path, output_dir, job, llmtune)
+    # srun of Slurm 22.05 to 23.02 does not take --cpus-per-task from the allocation: each launcher would get one CPU
+    srun_nodes += f" --cpus-per-task={job.cpus_per_task}" if job.cpus_per_task else ""
     layout = (f"{job.nodes} node(s) x {job.gpus_per_node} process(es), one llmtune launcher per node"
               if not job.vllm_gpus else f"{processes} training process(es) on {job.training_nodes} node(s), "
               f"one launcher per node; a vLLM server on {job.vllm_gpus} GPU(s) "

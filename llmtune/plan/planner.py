@@ -34,7 +34,7 @@ from llmtune.plan.mesh import (
     tensor_parallel_shared_output,
 )
 from llmtune.plan.pipeline import bubble_fraction, split_layers
-from llmtune.plan.resume import resumed_accumulation
+from llmtune.plan.resume import length_line, resumed_accumulation
 from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, resolve_kernels
 from llmtune.recipe.preference import ONLINE_METHODS
@@ -107,17 +107,27 @@ def choose_strategy(recipe: Recipe, world_size: int) -> str:
 
 
 def _precision(recipe: Recipe, cluster: Cluster, notes: list[str]) -> str:
-    auto = recipe.bf16 == "auto" and not recipe.fp16  # fp16 asked for wins over the default (as in Axolotl)
-    precision = "bf16" if auto and not cluster.rehearsal else recipe.precision
-    if auto and cluster.rehearsal:
-        precision = "no"
-    if cluster.rehearsal and precision != "no":
-        notes.append(f"CPU rehearsal: {precision} mixed precision becomes fp32 (the GPU run keeps {precision})")
+    """bf16: auto (Axolotl's default, and llmtune's) is bf16 on Ampere and newer GPUs and fp16 before them, as Axolotl
+    resolves it; fp16 asked for wins over it. Planned away from the GPUs (no nvidia-smi here), auto is bf16."""
+    auto = recipe.bf16 == "auto" and not recipe.fp16
+    if cluster.rehearsal:
+        if recipe.precision != "no" and not auto:
+            notes.append(f"CPU rehearsal: {recipe.precision} mixed precision becomes fp32 (the GPU run keeps "
+                         f"{recipe.precision})")  # fmt: skip
         return "no"
-    if precision == "no" and not cluster.rehearsal and not {"bf16", "fp16"} & recipe.model_fields_set:
-        notes.append("precision fp32: the recipe sets neither bf16 nor fp16 (Axolotl v0.5.0 and later default to "
-                     "bf16: auto, bf16 on Ampere and newer GPUs; add bf16: auto for that)")  # fmt: skip
-    return precision
+    if not auto:
+        return recipe.precision
+    from llmtune.plan.memory.fit import gpu_compute_capability_of_this_machine
+
+    capability = gpu_compute_capability_of_this_machine()
+    said = "bf16: auto" if "bf16" in recipe.model_fields_set else "bf16: auto (the default, as in Axolotl)"
+    if capability is not None and capability < 8.0:
+        notes.append(f"precision fp16: {said} on GPUs of compute capability {capability:g}, which have no bf16 "
+                     "(Ampere, 8.0, is the first); set bf16: false for fp32")  # fmt: skip
+        return "fp16"
+    if "bf16" not in recipe.model_fields_set:
+        notes.append(f"precision bf16: {said}; a GPU before Ampere gets fp16, and bf16: false gives fp32")
+    return "bf16"
 
 
 def _pipeline_plan(recipe: Recipe, world: int, facts: ModelFacts | None) -> PipelinePlan:
@@ -298,6 +308,9 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
             deepspeed_config.update(gradient_accumulation_steps=accumulation, train_batch_size=global_batch)
             if resumed.universal:  # the engine reads <checkpoint>/latest_universal (the worker converts first)
                 deepspeed_config["checkpoint"] = {**deepspeed_config.get("checkpoint", {}), "load_universal": True}
+    length = length_line(recipe)
+    if length:
+        notes.append(length)
     _check_elastic_sizes(recipe, cluster, strategy, global_batch)
     if recipe.lisa_n_layers:
         if world > 1:

@@ -170,3 +170,44 @@ def resumed_accumulation(
     if universal:
         line += "; " + universal_line(saved, data_parallel)
     return Resumed(accumulation, line, universal)
+
+
+def length_line(recipe) -> str | None:
+    """What resuming with another training length does, from the checkpoint's trainer_state.json: the Trainer builds
+    the learning-rate schedule for the new length and loads only the step it had reached into it, so the rate from
+    there on is the new schedule's. A checkpoint at or past the length asked for is refused: the Trainer would run
+    one more step there, at a rate past its schedule's end (that is what rerunning a finished run with any key
+    changed would do). None when the length is the one the checkpoint was saved with (or nothing is resumed)."""
+    import json
+
+    checkpoint = resume_checkpoint(recipe)
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text()) if checkpoint else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        return None
+    step, name = state["global_step"], checkpoint.name
+    if recipe.max_steps:
+        before, now, unit = state.get("max_steps"), recipe.max_steps, "max_steps"
+        reached = now <= step
+    else:
+        before, now, unit = state.get("num_train_epochs"), recipe.num_epochs, "num_epochs"
+        ended = isinstance(state.get("max_steps"), int) and step >= state["max_steps"]
+        reached = ended and isinstance(state.get("epoch"), (int, float)) and state["epoch"] >= now
+    if before is None:
+        return None
+    if not recipe.max_steps:
+        before, now = f"{float(before):g}", f"{float(now):g}"
+    if reached:
+        run = f"it was saved by a run of {before}" if str(before) != str(now) else "the end of its run"
+        raise UserError(
+            f"{name} is at step {step}, and {unit} is {now} ({run}): there is no step left to train",
+            f"raise {unit} to train on; for the model at {name}: llmtune merge {Path(recipe.output_dir) / name}; to "
+            "train the recipe from the start: auto_resume_from_checkpoints: false, or another output_dir",
+        )
+    if str(before) == str(now):
+        return None
+    return (f"resuming {name} at step {step} with {unit} {before} -> {now}: the learning-rate schedule "
+            f"({recipe.lr_scheduler}) is rebuilt for the new length; step {step + 1} runs at the rate {name} saved, "
+            "the steps after it at the new schedule's")  # fmt: skip

@@ -22,7 +22,9 @@ class RunWeights:
     note: str
 
 
-def find_weights(run: Path) -> RunWeights:
+def find_weights(run: Path, chosen: Path | None = None) -> RunWeights:
+    """The weights a merge reads: the final save, else the newest complete checkpoint; `chosen`: that checkpoint."""
+    from llmtune.plan.checkpoint_layout import MARKER
     from llmtune.train.checkpoint.folders import last_complete
 
     def kind_of(folder: Path) -> str | None:
@@ -38,20 +40,29 @@ def find_weights(run: Path) -> RunWeights:
             return "fsdp"
         return None
 
-    kind = kind_of(run)
+    kind = kind_of(run) if chosen is None else None
     if kind in ("adapter", "full"):
         return RunWeights(kind, run, f"the final save in {run}")
-    checkpoint = last_complete(run)
+    if chosen is not None and not (chosen / MARKER).is_file():
+        raise UserError(f"{chosen} is not a complete checkpoint (no {MARKER}: its save never finished)",
+                        "merge a complete checkpoint-N of the run, or the run itself")  # fmt: skip
+    checkpoint = chosen or last_complete(run)
     if checkpoint is not None and (run / "relora").is_dir():
         # a checkpoint's adapter is ReLoRA's current cycle only; the earlier ones are merged into the base weights
         # in memory, and only the final save stacks them all into one adapter
+        if chosen is not None:
+            raise UserError(f"{run} is a ReLoRA run: {checkpoint.name}'s adapter is the cycle it was in only (the "
+                            "earlier cycles are folded into the base in memory, never saved)",
+                            "merge the run's final save (llmtune merge RUN)")  # fmt: skip
         raise UserError(f"{run} is a ReLoRA run that stopped before its final save: {checkpoint.name}'s adapter is "
                         "its last cycle only", "resume the run (llmtune train, same recipe) so it saves the adapter "
                         "of every cycle, then merge")  # fmt: skip
     if checkpoint is not None and (kind := kind_of(checkpoint)):
         how = {"deepspeed": "consolidated from its DeepSpeed ZeRO partitions",
-               "fsdp": "consolidated from its FSDP sharded state dict"}.get(kind, "its full weights")  # fmt: skip
-        return RunWeights(kind, checkpoint, f"{checkpoint.name}, {how} (the run has no final save)")
+               "fsdp": "consolidated from its FSDP sharded state dict",
+               "adapter": "its adapter"}.get(kind, "its full weights")  # fmt: skip
+        why = "the checkpoint asked for" if chosen is not None else "the run has no final save"
+        return RunWeights(kind, checkpoint, f"{checkpoint.name}, {how} ({why})")
     raise UserError(f"{run} has no model, adapter or complete checkpoint to merge",
                     "train it first (llmtune train), or resume it so it saves")  # fmt: skip
 

@@ -53,17 +53,21 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
     from llmtune.plan.memory.table import parse_size_option
     from llmtune.recipe import Recipe
 
+    chosen = None
+    if run.name.startswith("checkpoint-") and not (run / "llmtune" / "plan.json").exists():
+        chosen, run = run, run.parent  # one checkpoint of the run: its weights, the run's recipe and base
     plan_file = run / "llmtune" / "plan.json"
     if not plan_file.exists():
-        raise UserError(f"{run} is not an llmtune run folder (no llmtune/plan.json)", "pass a run's output_dir")
+        raise UserError(f"{run} is not an llmtune run folder (no llmtune/plan.json)",
+                        "pass a run's output_dir, or one of its checkpoint-N folders")  # fmt: skip
     payload = json.loads(plan_file.read_text())
     recipe, plan = Recipe.model_validate(payload["recipe"]), payload["plan"]
-    output = output or run / "merged"
+    output = output or run / ("merged" if chosen is None else f"merged-{chosen.name}")
     max_bytes = int(parse_size_option("--max-shard-size", max_shard_size))
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype '{dtype}' is not one of {', '.join(DTYPES)}", "use bf16, fp16 or fp32")
     _check_output(run, output, force)
-    weights = find_weights(run)
+    weights = find_weights(run, chosen)
     target = _target_dtype(plan, dtype)
     staging = output.with_name(f".{output.name}.merging-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)

@@ -71,7 +71,7 @@ def recipe_from_mapping(raw: dict, path: Path, check_files: bool = True) -> Load
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as err:
-        raise UserError(f"{path}: {_as_written(_first_error(err), raw)}", REFERENCE_HINT) from None
+        raise UserError(f"{path}: {schema_errors(err, raw)}", REFERENCE_HINT) from None
     except RecursionError:
         raise UserError(f"{path}: a value is nested too deeply", REFERENCE_HINT) from None
     if check_files:
@@ -114,19 +114,64 @@ def key_path(loc: tuple) -> str:
     return text
 
 
-def _first_error(err: ValidationError) -> str:
-    errors = err.errors(include_url=False)
-    # For unions, the deepest location is the member the user meant.
-    best = max(errors, key=lambda e: len([p for p in e["loc"] if key_path((p,))]))
-    message = best["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
-    where = key_path(best["loc"])
-    if best["type"] == "missing":
+def _where_written(loc: tuple) -> str:
+    """The key a schema error belongs to: its location up to the first union-member tag, so that the errors of one
+    value's union members (one per member pydantic tried) count as one problem."""
+    kept: list = []
+    for part in loc:
+        if not isinstance(part, int) and not key_path((part,)):
+            break
+        kept.append(part)
+    return key_path(tuple(kept))
+
+
+def _one_error(error: dict) -> str:
+    message = error["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    where = key_path(error["loc"])
+    if error["type"] == "missing":
         return f"{where}: required key is missing"
-    if best["type"] not in ("value_error", "assertion_error") and "input" in best:
-        shown = repr(best["input"])
+    if error["type"] not in ("value_error", "assertion_error") and "input" in error:
+        shown = repr(error["input"])
         message += f" (got {shown[:60] + '...' if len(shown) > 60 else shown})"
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    return f"{where}: {message}{more}" if where else f"{message}{more}"
+    return f"{where}: {message}" if where else message
+
+
+def _sections() -> dict[str, type]:
+    from llmtune.recipe.base import Section
+
+    found, todo = {}, [Section]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found[sub.__name__] = sub
+            todo.append(sub)
+    return found
+
+
+def _meant(error: dict) -> tuple:
+    """Among the errors of one value's union members, the member the user meant: the deepest location, then a
+    member that got the right kind of value (a mapping for a mapping) over one that wanted another kind, then the
+    member that knows the most of the mapping's keys (field_chosen and a typo: the preference format)."""
+    depth = len([p for p in error["loc"] if key_path((p,))])
+    kind = not error["type"].endswith("_type")
+    value, member = error.get("input"), _sections().get(str(error["loc"][-1]) if error["loc"] else "")
+    known = len(set(value) & set(member.model_fields)) if isinstance(value, dict) and member else 0
+    return depth, kind, known
+
+
+def schema_errors(err: ValidationError, raw: dict, shown: int = 5) -> str:
+    """Every key the recipe got wrong, in one line: per key the error of the union member the user meant (the
+    deepest location), in the recipe's order; past `shown` keys, a count."""
+    order = {key: index for index, key in enumerate(raw)}
+    for old, new in {**RENAMED, **INTENDED}.items():
+        if old in order:
+            order.setdefault(new, order[old])
+    errors = sorted(err.errors(include_url=False), key=lambda e: order.get(e["loc"][0] if e["loc"] else "", len(order)))
+    groups: dict[str, list[dict]] = {}
+    for error in errors:
+        groups.setdefault(_where_written(error["loc"]), []).append(error)
+    lines = [_as_written(_one_error(max(errors, key=_meant)), raw) for errors in groups.values()]
+    more = len(lines) - shown
+    return "; ".join(lines[:shown]) + (f" (and {more} more key{'s' if more > 1 else ''})" if more > 0 else "")
 
 
 def recipe_fingerprint(recipe) -> str:

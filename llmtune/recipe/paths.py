@@ -78,7 +78,11 @@ def check_output_dir(value: str, recipe_path: Path | None, key: str = "output_di
     import os
 
     where = f"{recipe_path}: " if recipe_path else ""
-    path = Path(value).expanduser().absolute()
+    try:
+        path = Path(value).expanduser().absolute()
+    except RuntimeError:  # ~user for a user this machine lacks
+        raise UserError(f"{where}{key}: not a usable path (no home folder for {value.split('/')[0]} here)",
+                        "give a folder llmtune can create") from None  # fmt: skip
     for folder in (path, *path.parents):
         try:
             exists = folder.exists()

@@ -71,7 +71,11 @@ class TrainingKeys(Section):
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="Adam beta2.")
     adam_epsilon: float = Field(1e-8, gt=0, description="Adam epsilon.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm (0: no clipping).")
-    bf16: bool | Literal["auto"] = Field(False, description="bfloat16 mixed precision ('auto': where the GPU has it).")
+    bf16: bool | Literal["auto"] = Field(
+        "auto",
+        description="bfloat16 mixed precision. 'auto' (Axolotl's default since v0.5.0): bf16 on Ampere and newer GPUs, "
+        "fp16 before them, fp32 in the CPU rehearsal; false: fp32 unless fp16.",
+    )
     fp16: bool = Field(False, description="float16 mixed precision with loss scaling.")
     tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere+ GPUs.")
     gradient_checkpointing: bool = Field(

@@ -151,8 +151,9 @@ def recipe_text(answers: Answers, recipe_path: str, estimate_line: str | None, w
     }  # fmt: skip
     blocks.append(block("Training. Global batch = micro_batch_size x gradient_accumulation_steps x data-parallel "
                          "ranks.", training))  # fmt: skip
-    if answers.mixed_precision != "no":
-        blocks.append(block("Mixed precision.", {answers.mixed_precision: True}))
+    # "no" is written out: a recipe without bf16 is bf16: auto (Axolotl's default)
+    blocks.append(block("Mixed precision.", {"bf16": False} if answers.mixed_precision == "no"
+                        else {answers.mixed_precision: True}))  # fmt: skip
     return "\n".join(blocks + closing_blocks(answers, label))
 
 

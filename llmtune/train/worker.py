@@ -23,6 +23,18 @@ from llmtune.train.runtime.report import merge_reports, peak_rss_bytes, planned_
 TEST_HOOKS = ("LLMTUNE_TEST_EXIT_AFTER_STEP", "LLMTUNE_TEST_PAUSE_AFTER_STEP", "LLMTUNE_TEST_STEP_SLEEP")
 
 
+def _final_evaluation(trainer) -> dict:
+    """The eval metrics of the final weights: those logged at the last step when an evaluation ran there (the
+    same weights and data; evaluating again would cost the time and print the line twice), else a new one. With
+    load_best_model_at_end the final weights may be an earlier step's: evaluated anew."""
+    for entry in reversed(trainer.state.log_history):
+        if "eval_loss" in entry:
+            if entry.get("step") == trainer.state.global_step and not trainer.args.load_best_model_at_end:
+                return {k: v for k, v in entry.items() if k.startswith("eval_") or k == "epoch"}
+            break
+    return trainer.evaluate()
+
+
 def _reference_report(trainer, recipe) -> dict:
     if not recipe.rl:
         return {}
@@ -232,7 +244,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     seconds = time.time() - started
     metrics = {"train_loss": result.training_loss}
     if data.eval:
-        metrics.update(trainer.evaluate())
+        metrics.update(_final_evaluation(trainer))
     steady_tokens, steady_seconds = step_stats.steady()
     tokens, rows, steady_tokens, steady_seconds = collectives.sum_values(
         [trainer.tokens_seen, trainer.rows_seen, steady_tokens, steady_seconds]

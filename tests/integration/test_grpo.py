@@ -101,6 +101,10 @@ def test_a_lora_grpo_run_learns_what_its_reward_favours_and_records_it(workspace
         assert isinstance(entry[key], float), key
     summary = metrics["preference"]
     assert summary["method"] == "grpo" and summary["last"]["reward"] == steps[-1]["reward"]
+    # tokens seen: the 8 completions of each step (TRL's mean length) and their prompts, read from the masks
+    completions = sum(8 * e["completions/mean_length"] for e in steps)
+    prompts = metrics["tokens_seen"] - completions
+    assert 30 * 8 * 5 < prompts < 30 * 8 * 128, (metrics["tokens_seen"], completions)
     samples = [json.loads(line) for line in (workspace[0] / "short" / "completions.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == set(range(1, 31)) and len(samples) == 60  # 2 per logging step
     assert samples[0]["prompt"].startswith("user: Say ") and isinstance(samples[0]["rewards"]["short_reward"], float)

@@ -239,7 +239,10 @@ def test_report_has_a_loss_curve_with_train_and_eval(lora_runs):
         metrics = json.loads((lora_runs[name] / "metrics.json").read_text())
         train = [e for e in metrics["log_history"] if "loss" in e]
         evals = [e for e in metrics["log_history"] if "eval_loss" in e]
-        assert len(train) == metrics["steps"] and len(evals) >= metrics["steps"]  # logged and evaluated every step
+        assert len(train) == metrics["steps"] and len(evals) == metrics["steps"]  # logged and evaluated every step
+        # the last step's evaluation is the final one (not run, logged and printed a second time)
+        assert [e["step"] for e in evals] == list(range(1, metrics["steps"] + 1))
+        assert metrics["eval_loss"] == evals[-1]["eval_loss"]
         assert curves["train"] == {"step": [e["step"] for e in train], "loss": [e["loss"] for e in train],
                                    "learning_rate": [e["learning_rate"] for e in train]}  # fmt: skip
         assert curves["eval"] == {"step": [e["step"] for e in evals], "loss": [e["eval_loss"] for e in evals]}

@@ -233,3 +233,28 @@ def test_disk_full_during_a_save_keeps_the_last_checkpoint(make_recipe, tmp_path
         assert not any((small / "out" / ".checkpoint-staging").glob("*"))
     finally:
         subprocess.run(["umount", "-l", str(small)], capture_output=True)
+
+
+def test_resuming_with_a_longer_max_steps_follows_the_new_schedule_and_the_end_of_a_run_is_refused(make_recipe):
+    lora = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_linear": True, "lr_scheduler": "linear",
+            "save_strategy": "steps", "save_steps": 2, "learning_rate": 1e-3}  # fmt: skip
+    recipe = make_recipe("longer", max_steps=4, **lora)
+    assert llmtune("train", recipe, timeout=600).returncode == 0
+    saved_rate = [e["learning_rate"] for e in read_metrics(recipe)["log_history"] if "loss" in e]
+    recipe = make_recipe("longer", max_steps=6, **lora)
+    result = llmtune("train", recipe, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming checkpoint-4 at step 4 with max_steps 4 -> 6: the learning-rate schedule (linear)" in result.stderr
+    rates = {e["step"]: e["learning_rate"] for e in read_metrics(recipe)["log_history"] if "loss" in e}
+    # linear over 6 steps from 1e-3 (no warm-up), applied from step 6 on; step 5 at the rate checkpoint-4 saved,
+    # which is the 4-step schedule's end (0)
+    assert [rates[step] for step in (1, 2, 3, 4)] == saved_rate and saved_rate[-1] == pytest.approx(1e-3 / 4)
+    assert rates[5] == 0.0 and rates[6] == pytest.approx(1e-3 * (6 - 5) / 6)
+    # the finished run with a key changed would resume at its end: refused, nothing written
+    before = sorted(p.name for p in (recipe.parent / "longer").iterdir())
+    changed = make_recipe("longer", max_steps=6, **{**lora, "learning_rate": 2e-3})
+    refused = llmtune("train", changed, timeout=600)
+    assert refused.returncode == 2 and "checkpoint-6 is at step 6, and max_steps is 6 (the end of its run)" in (
+        refused.stderr.strip().splitlines()[-1]
+    )
+    assert sorted(p.name for p in (recipe.parent / "longer").iterdir()) == before

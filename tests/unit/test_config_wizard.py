@@ -140,6 +140,12 @@ def test_yes_takes_defaults_and_flags_answer_questions(run_cli, tmp_path, chat_f
         line = f"--num-processes 8 --num-machines 2 --machine-rank {rank} --main-process-ip 10.0.0.1"
         assert line in result.out and line in output.read_text()
     assert load_recipe(output).recipe.fsdp_enabled
+    assert raw["bf16"] is True  # the default answer
+    # fp32 asked for is written out: a recipe without bf16 would be Axolotl's bf16: auto
+    fp32 = tmp_path / "fp32.yaml"
+    assert run_cli("config", "--yes", "-o", fp32, "--base-model", model_dir, "--dataset", chat_file,
+                   "--mixed-precision", "no").code == 0  # fmt: skip
+    assert yaml.safe_load(fp32.read_text())["bf16"] is False and load_recipe(fp32).recipe.precision == "no"
 
 
 @pytest.mark.parametrize(

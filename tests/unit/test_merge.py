@@ -135,3 +135,27 @@ def test_force_replaces_an_earlier_merge_only_never_the_run_or_what_holds_it(tmp
     merge_run(run, tmp_path / "merged")
     merge_run(run, tmp_path / "merged", force=True)  # an earlier merge is what --force replaces
     assert (tmp_path / "merged" / "config.json").is_file()
+
+
+def test_one_chosen_checkpoint_merges_its_own_weights(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmtune.plan.checkpoint_layout import MARKER
+    from llmtune.post.merge import merge_run
+
+    base = make_tiny_model(tmp_path / "base")
+    run, final = fake_run(tmp_path, base, r=4, lora_alpha=8, target_modules="all-linear")
+    torch.manual_seed(1)  # the checkpoint's adapter is another one than the final save's
+    _, early = fake_run(tmp_path / "early", base, r=4, lora_alpha=8, target_modules="all-linear")
+    early.save_pretrained(run / "checkpoint-2")
+    (run / "checkpoint-2" / MARKER).write_text(json.dumps({"step": 2, "world_size": 1}))
+    result = merge_run(run / "checkpoint-2")
+    assert result.output == run / "merged-checkpoint-2" and "checkpoint-2, its adapter (the checkpoint asked for)" in result.source
+    merged = AutoModelForCausalLM.from_pretrained(result.output).eval()
+    assert torch.allclose(logits(merged), logits(early), atol=1e-5)
+    assert not torch.allclose(logits(merged), logits(final), atol=1e-3)
+    early.save_pretrained(run / "checkpoint-3")  # its save never finished: no marker
+    with pytest.raises(UserError, match="checkpoint-3 is not a complete checkpoint"):
+        merge_run(run / "checkpoint-3")
+    assert not (run / "merged-checkpoint-3").exists()

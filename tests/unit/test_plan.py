@@ -489,7 +489,9 @@ def test_a_deepspeed_file_that_forces_bf16_rehearses_in_fp32_and_says_so(tmp_pat
     gpu = make_plan(recipe(deepspeed=str(path), bf16=True), make_cluster(2, device="cuda"))
     assert gpu.deepspeed_config["bf16"]["enabled"] is True
     with pytest.raises(UserError, match="sets bf16.enabled = True but the recipe implies False"):
-        make_plan(recipe(deepspeed=str(path)), make_cluster(2, device="cuda"))  # on GPUs the recipe must agree
+        make_plan(recipe(deepspeed=str(path), bf16=False), make_cluster(2, device="cuda"))  # the recipe must agree
+    # bf16 left out is Axolotl's bf16: auto, which agrees with the file on a GPU
+    assert make_plan(recipe(deepspeed=str(path)), make_cluster(2, device="cuda")).precision == "bf16"
 
 
 def test_deepspeed_json_values_are_read_as_deepspeed_reads_them():
@@ -531,11 +533,22 @@ def test_fsdp_plans_say_what_axolotl_would_have_run_and_refuse_another_models_la
     assert own.accelerate_config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
 
 
-def test_precision_follows_the_recipe_and_says_when_axolotl_would_have_chosen_bf16():
+def test_precision_defaults_to_bf16_auto_as_axolotl_and_falls_back_to_fp16_before_ampere(monkeypatch):
+    from llmtune.plan.memory import fit
+
+    # no bf16 in the recipe is Axolotl's default since v0.5.0, bf16: auto; the plan says so
     plain = make_plan(recipe(), make_cluster(8, device="cuda"))
-    assert plain.precision == "no" and any("Axolotl v0.5.0 and later default to bf16: auto" in n for n in plain.notes)
+    assert plain.precision == "bf16" and plain.deepspeed_config is None
+    assert any("bf16: auto (the default, as in Axolotl)" in n for n in plain.notes)
     said = make_plan(recipe(bf16=False), make_cluster(8, device="cuda"))
-    assert said.precision == "no" and not any("default to bf16" in n for n in said.notes)
+    assert said.precision == "no" and not any("bf16: auto" in n for n in said.notes)
     # fp16 asked for wins over bf16: auto (Axolotl turns auto off beside fp16)
     assert make_plan(recipe(bf16="auto", fp16=True), make_cluster(8, device="cuda")).precision == "fp16"
     assert make_plan(recipe(bf16="auto"), make_cluster(8, device="cuda")).precision == "bf16"
+    assert make_plan(recipe(), make_cluster(2, device="cpu")).precision == "no"  # the rehearsal computes in fp32
+    # on GPUs before Ampere (nvidia-smi's compute_cap below 8.0), auto is fp16, as Axolotl resolves it
+    monkeypatch.setattr(fit, "gpu_compute_capability_of_this_machine", lambda: 7.0)
+    volta = make_plan(recipe(deepspeed={"zero_optimization": {"stage": 2}}), make_cluster(8, device="cuda"))
+    assert volta.precision == "fp16" and volta.deepspeed_config["fp16"]["enabled"] is True
+    assert any("compute capability 7, which have no bf16" in n for n in volta.notes)
+    assert make_plan(recipe(bf16=True), make_cluster(8, device="cuda")).precision == "bf16"  # asked for: kept

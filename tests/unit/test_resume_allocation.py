@@ -215,3 +215,34 @@ def test_reshard_converts_only_what_needs_it_and_refuses_what_cant_move(tmp_path
     assert "checkpoint-4 has no DeepSpeed engine state" in run_cli("checkpoint", "reshard", lost).err
     assert "needs the checkpoint" in run_cli("checkpoint", "reshard").err
     assert "no complete llmtune checkpoint" in run_cli("checkpoint", "reshard", lost / "global_step4").err
+
+
+def test_resuming_with_another_length_says_what_the_schedule_does(tmp_path):
+    folder = saved(tmp_path, step=6, **DDP_2)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 6, "max_steps": 8, "num_train_epochs": 2}))
+    longer = make_plan(recipe(tmp_path, max_steps=12), make_cluster(2, device="cpu"))
+    assert ("resuming checkpoint-6 at step 6 with max_steps 8 -> 12: the learning-rate schedule (cosine) is rebuilt "
+            "for the new length; step 7 runs at the rate checkpoint-6 saved, the steps after it at the new schedule's"
+            ) in longer.notes  # fmt: skip
+    # a length the checkpoint has reached: the Trainer would run one more step past its schedule's end; refused
+    for steps in (6, 4):
+        with pytest.raises(UserError) as err:
+            make_plan(recipe(tmp_path, max_steps=steps), make_cluster(2, device="cpu"))
+        assert (f"checkpoint-6 is at step 6, and max_steps is {steps} (it was saved by a run of 8): there is no step "
+                f"left to train (hint: raise max_steps to train on") in err.value.one_line()  # fmt: skip
+        assert f"llmtune merge {tmp_path / 'checkpoint-6'}" in err.value.one_line()
+    # the end of a finished run, its recipe changed since (not the same recipe: that one is "nothing to do")
+    end = saved(tmp_path / "done", step=8, **DDP_2)
+    (end / "trainer_state.json").write_text(json.dumps({"global_step": 8, "max_steps": 8, "num_train_epochs": 2,
+                                                        "epoch": 2.0}))  # fmt: skip
+    for changes in ({"num_epochs": 2, "learning_rate": 0.01}, {"max_steps": 8, "learning_rate": 0.01}):
+        with pytest.raises(UserError) as err:
+            make_plan(recipe(tmp_path / "done", **changes), make_cluster(2, device="cpu"))
+        assert "checkpoint-8 is at step 8, and " in err.value.one_line()
+        assert "(the end of its run): there is no step left to train" in err.value.one_line()
+    more = make_plan(recipe(tmp_path / "done", num_epochs=3), make_cluster(2, device="cpu"))
+    assert any("with num_epochs 2 -> 3" in n for n in more.notes)
+    epochs = make_plan(recipe(tmp_path, num_epochs=3), make_cluster(2, device="cpu"))
+    assert any("with num_epochs 2 -> 3: the learning-rate schedule" in n for n in epochs.notes)
+    same = make_plan(recipe(tmp_path, num_epochs=2), make_cluster(2, device="cpu"))
+    assert not any("learning-rate schedule" in n or "no step is left" in n for n in same.notes)

@@ -47,6 +47,9 @@ def test_gpu_and_cpu_directives():
     gpu, cpu = script(CASES["gpu-2x8"]), script(CASES["cpu-rehearsal-2x1"])
     assert "#SBATCH --gpus-per-node=8" in gpu and "--num-processes 16 --num-machines 2" in gpu
     assert "--gpus-per-node" not in cpu and "--device cpu" in cpu and "#SBATCH --signal=B:USR1@60" in cpu
+    # the launchers' srun asks for the CPUs itself: Slurm 22.05 to 23.02 give each task one CPU otherwise
+    assert "#SBATCH --cpus-per-task=32" in gpu and "srun --cpus-per-task=32 --ntasks-per-node=1" in gpu
+    assert "--cpus-per-task" not in cpu
     for text in (gpu, cpu):
         assert "#SBATCH --requeue" in text and "scontrol requeue" in text and "NodeAddr" in text
 

@@ -218,3 +218,42 @@ def test_every_unknown_key_is_named_in_the_one_line(tmp_path):
     line = err.value.one_line()
     assert "3 unknown keys: 'lora_rank' (did you mean 'lora_r'?), 'learnig_rate' (did you mean 'learning_rate'?)" in line
     assert "'foo_bar_baz'" in line
+
+
+def test_bf16_asked_for_on_a_gpu_without_it_is_one_line_before_the_first_step(monkeypatch):
+    import torch
+
+    from llmtune.train.engine.arguments import _check_bf16_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-32GB")
+    with pytest.raises(UserError) as err:
+        _check_bf16_device("bf16", rehearsal=False)
+    assert "bf16 needs an Ampere or newer GPU; this one is a Tesla V100-SXM2-32GB" in err.value.one_line()
+    _check_bf16_device("fp16", rehearsal=False)  # what bf16: auto plans on that GPU goes through
+    _check_bf16_device("bf16", rehearsal=True)  # the rehearsal computes in fp32
+
+
+def test_every_wrong_value_is_named_in_the_one_line_in_the_recipe_s_order(tmp_path):
+    raw = {"base_model": "org/m", "num_epochs": 0, "datasets": [{"path": "org/d", "type": "alpaca", "split": 3}],
+           "learning_rate": "abc", "micro_batch_size": -1, "bf16": "maybe"}  # fmt: skip
+    with pytest.raises(UserError) as err:
+        recipe_from_mapping(raw, tmp_path / "r.yaml", check_files=False)
+    line = err.value.one_line()
+    keys = ["num_epochs: Input should be greater than 0 (got 0)", "datasets[0].split:", "learning_rate:",
+            "micro_batch_size: Input should be greater than 0 (got -1)", "bf16:"]  # fmt: skip
+    assert all(key in line for key in keys), line
+    assert [line.index(key) for key in keys] == sorted(line.index(key) for key in keys)  # as the recipe has them
+    assert line.count("bf16") == 1  # bool | 'auto': one problem, not one per union member
+    many = {**raw, **{k: -1 for k in ("lora_r", "lora_alpha", "warmup_steps", "save_total_limit")}, "adapter": "lora"}
+    with pytest.raises(UserError) as err:
+        recipe_from_mapping(many, tmp_path / "r.yaml", check_files=False)
+    assert err.value.one_line().count(": Input should") == 5 and "(and " in err.value.one_line()
+    # a typo in a type: mapping is answered by the format the mapping's other keys belong to
+    for fields, meant in (({"field_promt": "q", "field_chosen": "c", "field_rejected": "r"}, "field_prompt"),
+                          ({"field_instrution": "q", "field_output": "o"}, "field_instruction")):  # fmt: skip
+        wrong = {"base_model": "org/m", "datasets": [{"path": "org/d", "type": fields}]}
+        with pytest.raises(UserError) as err:
+            recipe_from_mapping(wrong, tmp_path / "r.yaml", check_files=False)
+        assert f"datasets[0].type: unknown key '{next(iter(fields))}'; did you mean '{meant}'?" in err.value.one_line()

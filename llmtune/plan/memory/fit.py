@@ -4,6 +4,7 @@ and what this machine has."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, field, replace
 
@@ -169,6 +170,24 @@ def gpu_memory_of_this_machine() -> float | None:
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
     return min(sizes) if sizes else None
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_compute_capability_of_this_machine() -> float | None:
+    """The lowest compute capability among the visible GPUs (8.0 is Ampere, the first with bf16), from nvidia-smi
+    (no torch import); None where it can't be read (no GPU here: a plan written for another machine)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout  # fmt: skip
+        caps = [float(line) for line in out.split() if line.strip()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(caps) if caps else None
 
 
 def cpu_memory_of_this_machine() -> float | None:

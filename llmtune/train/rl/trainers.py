@@ -136,7 +136,14 @@ def freeze(model):
 
 class PreferenceMixin:
     """What llmtune counts of a preference batch: pairs (or KTO completions) as rows, real tokens from the masks;
-    of a GRPO batch (its rows before generation): the completions it will generate, a fingerprint of the prompts."""
+    of a GRPO batch (its rows before generation): the completions it will generate, a fingerprint of the prompts,
+    and, once generated, the prompt and completion tokens the loss reads."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if model.training and isinstance(inputs, dict) and "completion_mask" in inputs:  # GRPO, after generation
+            # a host read per step: generation has synchronised with the device many times over already
+            self.tokens_seen += sum(int(inputs[k].sum()) for k in ("prompt_mask", "completion_mask") if k in inputs)
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
     def _batch_view(self, inputs) -> tuple:
         if isinstance(inputs, list):  # GRPO: the micro-batch's rows, each a prompt to complete
