@@ -29,7 +29,7 @@ def finished_run(recipe) -> str | None:
     from llmtune.recipe.loader import recipe_fingerprint
 
     metrics_file = Path(recipe.output_dir) / "metrics.json"
-    if not recipe.auto_resume_from_checkpoints or recipe.resume_from_checkpoint or not metrics_file.is_file():
+    if not recipe.auto_resume_from_checkpoints or not metrics_file.is_file():
         return None
     try:
         metrics = json.loads(metrics_file.read_text())

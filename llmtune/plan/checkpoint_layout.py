@@ -6,6 +6,7 @@ launcher and the checkpoint manager (llmtune/train/checkpoint/) read and write b
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 MARKER = "llmtune-complete.json"
@@ -42,3 +43,15 @@ def read_marker(checkpoint: str | Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None
+
+
+def files_in(folder: Path) -> list[str]:
+    """The files of a checkpoint folder, as paths relative to it (the marker left out: it is written after)."""
+    folder = Path(folder)
+    found = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            relative = (Path(root) / name).relative_to(folder).as_posix()
+            if relative != MARKER:
+                found.append(relative)
+    return sorted(found)

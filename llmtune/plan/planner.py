@@ -35,6 +35,7 @@ from llmtune.plan.mesh import (
 )
 from llmtune.plan.pipeline import bubble_fraction, split_layers
 from llmtune.plan.resume import length_line, resumed_accumulation
+from llmtune.plan.resume_checks import check_resume
 from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, resolve_kernels
 from llmtune.recipe.preference import ONLINE_METHODS
@@ -311,6 +312,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
     length = length_line(recipe)
     if length:
         notes.append(length)
+    notes.extend(check_resume(recipe))
     _check_elastic_sizes(recipe, cluster, strategy, global_batch)
     if recipe.lisa_n_layers:
         if world > 1:

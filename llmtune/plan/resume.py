@@ -48,16 +48,27 @@ class Resumed:
 
 
 def resume_checkpoint(recipe) -> Path | None:
-    """The checkpoint `llmtune train` would resume from: resume_from_checkpoint, else the newest complete one."""
-    if recipe.resume_from_checkpoint:
-        return Path(recipe.resume_from_checkpoint)
+    """The checkpoint `llmtune train` would resume from: the newest complete one in output_dir (auto-resume), else
+    resume_from_checkpoint. A run started from resume_from_checkpoint that crashed after saving its own checkpoints
+    resumes the newest of them, not the named one again (see newer_than_named)."""
+    named = Path(recipe.resume_from_checkpoint) if recipe.resume_from_checkpoint else None
     output_dir = Path(recipe.output_dir)
     try:
         if not recipe.auto_resume_from_checkpoints or not output_dir.is_dir():
-            return None
-        return last_complete(output_dir)
+            return named
+        last = last_complete(output_dir)
     except OSError:  # a name no file system takes (too long): nothing to resume; the run reports the path itself
-        return None
+        return named
+    return last if last is not None and newer_than_named(last, named) else named
+
+
+def newer_than_named(last: Path, named: Path | None) -> bool:
+    """output_dir's newest complete checkpoint wins over a resume_from_checkpoint outside output_dir (where the run
+    started: another run's checkpoint). One inside output_dir is the user's choice among the run's own (going back
+    to an earlier step) and is kept."""
+    if named is None:
+        return True
+    return named.resolve().parent != last.resolve().parent
 
 
 def saved_allocation(recipe, checkpoint: Path) -> Saved | None:
@@ -103,8 +114,10 @@ def resumed_accumulation(
     when it can't resume here. `titles`: the strategies' names, as the plan shows them."""
     checkpoint = resume_checkpoint(recipe)
     saved = saved_allocation(recipe, checkpoint) if checkpoint else None
-    if saved is None or saved.world_size == world:
+    if saved is None:
         return None
+    if saved.world_size == world:
+        return _same_world(recipe, saved, data_parallel)
     name = saved.path.name
     written = saved.strategy or strategy
     if saved.strategy and MOVABLE.get(saved.strategy, saved.strategy) != MOVABLE.get(strategy, strategy):
@@ -170,6 +183,31 @@ def resumed_accumulation(
     if universal:
         line += "; " + universal_line(saved, data_parallel)
     return Resumed(accumulation, line, universal)
+
+
+def _same_world(recipe, saved: Saved, data_parallel: int) -> Resumed | None:
+    """The world that saved the checkpoint, with micro_batch_size or gradient_accumulation_steps changed since (a
+    smaller micro-batch after an OOM): the checkpoint's global batch is kept through the accumulation, as on another
+    world size. The Trainer counts the data already trained and the schedule in the checkpoint's steps; at another
+    global batch it would skip a wrong number of rows."""
+    micro = recipe.micro_batch_size
+    planned = micro * recipe.gradient_accumulation_steps * data_parallel
+    if saved.global_batch_size == planned:
+        return None
+    name = saved.path.name
+    if saved.global_batch_size % (micro * data_parallel):
+        raise UserError(
+            f"{name} trained at global batch {saved.global_batch_size}; micro_batch_size {micro} on {data_parallel} "
+            f"data-parallel process(es) can't keep it ({saved.global_batch_size} is not a multiple of "
+            f"{micro * data_parallel}), and a resume at another global batch would skip the wrong rows",
+            f"use a micro_batch_size that divides {saved.global_batch_size // data_parallel}, or start over in "
+            "another output_dir",
+        )
+    accumulation = saved.global_batch_size // (micro * data_parallel)
+    line = (f"resuming {name} at the global batch it trained with, {saved.global_batch_size}: micro_batch_size {micro} "
+            f"x gradient accumulation {accumulation} x {data_parallel} (the recipe's gives {planned}; the resume "
+            "counts the rows already trained in the checkpoint's steps)")  # fmt: skip
+    return Resumed(accumulation, line)
 
 
 def length_line(recipe) -> str | None:

@@ -64,7 +64,8 @@ def resolve(name: str, key: str, recipe_path: Path, must_be_dir: bool = False) -
             raise UserError(f"{recipe_path}: {key}: {name} is a file, expected a folder", "point it at the folder")
         return str(candidate.resolve())
     if looks_local(name) and not _hub_gguf(name):
-        raise UserError(f"{recipe_path}: {key}: {name} does not exist", f"relative paths are read from {Path.cwd()}")
+        hint = "check the path" if Path(name).is_absolute() else f"relative paths are read from {Path.cwd()}"
+        raise UserError(f"{recipe_path}: {key}: {name} does not exist", hint)
     return name
 
 
@@ -98,17 +99,19 @@ def check_output_dir(value: str, recipe_path: Path | None, key: str = "output_di
         return
 
 
-def check_checkpoint_kind(folder: Path, adapter: str | None, recipe_path: Path) -> None:
+def check_checkpoint_kind(folder: Path, adapter: str | None, recipe_path: Path | None) -> None:
     """A checkpoint resumes the kind of run that saved it: an adapter's with an adapter, a whole model's without one
-    (the optimizer state of the one doesn't fit the other: the Trainer fails after loading everything)."""
+    (the optimizer state of the one doesn't fit the other: the Trainer fails after loading everything).
+    `recipe_path` None: the checkpoint auto-resume found in output_dir."""
+    where = f"{recipe_path}: resume_from_checkpoint: {folder}" if recipe_path else f"{folder} (auto-resume)"
     saved_adapter = (folder / "adapter_config.json").is_file()
     whole_model = (folder / "config.json").is_file() and any(folder.glob("model*.safetensors"))
     if saved_adapter and not adapter:
-        raise UserError(f"{recipe_path}: resume_from_checkpoint: {folder} was saved by a LoRA run, and this recipe "
+        raise UserError(f"{where} was saved by a LoRA run, and this recipe "
                         "trains the whole model", "resume it with the adapter settings it was trained with, or start "
                         "from a merged model (llmtune merge) as base_model")  # fmt: skip
     if adapter and whole_model and not saved_adapter:
-        raise UserError(f"{recipe_path}: resume_from_checkpoint: {folder} was saved by a full fine-tune, and this "
+        raise UserError(f"{where} was saved by a full fine-tune, and this "
                         f"recipe trains a {adapter} adapter", "use that folder as base_model for a new adapter, or "
                         "resume it without adapter:")  # fmt: skip
 
@@ -122,6 +125,15 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
         if value:
             setattr(recipe, key, resolve(value, key, recipe_path))
     if recipe.resume_from_checkpoint:
+        in_output = Path(recipe.output_dir).expanduser() / recipe.resume_from_checkpoint
+        if (
+            not Path(recipe.resume_from_checkpoint).is_absolute()
+            and not on_disk(recipe.resume_from_checkpoint, "resume_from_checkpoint", recipe_path)
+            and in_output.is_dir()
+        ):
+            raise UserError(f"{recipe_path}: resume_from_checkpoint: {recipe.resume_from_checkpoint} does not exist "
+                            f"in {Path.cwd()}", f"did you mean {in_output}? (relative paths are read from the "
+                            "current folder, as Axolotl reads them)")  # fmt: skip
         recipe.resume_from_checkpoint = resolve(
             recipe.resume_from_checkpoint, "resume_from_checkpoint", recipe_path, must_be_dir=True
         )

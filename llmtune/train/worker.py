@@ -23,6 +23,20 @@ from llmtune.train.runtime.report import merge_reports, peak_rss_bytes, planned_
 TEST_HOOKS = ("LLMTUNE_TEST_EXIT_AFTER_STEP", "LLMTUNE_TEST_PAUSE_AFTER_STEP", "LLMTUNE_TEST_STEP_SLEEP")
 
 
+def _check_rows(marker: dict, dataset, resume: str) -> None:
+    """The resume skips the batches already trained by count: data with another number of rows than the checkpoint
+    was trained on (the same files, edited) would have it skip and repeat other rows."""
+    saved = marker.get("rows_per_epoch")
+    if isinstance(saved, int) and dataset is not None and len(dataset) != saved:
+        raise UserError(
+            f"{Path(resume).name} was trained on {saved} rows per epoch; the data gives {len(dataset)} now (its files "
+            "changed since): the resume skips the batches already trained by count, which would skip and repeat "
+            "other rows",
+            f"restore the data to resume it; to train on the new data from its weights: llmtune merge {resume}, then "
+            "base_model: the merged folder, in another output_dir",
+        )
+
+
 def _final_evaluation(trainer) -> dict:
     """The eval metrics of the final weights: those logged at the last step when an evaluation ran there (the
     same weights and data; evaluating again would cost the time and print the line twice), else a new one. With
@@ -230,6 +244,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     if recipe.loss_watchdog_threshold is not None:
         trainer.add_callback(LossWatchdog(recipe.loss_watchdog_threshold, recipe.loss_watchdog_patience))
     if resume:
+        _check_rows(marker, trainer.train_dataset, resume)
         log(f"resuming from {resume}")
         trainer.saved_world, trainer.rows_before = marker.get("world_size"), marker.get("rows_seen")
     from llmtune.train.runtime.memory import ModelStateMeter

@@ -141,7 +141,7 @@ def workspace(tmp_path_factory, tiny_model):
 
 def shared_gpu_run(workspace, name: str, processes: int, **changes) -> tuple[dict, Path]:
     """Same global batch of 8 either way: one process accumulates 2, two ranks 1 each (fp32, so parity is tight)."""
-    path = write_run_recipe(workspace, name, gradient_accumulation_steps=2 // processes, **changes)
+    path = write_run_recipe(workspace, name, gradient_accumulation_steps=2 // processes, bf16=False, **changes)
     device = "cuda:gloo" if processes > 1 else "cuda"
     result = llmtune("train", path, "--num-processes", processes, "--device", device, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -50,7 +50,7 @@ FLOORS = {
     "llmtune.plan": [
         ["memory", "checkpoint_layout", "pipeline", "hostfile", "generation"],
         ["cluster", "deepspeed", "resume", "shrink"],
-        ["commands"],
+        ["commands", "resume_checks"],
         ["accelerate_config", "mesh", "smallest_cluster", "checks"],
         ["planner"],
         ["render", "files", "__init__"],

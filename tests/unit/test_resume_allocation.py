@@ -23,6 +23,7 @@ def saved(output_dir: Path, step: int = 4, **info) -> Path:
     folder = output_dir / f"checkpoint-{step}"
     folder.mkdir(parents=True)
     (folder / "llmtune-complete.json").write_text(json.dumps({"step": step, **info}))
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     return folder
 
 
@@ -246,3 +247,98 @@ def test_resuming_with_another_length_says_what_the_schedule_does(tmp_path):
     assert any("with num_epochs 2 -> 3: the learning-rate schedule" in n for n in epochs.notes)
     same = make_plan(recipe(tmp_path, num_epochs=2), make_cluster(2, device="cpu"))
     assert not any("learning-rate schedule" in n or "no step is left" in n for n in same.notes)
+
+
+def test_a_changed_micro_batch_keeps_the_checkpoint_s_global_batch_or_is_refused(tmp_path):
+    saved(tmp_path, **DDP_2)  # global batch 8 = micro 2 x accumulation 2 x 2 ranks
+    smaller = make_plan(recipe(tmp_path, micro_batch_size=1), make_cluster(2, device="cpu"))  # after an OOM
+    assert (smaller.gradient_accumulation_steps, smaller.global_batch_size) == (4, 8)
+    assert any("resuming checkpoint-4 at the global batch it trained with, 8: micro_batch_size 1 x gradient "
+               "accumulation 4 x 2" in note for note in smaller.notes)  # fmt: skip
+    doubled = make_plan(recipe(tmp_path, gradient_accumulation_steps=4), make_cluster(2, device="cpu"))
+    assert (doubled.gradient_accumulation_steps, doubled.global_batch_size) == (2, 8)
+    with pytest.raises(UserError, match="micro_batch_size 3 on 2 data-parallel process"):
+        make_plan(recipe(tmp_path, micro_batch_size=3), make_cluster(2, device="cpu"))
+
+
+def _write(folder: Path, name: str, value) -> None:
+    (folder / name).write_text(json.dumps(value))
+
+
+def test_a_damaged_checkpoint_or_one_another_recipe_trained_is_refused_or_explained(tmp_path):
+    from llmtune.plan.resume_checks import marker_keys
+
+    def checkpoint(out: Path, files=("optimizer.pt", "scheduler.pt", "trainer_state.json"), adapter=None, **keys):
+        folder = saved(out, **DDP_2, **keys)
+        for name in files:
+            (folder / name).write_bytes(b"x")
+        if adapter:
+            _write(folder, "adapter_config.json", adapter)
+        marker = json.loads((folder / "llmtune-complete.json").read_text())
+        marker["files"] = sorted(p.name for p in folder.iterdir() if p.name != "llmtune-complete.json")
+        _write(folder, "llmtune-complete.json", marker)
+        return folder
+
+    plan = lambda out, **changes: make_plan(recipe(out, **changes), make_cluster(2, device="cpu"))  # noqa: E731
+    # a file it was saved with is gone: the Trainer would restart the optimizer and schedule silently
+    folder = checkpoint(tmp_path / "a", **marker_keys(recipe(tmp_path / "a")))
+    plan(tmp_path / "a")  # whole: resumes
+    (folder / "optimizer.pt").unlink()
+    with pytest.raises(UserError, match=r"checkpoint-4 lacks optimizer.pt, which it was saved with \(the optimizer"):
+        plan(tmp_path / "a")
+    # the recipe's data or order changed: the skip over the trained batches would skip other rows
+    keys = marker_keys(recipe(tmp_path / "b"))
+    checkpoint(tmp_path / "b", **keys)
+    with pytest.raises(UserError, match="trained with other seed"):
+        plan(tmp_path / "b", seed=7)
+    with pytest.raises(UserError, match="trained with other datasets"):
+        plan(tmp_path / "b", datasets=[{"path": "org/other", "type": "alpaca"}])
+    # schedule keys: what the resume does with them
+    notes = plan(tmp_path / "b", learning_rate=0.01, lr_scheduler="linear").notes
+    assert any(f"learning_rate {keys['schedule']['learning_rate']} -> 0.01 since checkpoint-4: the resume keeps "
+               in n for n in notes)  # fmt: skip
+    assert any("lr_scheduler cosine -> linear since checkpoint-4: the new schedule takes over" in n for n in notes)
+    # an adapter of another shape, or none
+    lora = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8}
+    checkpoint(tmp_path / "c", adapter={"r": 4, "lora_alpha": 8, "use_dora": False, "use_rslora": False},
+               **marker_keys(recipe(tmp_path / "c", **lora)))  # fmt: skip
+    plan(tmp_path / "c", **lora)
+    with pytest.raises(UserError, match=r"holds an adapter that the recipe no longer builds \(lora_r 4 -> 8"):
+        plan(tmp_path / "c", **{**lora, "lora_r": 8})
+    with pytest.raises(UserError, match="was saved by a LoRA run, and this recipe trains the whole model"):
+        plan(tmp_path / "c")
+    # an older marker (no file list): the Trainer's state at least; a pipeline's checkpoint has none
+    old = saved(tmp_path / "d", **DDP_2)
+    (old / "trainer_state.json").unlink()
+    with pytest.raises(UserError, match="checkpoint-4 lacks trainer_state.json"):
+        plan(tmp_path / "d")
+
+
+def test_checkpoints_another_tool_saved_are_not_overwritten_by_starting_over(tmp_path):
+    (tmp_path / "checkpoint-2").mkdir(parents=True)
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    with pytest.raises(UserError) as err:
+        make_plan(recipe(tmp_path), make_cluster(1, device="cpu"))
+    assert "holds checkpoint-2 without llmtune's completion marker" in err.value.one_line()
+    assert f"resume_from_checkpoint: {tmp_path / 'checkpoint-2'}" in err.value.one_line()
+    make_plan(recipe(tmp_path, auto_resume_from_checkpoints=False), make_cluster(1, device="cpu"))
+    saved(tmp_path, step=4, **DDP_2)  # beside a complete one of llmtune's: that one is resumed
+    assert make_plan(recipe(tmp_path), make_cluster(2, device="cpu")).global_batch_size == 8
+
+
+def test_a_run_started_from_another_runs_checkpoint_resumes_its_own_after_a_crash(tmp_path):
+    from llmtune.launch.preflight import finished_run
+    from llmtune.plan.resume import resume_checkpoint
+    from llmtune.recipe.loader import recipe_fingerprint
+
+    start = saved(tmp_path / "sft", step=2, **DDP_2)
+    out = tmp_path / "run"
+    assert resume_checkpoint(recipe(out, resume_from_checkpoint=str(start))) == start  # nothing of its own yet
+    own = saved(out, step=4, **DDP_2)  # it saved checkpoint-4, then crashed
+    assert resume_checkpoint(recipe(out, resume_from_checkpoint=str(start))) == own
+    back = saved(out, step=2, **DDP_2)  # going back to an earlier checkpoint of the run itself is kept
+    assert resume_checkpoint(recipe(out, resume_from_checkpoint=str(back))) == back
+    # and the finished run, rerun as it was, has nothing to do (it resumed from a named checkpoint or not)
+    done = recipe(out, resume_from_checkpoint=str(start))
+    (out / "metrics.json").write_text(json.dumps({"recipe_fingerprint": recipe_fingerprint(done), "steps": 8}))
+    assert "already holds this recipe's finished run" in finished_run(done)

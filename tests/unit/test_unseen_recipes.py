@@ -257,3 +257,14 @@ def test_every_wrong_value_is_named_in_the_one_line_in_the_recipe_s_order(tmp_pa
         with pytest.raises(UserError) as err:
             recipe_from_mapping(wrong, tmp_path / "r.yaml", check_files=False)
         assert f"datasets[0].type: unknown key '{next(iter(fields))}'; did you mean '{meant}'?" in err.value.one_line()
+
+
+def test_a_resume_path_that_is_not_there_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out" / "checkpoint-4").mkdir(parents=True)
+    base = {"base_model": "org/m", "datasets": [{"path": "org/d", "type": "alpaca"}], "output_dir": "out"}
+    for value, said in (("checkpoint-4", f"does not exist in {tmp_path} (hint: did you mean out/checkpoint-4?"),
+                        ("/nowhere/checkpoint-4", "/nowhere/checkpoint-4 does not exist (hint: check the path)")):
+        with pytest.raises(UserError) as err:
+            recipe_from_mapping({**base, "resume_from_checkpoint": value}, tmp_path / "r.yaml")
+        assert said in err.value.one_line()

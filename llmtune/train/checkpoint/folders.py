@@ -32,17 +32,24 @@ def stop_requested(config_dir: str | Path) -> bool:
 
 
 def resume_point(recipe, log) -> str | None:
-    """resume_from_checkpoint, else (auto-resume) the newest checkpoint with the completion marker."""
-    if recipe.resume_from_checkpoint:
-        return recipe.resume_from_checkpoint
+    """The newest checkpoint with the completion marker (auto-resume), else resume_from_checkpoint: the plan's
+    resume_checkpoint, which says why."""
+    from llmtune.plan.resume import newer_than_named
+
+    named = recipe.resume_from_checkpoint
     output_dir = Path(recipe.output_dir)
     if not recipe.auto_resume_from_checkpoints or not output_dir.is_dir():
-        return None
+        return named
     last = last_complete(output_dir)
+    if named and last is not None and newer_than_named(last, Path(named)):
+        log(f"resuming {last.name} of this run, not resume_from_checkpoint {named} (where it started)")
+        return str(last)
+    if named:
+        return named
     newest = step_of(last) if last else -1
     skipped = [p.name for p in incomplete_checkpoints(output_dir) if step_of(p) > newest]
     if skipped:
-        log(f"ignoring {', '.join(skipped)}: not marked complete (a save was interrupted)")
+        log(f"ignoring {', '.join(skipped)}: not marked complete (an interrupted save, or another tool's checkpoint)")
     return str(last) if last else None
 
 

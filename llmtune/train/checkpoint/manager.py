@@ -132,6 +132,8 @@ class CheckpointManager:
                 manifest.complete_deepspeed_copy(staged)
             info[manifest.KEY] = manifest.gather(staged, _local_main())
         info.setdefault("format", self.format)
+        if main and self.machines == 1 and staged.exists():  # what a resume checks is still there (several
+            info.setdefault("files", manifest.files_in(staged))  # machines: the manifest above, per machine)
         if main and staged.exists():
             folders.publish(staged, final, info)
         if collectives.world_size() > 1:

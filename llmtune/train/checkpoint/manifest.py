@@ -16,6 +16,7 @@ import os
 import socket
 from pathlib import Path
 
+from llmtune.plan.checkpoint_layout import files_in  # noqa: F401  (the manifest lists a copy's files with it)
 from llmtune.train.checkpoint.folders import MARKER, complete_checkpoints, step_of
 
 KEY = "machines"  # in the marker: [{machine_rank, host, address, files}], one per machine, by machine rank
@@ -35,18 +36,6 @@ def own_disk() -> bool:
 def machine_rank() -> int:
     """This rank's machine: the launcher's --machine-rank, else torchrun's node rank (GROUP_RANK)."""
     return int(os.environ.get(MACHINE_RANK_ENV, os.environ.get("GROUP_RANK", 0)))
-
-
-def files_in(folder: Path) -> list[str]:
-    """The files of a checkpoint folder, as paths relative to it (the marker left out: it is written after)."""
-    folder = Path(folder)
-    found = []
-    for root, _, names in os.walk(folder):
-        for name in names:
-            relative = (Path(root) / name).relative_to(folder).as_posix()
-            if relative != MARKER:
-                found.append(relative)
-    return sorted(found)
 
 
 def save_weights_here(model) -> None:

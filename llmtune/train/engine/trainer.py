@@ -8,6 +8,7 @@ from pathlib import Path
 
 from transformers import Trainer
 
+from llmtune.plan.resume_checks import marker_keys
 from llmtune.train.checkpoint.asynchronous import AsyncCheckpointing
 from llmtune.train.checkpoint.folders import STAGING
 from llmtune.train.data.collate import REAL_TOKENS, ROW_BYTES, ROW_LENGTHS
@@ -186,7 +187,9 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
                 "global_batch_size": micro * accumulation * data_parallel, "mesh": self.plan.get("mesh"),
                 # the rows trained up to here, the resumed checkpoint's included (unknown when its marker is older)
                 **({"rows_seen": self.rows_before + int(rows)} if self.rows_before is not None else {}),
-                "rows_per_epoch": len(self.train_dataset)}  # fmt: skip
+                "rows_per_epoch": len(self.train_dataset),
+                # what a later resume checks the recipe against (llmtune/plan/resume_checks.py)
+                **(marker_keys(self.recipe) if self.recipe is not None else {})}  # fmt: skip
 
     rows_before: int | None = 0  # rows the checkpoint this run resumed had trained (None: its marker didn't say)
     saved_world: int | None = None  # the world size of the checkpoint this run resumed

@@ -1,0 +1,172 @@
+"""What a resume can't take from a changed recipe or a damaged checkpoint, checked when the run is planned.
+
+The Trainer resumes whatever it finds and says nothing: a checkpoint missing its optimizer state restarts the
+optimizer and the schedule; a changed learning_rate is overwritten by the scheduler state it loads; another seed or
+other data makes its skip over the batches already trained skip other rows; an adapter of another shape fails deep in
+loading. Each is one line here, or a note that says what the resume does. The marker llmtune writes with each
+checkpoint (llmtune/train/engine/trainer.py `_allocation`) records the files it holds and the keys compared here;
+for a checkpoint without them (an older llmtune, or another tool's), the run's plan.json beside it says what trained
+it, where there is one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from llmtune.errors import UserError
+from llmtune.plan.checkpoint_layout import MARKER, complete_checkpoints, files_in, read_marker
+from llmtune.plan.resume import resume_checkpoint
+
+SCHEDULE_KEYS = ("learning_rate", "lr_scheduler", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
+                 "cosine_min_lr_ratio")  # fmt: skip
+START_OVER = "to train the changed recipe from the start: auto_resume_from_checkpoints: false, or another output_dir"
+
+
+def data_key(recipe) -> str:
+    """The datasets as the recipe names them (path, type, split, fields...)."""
+    specs = [spec.model_dump(mode="json", exclude_defaults=True) for spec in recipe.datasets]
+    return hashlib.sha256(json.dumps(specs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def marker_keys(recipe) -> dict:
+    """What a checkpoint's marker records of the recipe that trained it, for the checks of a later resume."""
+    return {"schedule": {key: getattr(recipe, key, None) for key in SCHEDULE_KEYS}, "data_key": data_key(recipe),
+            "data_seed": _data_seed(recipe)}  # fmt: skip
+
+
+def _data_seed(recipe) -> int:
+    return recipe.data_seed if recipe.data_seed is not None else recipe.seed
+
+
+def check_resume(recipe) -> list[str]:
+    """Notes on what resuming does with the recipe as it is now; UserError where the resume would go wrong."""
+    checkpoint = resume_checkpoint(recipe)
+    if checkpoint is None:
+        _refuse_unmarked(recipe)
+        return []
+    if not checkpoint.is_dir():
+        return []
+    marker = read_marker(checkpoint) or {}
+    _check_files(checkpoint, marker)
+    _check_adapter(recipe, checkpoint)
+    return _check_recipe(recipe, checkpoint, marker)
+
+
+def _refuse_unmarked(recipe) -> None:
+    """checkpoint-N folders without llmtune's marker (the HF Trainer's, Axolotl's): llmtune writes a checkpoint into
+    a staging folder and renames it into place marked, so these are not its own interrupted saves. Starting over
+    would overwrite them."""
+    output_dir = Path(recipe.output_dir)
+    try:
+        if not recipe.auto_resume_from_checkpoints or not output_dir.is_dir():
+            return
+        found = sorted((p for p in output_dir.glob("checkpoint-*") if p.is_dir() and not (p / MARKER).is_file()),
+                       key=lambda p: p.name)  # fmt: skip
+        if not found or complete_checkpoints(output_dir):
+            return
+    except OSError:  # a name no file system takes: the run reports the path itself
+        return
+    if found:
+        newest = max(found, key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
+        raise UserError(
+            f"{output_dir} holds {', '.join(p.name for p in found[:3])}{' ...' if len(found) > 3 else ''} without "
+            f"llmtune's completion marker ({MARKER}): saved by another tool (or an older llmtune), and starting over "
+            "here would overwrite them",
+            f"to resume one: resume_from_checkpoint: {newest}; to start over, another output_dir",
+        )
+
+
+def _check_files(checkpoint: Path, marker: dict) -> None:
+    """Every file the checkpoint was saved with is still there (the marker lists them); without a list, the
+    Trainer's own state at least (it can't resume without it)."""
+    listed = marker.get("files")
+    have = set(files_in(checkpoint))
+    if isinstance(listed, list):
+        missing = sorted(set(listed) - have)
+    elif marker.get("format") == "pipeline" or "trainer_state.json" in have:  # (a pipeline's: stage-K.pt)
+        missing = []
+    else:
+        missing = ["trainer_state.json"]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        what = (" (the optimizer's or the schedule's state: the Trainer would restart them without a word)"
+                if any("optim" in name or "scheduler" in name for name in missing) else "")  # fmt: skip
+        raise UserError(
+            f"{checkpoint.name} lacks {shown}, which it was saved with{what}",
+            f"copy them back into {checkpoint}, or resume an earlier checkpoint (resume_from_checkpoint: ...), or "
+            f"start over in another output_dir",
+        )
+
+
+def _check_adapter(recipe, checkpoint: Path) -> None:
+    """The adapter the checkpoint holds is the one the recipe builds: kind, rank, alpha, DoRA, rsLoRA, and the
+    modules when the recipe lists them. A mismatch fails deep in loading, or (alpha) changes the model silently."""
+    from llmtune.recipe.paths import check_checkpoint_kind
+
+    check_checkpoint_kind(checkpoint, recipe.adapter, None)
+    try:
+        config = json.loads((checkpoint / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if not recipe.adapter or not isinstance(config, dict):
+        return
+    wanted = {"r": recipe.lora_r, "lora_alpha": recipe.lora_alpha, "use_dora": recipe.peft_use_dora,
+              "use_rslora": recipe.peft_use_rslora}  # fmt: skip
+    names = {"r": "lora_r", "lora_alpha": "lora_alpha", "use_dora": "peft_use_dora", "use_rslora": "peft_use_rslora"}
+    differ = [f"{names[k]} {config[k]} -> {v}" for k, v in wanted.items() if k in config and config[k] != v]
+    targets = recipe.lora_target_modules
+    if isinstance(targets, list) and not recipe.lora_target_linear and isinstance(config.get("target_modules"), list):
+        if set(targets) != set(config["target_modules"]):
+            differ.append(f"lora_target_modules {sorted(config['target_modules'])} -> {sorted(targets)}")
+    if differ:
+        raise UserError(
+            f"{checkpoint.name} holds an adapter that the recipe no longer builds ({'; '.join(differ)}): a checkpoint "
+            "resumes with the adapter it saved",
+            f"set them back to resume it; {START_OVER}",
+        )
+
+
+def _check_recipe(recipe, checkpoint: Path, marker: dict) -> list[str]:
+    """The data and its order as they were (the resume skips the batches already trained, by count); the schedule's
+    keys: what the resume does with a change."""
+    saved = _saved_keys(checkpoint, marker)
+    if not saved:
+        return []
+    changed = [what for what, key, now in (("datasets", "data_key", data_key(recipe)),
+                                           ("seed (the data order)", "data_seed", _data_seed(recipe)))
+               if saved.get(key) is not None and saved[key] != now]  # fmt: skip
+    if changed:
+        raise UserError(
+            f"{checkpoint.name} was trained with other {' and '.join(changed)}: the resume skips the batches already "
+            "trained by count, which would skip and repeat other rows",
+            f"set them back to resume it; {START_OVER} (its weights as a start: llmtune merge {checkpoint}, then "
+            "base_model: the merged folder)",
+        )
+    notes = []
+    schedule = saved.get("schedule") or {}
+    changed = {k: (schedule[k], getattr(recipe, k, None)) for k in SCHEDULE_KEYS
+               if k in schedule and schedule[k] != getattr(recipe, k, None)}  # fmt: skip
+    if "learning_rate" in changed:
+        before, now = changed.pop("learning_rate")
+        notes.append(f"learning_rate {before} -> {now} since {checkpoint.name}: the resume keeps {before}, the rate "
+                     f"its scheduler state holds (the Trainer loads it over the recipe's); {START_OVER}")  # fmt: skip
+    if changed:
+        shown = "; ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+        notes.append(f"{shown} since {checkpoint.name}: the new schedule takes over at the step the checkpoint "
+                     "reached (its rate there, not a continuation of the saved one)")  # fmt: skip
+    return notes
+
+
+def _saved_keys(checkpoint: Path, marker: dict) -> dict:
+    """The marker's record of the recipe, else the recipe in the run's plan.json beside the checkpoint."""
+    if "data_key" in marker:
+        return marker
+    try:
+        payload = json.loads((checkpoint.parent / "llmtune" / "plan.json").read_text())
+        from llmtune.recipe import Recipe
+
+        return marker_keys(Recipe.model_validate(payload["recipe"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
