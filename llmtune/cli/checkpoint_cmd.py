@@ -20,6 +20,7 @@ Target = Annotated[Path | None, typer.Argument(help="With `reshard`: the checkpo
 
 def describe(folder: Path) -> list[str]:
     """One line per checkpoint of `folder` (an output_dir, or a checkpoint itself), oldest first."""
+    from llmtune.plan.checkpoint_layout import files_in
     from llmtune.plan.checks import STRATEGY_TITLES
     from llmtune.plan.resume import UNIVERSAL_DONE
     from llmtune.train.checkpoint.folders import complete_checkpoints, incomplete_checkpoints, read_marker, step_of
@@ -32,7 +33,8 @@ def describe(folder: Path) -> list[str]:
     for path in found:
         info = read_marker(path)
         if info is None:
-            lines.append(f"{path.name:<16} incomplete: a save that never finished (resume ignores it)")
+            lines.append(f"{path.name:<16} no llmtune completion marker: an interrupted save, or another tool's "
+                         "checkpoint (auto-resume ignores it; resume_from_checkpoint can name it)")  # fmt: skip
             continue
         strategy = info.get("strategy")
         world = info.get("world_size", "?")
@@ -48,6 +50,12 @@ def describe(folder: Path) -> list[str]:
             line += f", {info['stages']} pipeline stages"
         if (path / UNIVERSAL_DONE).is_file():
             line += "; converted to DeepSpeed's universal checkpoint"
+        missing = sorted(set(info.get("files") or []) - set(files_in(path)))
+        if missing:
+            line += (
+                f"; lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}, which it was saved with "
+                "(a resume refuses it)"
+            )
         lines.append(line)
     return lines
 

@@ -83,8 +83,8 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
             from transformers import AutoTokenizer
 
             changes["pad_token_id"] = AutoTokenizer.from_pretrained(str(run)).pad_token_id
-        _write_config(config_dir, staging, target, changes)
         _copy_side_files(run, config_dir, staging)
+        _write_config(config_dir, staging, target, changes, _special_token_ids(staging))
         # provenance, and what lets `llmtune eval/infer MERGED` read the recipe (its eval split, its template)
         (staging / "llmtune").mkdir()
         shutil.copy2(plan_file, staging / "llmtune" / "plan.json")
@@ -145,7 +145,37 @@ def _write_weights(recipe, weights: RunWeights, writer: ShardWriter, target, pro
     )
 
 
-def _write_config(config_dir: Path, staging: Path, target, changes: dict) -> None:
+def _special_token_ids(folder: Path) -> dict[str, int]:
+    """The eos/bos/pad ids of the tokenizer in `folder` (the one training used), those it defines."""
+    if not (folder / "tokenizer_config.json").exists():
+        return {}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    names = ("eos_token_id", "bos_token_id", "pad_token_id")
+    return {name: getattr(tokenizer, name) for name in names if getattr(tokenizer, name) is not None}
+
+
+def align_token_ids(config: dict, generation: dict | None, ids: dict[str, int]) -> None:
+    """The configs' special token ids made to agree with the tokenizer's, as the Trainer aligns a full fine-tune's
+    (transformers' align_special_tokens): an eos token the recipe changed (special_tokens: {eos_token: ...})
+    would otherwise not stop generation. eos ids the configs list are kept beside the tokenizer's."""
+    for name, token in ids.items():
+        several = name == "eos_token_id"
+        for values in (config, generation):
+            if values is None:
+                continue
+            current = values.get(name)
+            if current == token or (isinstance(current, list) and token in current):
+                continue
+            if several and (isinstance(current, list) or (values is generation and current is not None)):
+                held = current if isinstance(current, list) else [current]
+                values[name] = [token, *(t for t in held if t is not None and t != token)]
+            else:
+                values[name] = token
+
+
+def _write_config(config_dir: Path, staging: Path, target, changes: dict, token_ids: dict[str, int]) -> None:
     config = json.loads((config_dir / "config.json").read_text())
     config.pop("quantization_config", None)
     name = str(target).split(".")[-1]
@@ -155,9 +185,13 @@ def _write_config(config_dir: Path, staging: Path, target, changes: dict) -> Non
     config.update(changes)
     if "use_cache" in config:
         config["use_cache"] = True  # training turned it off; a merged model is for generation
-    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = None
     if (config_dir / "generation_config.json").exists():
-        shutil.copy2(config_dir / "generation_config.json", staging / "generation_config.json")
+        generation = json.loads((config_dir / "generation_config.json").read_text())
+    align_token_ids(config.get("text_config") or config, generation, token_ids)
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if generation is not None:
+        (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def _copy_side_files(run: Path, config_dir: Path, staging: Path) -> None:

@@ -285,8 +285,10 @@ class DataKeys(Section):
     dataset_processes: int | None = Field(None, gt=0, description="Worker processes for tokenization.")
     shuffle_merged_datasets: bool = Field(True, description="Shuffle after mixing datasets.")
     sequence_len: int = Field(2048, gt=0, description="Maximum tokens per training row.")
-    excess_length_strategy: Literal["drop", "truncate"] = Field(
-        "drop", description="What to do with examples longer than sequence_len."
+    excess_length_strategy: Literal["drop", "truncate", "raise"] = Field(
+        "drop",
+        description="What to do with examples longer than sequence_len: drop them, truncate them, or "
+        "raise (stop with an error naming the first such row).",
     )
     sample_packing: bool = Field(False, description="Pack several examples per row, with no attention between them.")
     eval_sample_packing: bool | None = Field(None, description="Pack eval rows too (default: as sample_packing).")

@@ -11,6 +11,7 @@ from llmtune.recipe.base import Section, empty_to_none, jinja_text
 from llmtune.recipe.kernels import CCE_PLUGIN, COMPILE_MODES, LIGER_PLUGIN, check_plugins
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
+ADDITIONAL_SPECIAL_TOKENS = "additional_special_tokens"  # a list: added as special tokens after `tokens`
 NAMED_CHAT_TEMPLATES = (
     "tokenizer_default",
     "chatml",
@@ -79,8 +80,10 @@ class ModelKeys(Section):
         None, description="Axolotl's tokenizer class; llmtune always uses AutoTokenizer."
     )
     tokenizer_use_fast: bool = Field(True, description="Use the fast (Rust) tokenizer.")
-    special_tokens: dict[str, str] | None = Field(
-        None, description="Special tokens to set, e.g. {pad_token: '<pad>'}; new ones resize the embeddings."
+    special_tokens: dict[str, str | list[str]] | None = Field(
+        None,
+        description="Special tokens to set, e.g. {pad_token: '<pad>'}, and additional_special_tokens: a list "
+        "of more (added after tokens); new ones resize the embeddings.",
     )
     tokens: list[str] | None = Field(None, description="Extra tokens to add to the vocabulary.")
     chat_template: str | None = Field(
@@ -169,9 +172,15 @@ class ModelKeys(Section):
     @field_validator("special_tokens")
     @classmethod
     def _known_special_tokens(cls, value):
-        for name in value or {}:
-            if name not in SPECIAL_TOKEN_NAMES:
-                raise ValueError(f"'{name}' is not a special token name; use one of {', '.join(SPECIAL_TOKEN_NAMES)}")
+        for name, token in (value or {}).items():
+            if name == ADDITIONAL_SPECIAL_TOKENS:
+                if not isinstance(token, list):
+                    raise ValueError(f"{name} must be a list of tokens, e.g. ['<tool>']")
+            elif name not in SPECIAL_TOKEN_NAMES:
+                names = ", ".join((*SPECIAL_TOKEN_NAMES, ADDITIONAL_SPECIAL_TOKENS))
+                raise ValueError(f"'{name}' is not a special token name; use one of {names}")
+            elif not isinstance(token, str):
+                raise ValueError(f"{name} must be one token (text), not a list")
         return value
 
     _templates = field_validator("chat_template", "chat_template_jinja")(template_keys)

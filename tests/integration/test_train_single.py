@@ -235,7 +235,8 @@ def test_disk_full_during_a_save_keeps_the_last_checkpoint(make_recipe, tmp_path
         subprocess.run(["umount", "-l", str(small)], capture_output=True)
 
 
-def test_resuming_with_a_longer_max_steps_follows_the_new_schedule_and_the_end_of_a_run_is_refused(make_recipe):
+def test_resuming_with_a_longer_max_steps_follows_the_new_schedule_and_the_end_of_a_run_is_refused(make_recipe,
+                                                                                                     alpaca_file):
     lora = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_linear": True, "lr_scheduler": "linear",
             "save_strategy": "steps", "save_steps": 2, "learning_rate": 1e-3}  # fmt: skip
     recipe = make_recipe("longer", max_steps=4, **lora)
@@ -258,3 +259,18 @@ def test_resuming_with_a_longer_max_steps_follows_the_new_schedule_and_the_end_o
         refused.stderr.strip().splitlines()[-1]
     )
     assert sorted(p.name for p in (recipe.parent / "longer").iterdir()) == before
+    # the data file edited since (fewer rows): the resume's skip by count would skip other rows; refused by the rank
+    rows = alpaca_file.read_text().splitlines()
+    alpaca_file.write_text("\n".join(rows[:-8]) + "\n")
+    edited = llmtune("train", make_recipe("longer", max_steps=8, **lora), timeout=600)
+    assert edited.returncode == 2, edited.stderr[-3000:]
+    assert f"checkpoint-6 was trained on {len(rows)} rows per epoch; the data gives {len(rows) - 8} now" in edited.stderr
+    assert "Traceback" not in edited.stderr
+    # the data back, but another base model (another size): one line, not torch's size-mismatch traceback
+    from tiny import make_tiny_model
+
+    alpaca_file.write_text("\n".join(rows) + "\n")
+    wide = make_tiny_model(alpaca_file.parent / "wide", hidden=32, heads=2, kv_heads=1, intermediate=64)
+    other = llmtune("train", make_recipe("longer", max_steps=8, base_model=str(wide), **lora), timeout=600)
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert "checkpoint-6 holds weights of another model than base_model (" in other.stderr

@@ -640,3 +640,57 @@ def test_a_dataset_entry_reloads_from_the_plan_as_it_was(spec):
     again = DatasetSpec.model_validate(first.model_dump(mode="json"))
     assert again == first
     assert again.field_messages == first.field_messages != ("messages" if spec["type"] == "sharegpt" else None)
+
+
+def test_excess_length_strategy_raise_names_the_row(tmp_path, tok):
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.data.prepare import tokenize_with_cache
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"},
+                                              {"instruction": "word " * 100, "output": "x"}])  # fmt: skip
+    raw = {"base_model": "m", "datasets": [{"path": str(path), "type": "alpaca"}], "sequence_len": 80,
+           "excess_length_strategy": "raise", "dataset_prepared_path": None}  # fmt: skip
+    recipe = recipe_from_mapping(raw, tmp_path / "r.yaml", check_files=False).recipe
+    with pytest.raises(UserError, match=r"d.jsonl line 2: \d+ tokens, longer than sequence_len 80 .*raise") as caught:
+        tokenize_with_cache(recipe, tok)
+    assert "\n" not in caught.value.message and "truncate" in caught.value.hint
+    recipe = recipe_from_mapping({**raw, "sequence_len": 512}, tmp_path / "r.yaml", check_files=False).recipe
+    groups, stats = tokenize_with_cache(recipe, tok)  # nothing too long: nothing raised
+    assert len(groups["train"]) == 2
+
+
+END_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} [END]\n{% endfor %}"
+
+
+@pytest.mark.parametrize("keys, why", [
+    ({}, "is 5 tokens to this tokenizer"),
+    ({"tokens": ["[END]"]}, "not a special one"),
+    ({"tokens": ["[END]"], "special_tokens": {"additional_special_tokens": ["[END]"]}}, None),
+    ({"tokens": ["[END]"], "eot_tokens": ["[END]"]}, None),
+    ({"datasets": [{"path": "d.jsonl", "type": "chat_template", "train_on_eos": "none"}]}, None),  # asked for
+])  # fmt: skip
+def test_a_turn_terminator_that_never_trains_is_said_once(tmp_path, keys, why, capsys):
+    from tiny import TOKENIZER_DIR
+
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.data.prepare import tokenize_with_cache
+    from llmtune.train.model.load import load_tokenizer
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "Hi"},
+                                                             {"role": "assistant", "content": "Hello"}]}] * 2)
+    datasets = [{**spec, "path": str(path)} for spec in keys.pop("datasets", [{"type": "chat_template"}] * 2)]
+    raw = {"base_model": str(TOKENIZER_DIR), "datasets": datasets, "chat_template": "jinja",
+           "chat_template_jinja": END_TEMPLATE, "dataset_prepared_path": None, **keys}  # fmt: skip
+    recipe = recipe_from_mapping(raw, tmp_path / "r.yaml", check_files=False).recipe
+    tokenizer = load_tokenizer(recipe, str(TOKENIZER_DIR))
+    assert len(tokenizer.encode("[END]", add_special_tokens=False)) == (1 if "tokens" in keys else 5)
+    groups, _ = tokenize_with_cache(recipe, tokenizer)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "[END]" in line]
+    end_trained = any(label != IGNORE and tokenizer.decode([label]) == "[END]"
+                      for label in groups["train"][0]["labels"])  # fmt: skip
+    if why is None:
+        assert notes == []
+        assert end_trained == ("train_on_eos" not in str(datasets))
+        return
+    assert len(notes) == 1 and why in notes[0] and "eot_tokens: ['[END]']" in notes[0]  # once for both datasets
+    assert not end_trained

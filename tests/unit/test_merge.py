@@ -159,3 +159,41 @@ def test_one_chosen_checkpoint_merges_its_own_weights(tmp_path):
     with pytest.raises(UserError, match="checkpoint-3 is not a complete checkpoint"):
         merge_run(run / "checkpoint-3")
     assert not (run / "merged-checkpoint-3").exists()
+
+
+def test_a_changed_eos_token_reaches_the_merged_configs(tmp_path):
+    """special_tokens: {eos_token: ...} with LoRA: the merged config and generation config stop on the tokenizer's
+    eos, as a full fine-tune's do (the Trainer aligns them); the base's eos still stops generation too."""
+    from tiny import load_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from llmtune.post.merge import merge_run
+
+    base = make_tiny_model(tmp_path / "base")
+    run, _ = fake_run(tmp_path, base, r=4, lora_alpha=8, target_modules=["q_proj"])
+    tokenizer = load_tokenizer()
+    base_eos = tokenizer.eos_token_id
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})  # in the vocabulary: no new embedding row
+    tokenizer.save_pretrained(str(run))
+    new_eos = tokenizer.eos_token_id
+    assert new_eos != base_eos
+    merge_run(run, tmp_path / "merged")
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    generation = json.loads((tmp_path / "merged" / "generation_config.json").read_text())
+    assert config["eos_token_id"] == new_eos
+    assert generation["eos_token_id"] == [new_eos, base_eos]
+    assert config["pad_token_id"] == generation["pad_token_id"] == tokenizer.pad_token_id
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert new_eos in merged.generation_config.eos_token_id
+
+
+def test_align_token_ids_keeps_listed_eos_ids():
+    from llmtune.post.merge import align_token_ids
+
+    config, generation = {"eos_token_id": [7, 8], "bos_token_id": 1}, {"eos_token_id": 7, "bos_token_id": 1}
+    align_token_ids(config, generation, {"eos_token_id": 9, "bos_token_id": 2})
+    assert config == {"eos_token_id": [9, 7, 8], "bos_token_id": 2}
+    assert generation == {"eos_token_id": [9, 7], "bos_token_id": 2}
+    unchanged = {"eos_token_id": [9, 7], "bos_token_id": 2}
+    align_token_ids(unchanged, None, {"eos_token_id": 9})
+    assert unchanged == {"eos_token_id": [9, 7], "bos_token_id": 2}

@@ -185,14 +185,17 @@ def test_no_resume_no_check(tmp_path):
 
 def test_the_checkpoint_command_shows_each_checkpoints_allocation(tmp_path, run_cli):
     saved(tmp_path, step=3, world_size=2)  # an older marker
-    saved(tmp_path, step=6, **DDP_2)
+    six = saved(tmp_path, step=6, **DDP_2, files=["optimizer.pt", "trainer_state.json"])
     (tmp_path / "checkpoint-9").mkdir()
     result = run_cli("checkpoint", tmp_path)
     assert result.code == 0, result.err
     lines = result.out.splitlines()
     assert lines[0] == "checkpoint-3     step 3, world size 2"
-    assert lines[1] == "checkpoint-6     step 6, world size 2 (DDP (data parallel)), data parallel 2, global batch 8"
-    assert lines[2].startswith("checkpoint-9     incomplete")
+    assert lines[1] == ("checkpoint-6     step 6, world size 2 (DDP (data parallel)), data parallel 2, global batch 8; "
+                        "lacks optimizer.pt, which it was saved with (a resume refuses it)")  # fmt: skip
+    assert lines[2].startswith("checkpoint-9     no llmtune completion marker: an interrupted save, or another tool's")
+    (six / "optimizer.pt").write_bytes(b"x")
+    assert "lacks" not in run_cli("checkpoint", tmp_path).out
     assert lines[3].startswith("a resume (auto_resume_from_checkpoints) starts from checkpoint-6")
     empty = run_cli("checkpoint", tmp_path / "checkpoint-6" / "nothing")
     assert empty.code == 2 and "no such folder" in empty.err

@@ -133,6 +133,48 @@ def _chosen(ends: list[tuple[int, int, bool]], mode: str) -> list[tuple[int, int
     return picked[-1:] if mode == "last" else picked
 
 
+def _turn_markers(tokenizer, eot_ids) -> set[int]:
+    """What ends a turn: the recipe's eot_tokens, else any special token (<|im_end|>, <|eot_id|>, <|end|> are
+    added special tokens, not always in the special map)."""
+    if eot_ids:
+        return set(eot_ids)
+    return set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
+PROBE_ANSWER = "The answer is four."
+
+
+def untrained_turn_end(template: str, tokenizer, eot_ids=frozenset()) -> tuple[str, str] | None:
+    """(what the template puts after an answer, why it never gets a label) when no token there ends the turn for
+    this tokenizer (a terminator split into pieces, or a token that isn't special), else None. Axolotl warns the
+    same way: the model then never learns to end its answers."""
+    from llmtune.train.data.templates import render
+
+    messages = [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": PROBE_ANSWER}]
+    try:
+        full = render(template, messages, tokenizer)
+    except Exception:  # a template that wants other roles: the rows will say so
+        return None
+    content_end = full.rfind(PROBE_ANSWER) + len(PROBE_ANSWER)
+    if content_end < len(PROBE_ANSWER):
+        return None
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    if _turn_ends(ids, offsets, content_end, len(full), _turn_markers(tokenizer, eot_ids)):
+        return None
+    terminator = full[content_end:].strip()
+    if not terminator:
+        return "", "the template puts nothing after an answer"
+    pieces = tokenizer.encode(terminator, add_special_tokens=False)
+    if eot_ids:
+        why = "is not one of eot_tokens"
+    elif len(pieces) > 1:
+        why = f"is {len(pieces)} tokens to this tokenizer, not one special token"
+    else:
+        why = "is a token of this tokenizer but not a special one"
+    return terminator, why
+
+
 def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     from llmtune.train.data.templates import render
 
@@ -142,10 +184,10 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     train_roles = set(spec.roles_to_train)
-    # Without eot_tokens, a turn ends at the first special token after it (<|im_end|>, <|eot_id|>, <|end|> are
-    # added special tokens, not always in the special map), governed by train_on_eos. With eot_tokens (Axolotl's
-    # meaning), those end turns and follow train_on_eot, and the eos token follows train_on_eos on its own.
-    specials = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    # Without eot_tokens, a turn ends at the first special token after it, governed by train_on_eos. With
+    # eot_tokens (Axolotl's meaning), those end turns and follow train_on_eot, and the eos token follows
+    # train_on_eos on its own.
+    markers = _turn_markers(tokenizer, ctx.eot_ids)
     eos = {tokenizer.eos_token_id} - set(ctx.eot_ids) if ctx.eot_ids else set()
     trained_chars: list[tuple[int, int]] = []
     eot_chars: list[tuple[int, int, bool]] = []  # end-of-turn token span, and whether its turn is trained
@@ -170,7 +212,7 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
             # reasoning rendered before the answer trains with it
             begin = start if message.get("has_thinking") or found < 0 else found
             trained_chars.append((begin, content_end))
-        turn_end = _turn_ends(ids, offsets, content_end, end, ctx.eot_ids or specials)
+        turn_end = _turn_ends(ids, offsets, content_end, end, markers)
         if turn_end:
             eot_chars.append((*turn_end, trained))
         eos_end = _turn_ends(ids, offsets, content_end, end, eos) if eos else None

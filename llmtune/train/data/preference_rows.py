@@ -51,13 +51,18 @@ def read_group(specs, group: str, recipe, tokenizer, stats: dict, progress) -> l
         ctx = context_for(recipe.rl, kind, tokenizer, _template(spec, recipe, tokenizer), options, label)
         convert = converter_for(recipe.rl, preference_type(kind), label)
         read = progress(read_rows(spec, label, recipe.streaming), f"reading {label}")
-        for row in convert_rows(read, convert, ctx, label, preference_type(kind)):
+        for number, row in enumerate(convert_rows(read, convert, ctx, label, preference_type(kind)), 1):
             stats["rows"] += 1
             prompt, reply = _lengths(row, tokenizer)
             if recipe.max_prompt_len and prompt > recipe.max_prompt_len:
                 stats["dropped_long_prompt"] += 1
                 continue
             if prompt + reply > recipe.sequence_len:
+                if recipe.excess_length_strategy == "raise":
+                    raise UserError(f"{label}: row {number} is {prompt + reply} tokens (prompt and longest reply), "
+                                    f"longer than sequence_len {recipe.sequence_len} (excess_length_strategy is "
+                                    "raise)", "shorten or remove the row, raise sequence_len, or set "
+                                    "excess_length_strategy: drop or truncate")  # fmt: skip
                 if recipe.excess_length_strategy == "drop" or prompt >= recipe.sequence_len:
                     stats["dropped_too_long"] += 1
                     continue

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 from llmtune.errors import UserError
@@ -146,11 +147,13 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
                 if spec.type == "bradley_terry.chat_template":  # a stored pair: each side must fit
                     fitted = fit_pair(ids, labels, recipe.sequence_len, recipe.excess_length_strategy == "truncate")
                     if fitted is None:
+                        too_long(recipe, where, label, spec, "a side of the pair is longer than")
                         stats["dropped_too_long"] += 1
                         continue
                     stats["truncated"] += fitted[0] is not ids
                     ids, labels = fitted
                 elif len(ids) > recipe.sequence_len:
+                    too_long(recipe, where, label, spec, f"{len(ids)} tokens, longer than")
                     if recipe.excess_length_strategy == "drop":
                         stats["dropped_too_long"] += 1
                         continue
@@ -165,6 +168,15 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
                 examples.append({"input_ids": ids, "labels": labels})
                 taken += len(ids) if recipe.sample_packing else 1
     return examples
+
+
+def too_long(recipe, where: str, label: str, spec, what: str) -> None:
+    """excess_length_strategy: raise: a row longer than sequence_len stops preparation, named like a malformed row."""
+    if recipe.excess_length_strategy == "raise":
+        raise UserError(f"{where}: {what} sequence_len {recipe.sequence_len} ({label}.type is "
+                        f"{spec.type or 'pretokenized'}; excess_length_strategy is raise)",
+                        "shorten or remove the row, raise sequence_len, or set excess_length_strategy: drop or "
+                        "truncate")  # fmt: skip
 
 
 def _save(directory: Path, groups: dict[str, TokenRows], stats: dict) -> None:
@@ -185,8 +197,40 @@ def _load(directory: Path) -> tuple[dict[str, TokenRows], dict]:
     return groups, json.loads((directory / "stats.json").read_text())
 
 
+def turn_end_notes(recipe, tokenizer) -> list[str]:
+    """One note per chat template whose answers end untrained (see formats.untrained_turn_end), with the fix."""
+    from llmtune.train.data.formats import untrained_turn_end
+
+    notes, seen = [], set()
+    eot_ids = eot_token_ids(recipe, tokenizer)
+    for group in ("datasets", "test_datasets"):
+        for index, spec in enumerate(getattr(recipe, group) or []):
+            mode = (spec.train_on_eot or spec.train_on_eos) if eot_ids else spec.train_on_eos
+            template = _template_for(spec, recipe, tokenizer) if mode != "none" else None
+            if template is None or template in seen:
+                continue
+            seen.add(template)
+            found = untrained_turn_end(template, tokenizer, eot_ids)
+            if found is None:
+                continue
+            terminator, why = found
+            if not terminator:
+                notes.append(f"note: {group}[{index}]: {why}, so the model never learns to end its answers; pick a "
+                             "chat_template whose turns end with a token")  # fmt: skip
+                continue
+            notes.append(f"note: {group}[{index}]: the chat template ends each answer with {terminator!r}, which "
+                         f"{why}, so the end of each answer is never trained (the model won't learn to stop); make "
+                         f"it a special token (special_tokens: {{eos_token: {terminator!r}}} or "
+                         f"{{additional_special_tokens: [{terminator!r}]}}), or set eot_tokens: [{terminator!r}] (with "
+                         f"tokens: [{terminator!r}] if it isn't one token)")  # fmt: skip
+    return notes
+
+
 def tokenize_with_cache(recipe, tokenizer, progress=no_progress) -> tuple[dict[str, list[dict]], dict]:
     """Tokenized examples per group ('train', and 'test' with test_datasets), from the cache when possible."""
+    if os.environ.get("RANK", "0") == "0":  # as runtime.progress.log prints (data sits below runtime)
+        for note in turn_end_notes(recipe, tokenizer):
+            print(f"[llmtune] {note}", file=sys.stderr, flush=True)
     directory = None
     if recipe.dataset_prepared_path:
         directory = Path(recipe.dataset_prepared_path) / cache_key(recipe, tokenizer)

@@ -214,8 +214,18 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
     # checkpoints (any strategy but ZeRO, FSDP1 and pipelines) hold the same states, written in the background.
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        if not self.checkpoints.load_model(self, resume_from_checkpoint):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        try:
+            if not self.checkpoints.load_model(self, resume_from_checkpoint):
+                return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        except RuntimeError as err:  # torch's "size mismatch for ...": weights of another model
+            if "size mismatch" not in str(err):
+                raise
+            from llmtune.errors import UserError
+
+            detail = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line.lower()), "")
+            raise UserError(f"{Path(resume_from_checkpoint).name} holds weights of another model than base_model "
+                            f"({detail[:160]})", "resume it with the base_model it was trained on, or start over "
+                            "in another output_dir") from None  # fmt: skip
         return None
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:

@@ -52,10 +52,7 @@ def load_tokenizer(recipe, source: str):
         )  # fmt: skip
     except (OSError, ValueError) as err:
         raise _hub_error(err, "tokenizer", name) from None
-    if recipe.special_tokens:
-        tokenizer.add_special_tokens(dict(recipe.special_tokens))
-    if recipe.tokens:
-        tokenizer.add_tokens(list(recipe.tokens))
+    add_recipe_tokens(recipe, tokenizer, name, source)
     if tokenizer.pad_token is None:
         # Padding is masked out by labels/attention, so reusing a token is safe.
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
@@ -65,6 +62,59 @@ def load_tokenizer(recipe, source: str):
         tokenizer.chat_template = resolve_chat_template(recipe.chat_template, recipe.chat_template_jinja, tokenizer)
     tokenizer.padding_side = "right"
     return tokenizer
+
+
+# The input and output embedding modules by config model_type (Axolotl's get_linear_embedding_layers)
+EMBEDDING_MODULES = {"gpt_neox": ("embed_in", "embed_out"), "falcon": ("word_embeddings", "lm_head"),
+                     "nemotron_h": ("embeddings", "lm_head")}  # fmt: skip
+DEFAULT_EMBEDDING_MODULES = ("embed_tokens", "lm_head")
+
+
+def add_recipe_tokens(recipe, tokenizer, name: str, source: str) -> None:
+    """special_tokens, then tokens, then special_tokens.additional_special_tokens (Axolotl's order). A token new
+    to the vocabulary gets a freshly initialised embedding row: with an adapter it trains only if the embedding
+    and output layers are in lora_modules_to_save, so (as Axolotl does) anything else is refused."""
+    from llmtune.recipe.model import ADDITIONAL_SPECIAL_TOKENS
+
+    known = set(tokenizer.get_vocab())
+    named = {k: v for k, v in (recipe.special_tokens or {}).items() if k != ADDITIONAL_SPECIAL_TOKENS}
+    additional = (recipe.special_tokens or {}).get(ADDITIONAL_SPECIAL_TOKENS) or []
+    # a new pad token's row is never read by the loss (labels and attention mask it out)
+    wanted = [*named.items(), *(("tokens", t) for t in recipe.tokens or []),
+              *((ADDITIONAL_SPECIAL_TOKENS, t) for t in additional)]  # fmt: skip
+    new = [(key, token) for key, token in wanted if token not in known and key != "pad_token"]
+    if new and recipe.adapter:
+        _check_modules_to_save(recipe, new, name, source)
+    if named:
+        tokenizer.add_special_tokens(named)
+    if recipe.tokens:
+        tokenizer.add_tokens(list(recipe.tokens))
+    if additional:
+        tokenizer.add_special_tokens({ADDITIONAL_SPECIAL_TOKENS: list(additional)})
+
+
+def _check_modules_to_save(recipe, new: list[tuple[str, str]], name: str, source: str) -> None:
+    modules = embedding_modules(recipe, source)
+    if all(module in (recipe.lora_modules_to_save or []) for module in modules):
+        return
+    keys = list(dict.fromkeys(key if key == "tokens" else f"special_tokens.{key}" for key, _ in new))
+    shown = ", ".join(dict.fromkeys(token for _, token in new))
+    raise UserError(f"{' and '.join(keys)} add{'s' if len(keys) == 1 else ''} tokens the vocabulary of {name} lacks "
+                    f"({shown}) with adapter: {recipe.adapter}, but lora_modules_to_save doesn't hold "
+                    f"{' and '.join(modules)}: their new embedding rows would train frozen at random values",
+                    f"set lora_modules_to_save: [{', '.join(modules)}] (or use tokens the vocabulary has)")  # fmt: skip
+
+
+def embedding_modules(recipe, source: str) -> tuple[str, str]:
+    """The names of the model's input and output embedding modules, as lora_modules_to_save wants them."""
+    try:
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(recipe.base_model_config or source,
+                                                         trust_remote_code=recipe.trust_remote_code)  # fmt: skip
+    except Exception:  # unreadable here: the common names
+        return DEFAULT_EMBEDDING_MODULES
+    return EMBEDDING_MODULES.get(getattr(config, "model_type", None), DEFAULT_EMBEDDING_MODULES)
 
 
 def weights_dtype(recipe, precision: str, frozen: bool = False):
