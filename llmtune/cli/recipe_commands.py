@@ -121,7 +121,7 @@ def plan(
         loaded.recipe = loaded.recipe.model_copy(update={"rdzv_endpoint": rdzv_endpoint})
     cluster = cluster_from_flags(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device,
                                  rehearse, launcher, hostfile, no_ssh)  # fmt: skip
-    the_plan = make_plan(loaded.recipe, cluster, config_dir=str(write) if write else None)
+    the_plan = make_plan(loaded.recipe, cluster, config_dir=str(write) if write else None, resume=True)
     files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
     if json_output:
         typer.echo(json.dumps(the_plan.to_dict(), indent=2))

@@ -132,7 +132,7 @@ def train(
         main_process_port = free_port()  # one machine: any free port will do, and two runs never collide
     cluster = cluster_from_flags(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device,
                                  rehearse, launcher, hostfile, no_ssh)  # fmt: skip
-    the_plan = make_plan(loaded.recipe, cluster)
+    the_plan = make_plan(loaded.recipe, cluster, resume=True)
     check_nvme_offload(the_plan)
     fit = None if no_memory_check else memory_check(loaded.recipe, the_plan, gpu_memory)
     files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)

@@ -174,8 +174,12 @@ def _pipeline_plan(recipe: Recipe, world: int, facts: ModelFacts | None) -> Pipe
     )
 
 
-def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -> Plan:
-    """Resolve the recipe for this cluster. Raises UserError for sizes or combinations that can't work."""
+def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, resume: bool = False) -> Plan:
+    """Resolve the recipe for this cluster. Raises UserError for sizes or combinations that can't work.
+
+    `resume`: the plan of `llmtune train` (and of `llmtune plan`, which shows it): what resuming output_dir's
+    checkpoint takes from the recipe as it is now is checked (length, micro-batch, files, data, adapter). validate,
+    rehearse, doctor and the wizard plan the recipe alone."""
     config_dir = str(Path(config_dir or Path(recipe.output_dir) / "llmtune").resolve())
     notes: list[str] = []
     world = cluster.num_processes
@@ -193,9 +197,10 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
         notes.append(_check_relora(recipe, strategy))
     if recipe.async_checkpoint:
         notes.append(_check_async_checkpoint(recipe, strategy, facts))
-    if pipeline and recipe.precision == "fp16":  # refused in rehearsal too: the GPU run would refuse it
+    if pipeline and (recipe.precision == "fp16" or precision == "fp16"):  # (bf16: auto on a GPU without bf16 too)
+        # refused in rehearsal too: the GPU run would refuse it
         raise UserError("pipeline runs take bf16 or fp32: fp16 needs loss scaling, which the pipeline loop does not do",
-                        "set bf16: true (or fp16: false)")  # fmt: skip
+                        "set bf16: true on a GPU with bf16, or bf16: false (fp32)")  # fmt: skip
     if pipeline and world > 1 and (cluster.device, cluster.backend) == ("cuda", "gloo"):
         # measured on an H100 (torch 2.11): gloo's send/recv of CUDA tensors fails with "Bad address"
         raise UserError("pipeline stages pass activations with send/recv, which gloo cannot do on CUDA tensors",
@@ -300,7 +305,9 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
     elif recipe.rdzv_backend == "c10d":
         notes.append(f"rendezvous: c10d; its store lives on machine 0 ({cluster.main_process_ip}), so losing machine 0 "
                      "ends the job whatever max_restarts says (rdzv_backend: etcd keeps it off the training machines)")  # fmt: skip
-    resumed = resumed_accumulation(recipe, strategy, world, data_parallel, mesh, STRATEGY_TITLES, offload)
+    weights_only = strategy == "tp" and recipe.save_only_model  # snapshots a run never resumes
+    resume = resume and not weights_only
+    resumed = resumed_accumulation(recipe, strategy, world, data_parallel, mesh, STRATEGY_TITLES, offload, resume)
     if resumed:  # the checkpoint it resumes was saved on another world size: keep its global batch
         accumulation = resumed.accumulation
         global_batch = recipe.micro_batch_size * accumulation * data_parallel
@@ -309,10 +316,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None) -
             deepspeed_config.update(gradient_accumulation_steps=accumulation, train_batch_size=global_batch)
             if resumed.universal:  # the engine reads <checkpoint>/latest_universal (the worker converts first)
                 deepspeed_config["checkpoint"] = {**deepspeed_config.get("checkpoint", {}), "load_universal": True}
-    length = length_line(recipe)
-    if length:
-        notes.append(length)
-    notes.extend(check_resume(recipe))
+    if resume:
+        notes.extend(note for note in (length_line(recipe), *check_resume(recipe)) if note)
     _check_elastic_sizes(recipe, cluster, strategy, global_batch)
     if recipe.lisa_n_layers:
         if world > 1:

@@ -63,12 +63,23 @@ def resume_checkpoint(recipe) -> Path | None:
 
 
 def newer_than_named(last: Path, named: Path | None) -> bool:
-    """output_dir's newest complete checkpoint wins over a resume_from_checkpoint outside output_dir (where the run
-    started: another run's checkpoint). One inside output_dir is the user's choice among the run's own (going back
-    to an earlier step) and is kept."""
+    """output_dir's newest complete checkpoint wins over resume_from_checkpoint when the run that saved it started
+    from that checkpoint (its marker's `started_from`): it is the same run, further on. Otherwise the named one is
+    kept: a checkpoint of an earlier attempt that started elsewhere, or going back to an earlier step of the run.
+    Markers older than `started_from`: output_dir's wins over a named checkpoint outside it."""
     if named is None:
         return True
+    info = read_marker(last) or {}
+    if "started_from" in info:
+        return bool(info["started_from"]) and Path(info["started_from"]).resolve() == named.resolve()
     return named.resolve().parent != last.resolve().parent
+
+
+def started_from(resume: str, output_dir: Path, marker: dict) -> str | None:
+    """What a run resuming `resume` records as where it started: the checkpoint it was named to start from, carried
+    over from checkpoint to checkpoint of its own (None: it started from the base model)."""
+    own = Path(resume).resolve().parent == Path(output_dir).resolve() and bool(marker)
+    return marker.get("started_from") if own else str(Path(resume).resolve())
 
 
 def saved_allocation(recipe, checkpoint: Path) -> Saved | None:
@@ -106,7 +117,14 @@ def universal_line(saved: Saved, data_parallel: int) -> str:
 
 
 def resumed_accumulation(
-    recipe, strategy: str, world: int, data_parallel: int, mesh: dict | None, titles: dict[str, str], offload: str
+    recipe,
+    strategy: str,
+    world: int,
+    data_parallel: int,
+    mesh: dict | None,
+    titles: dict[str, str],
+    offload: str,
+    same_world: bool = True,
 ) -> Resumed | None:
     """When the run resumes a checkpoint saved on another world size: how it continues here (the gradient
     accumulation that keeps its global batch, the line that says so, whether ZeRO state goes through a universal
@@ -117,7 +135,7 @@ def resumed_accumulation(
     if saved is None:
         return None
     if saved.world_size == world:
-        return _same_world(recipe, saved, data_parallel)
+        return _same_world(recipe, saved, data_parallel) if same_world else None
     name = saved.path.name
     written = saved.strategy or strategy
     if saved.strategy and MOVABLE.get(saved.strategy, saved.strategy) != MOVABLE.get(strategy, strategy):
@@ -237,14 +255,22 @@ def length_line(recipe) -> str | None:
         return None
     if not recipe.max_steps:
         before, now = f"{float(before):g}", f"{float(now):g}"
+    same = str(before) == str(now)
+    finished = (Path(recipe.output_dir) / "metrics.json").is_file()  # (the same recipe: "nothing to do" before this)
+    if reached and same and not finished and not recipe.max_steps:
+        # killed after its last checkpoint, before the final save: the Trainer's epoch loop has nothing left and
+        # goes straight to the final save
+        return f"resuming {name}, the run's last step ({step}): no step is trained, the final model is written"
     if reached:
-        run = f"it was saved by a run of {before}" if str(before) != str(now) else "the end of its run"
+        run = (f"it was saved by a run of {before}" if not same else "the end of its run, which finished; the recipe "
+               "changed since" if finished else "the run's last step; it stopped before its final save, and the "
+               "Trainer would run one step past its schedule's end")  # fmt: skip
         raise UserError(
             f"{name} is at step {step}, and {unit} is {now} ({run}): there is no step left to train",
             f"raise {unit} to train on; for the model at {name}: llmtune merge {Path(recipe.output_dir) / name}; to "
             "train the recipe from the start: auto_resume_from_checkpoints: false, or another output_dir",
         )
-    if str(before) == str(now):
+    if same:
         return None
     return (f"resuming {name} at step {step} with {unit} {before} -> {now}: the learning-rate schedule "
             f"({recipe.lr_scheduler}) is rebuilt for the new length; step {step + 1} runs at the rate {name} saved, "

@@ -25,8 +25,14 @@ START_OVER = "to train the changed recipe from the start: auto_resume_from_check
 
 
 def data_key(recipe) -> str:
-    """The datasets as the recipe names them (path, type, split, fields...)."""
-    specs = [spec.model_dump(mode="json", exclude_defaults=True) for spec in recipe.datasets]
+    """The datasets as the recipe names them (type, split, fields..., and the path: a local one by its file or
+    folder name, so that the same data on another mount or from another working folder is the same)."""
+    specs = []
+    for spec in recipe.datasets:
+        values = spec.model_dump(mode="json", exclude_defaults=True)
+        if isinstance(values.get("path"), str) and Path(values["path"]).is_absolute():
+            values["path"] = Path(values["path"]).name
+        specs.append(values)
     return hashlib.sha256(json.dumps(specs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -110,8 +116,8 @@ def _check_adapter(recipe, checkpoint: Path) -> None:
         config = json.loads((checkpoint / "adapter_config.json").read_text())
     except (OSError, ValueError):
         return
-    if not recipe.adapter or not isinstance(config, dict):
-        return
+    if not recipe.adapter or not isinstance(config, dict) or recipe.lora_model_dir:
+        return  # (an adapter loaded from lora_model_dir has that folder's shape, whatever lora_r and the rest say)
     wanted = {"r": recipe.lora_r, "lora_alpha": recipe.lora_alpha, "use_dora": recipe.peft_use_dora,
               "use_rslora": recipe.peft_use_rslora}  # fmt: skip
     names = {"r": "lora_r", "lora_alpha": "lora_alpha", "use_dora": "peft_use_dora", "use_rslora": "peft_use_rslora"}

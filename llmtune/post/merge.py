@@ -83,7 +83,7 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
             from transformers import AutoTokenizer
 
             changes["pad_token_id"] = AutoTokenizer.from_pretrained(str(run)).pad_token_id
-        _copy_side_files(run, config_dir, staging)
+        _copy_side_files(run, config_dir, staging, weights.folder)
         _write_config(config_dir, staging, target, changes, _special_token_ids(staging))
         # provenance, and what lets `llmtune eval/infer MERGED` read the recipe (its eval split, its template)
         (staging / "llmtune").mkdir()
@@ -194,9 +194,10 @@ def _write_config(config_dir: Path, staging: Path, target, changes: dict, token_
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def _copy_side_files(run: Path, config_dir: Path, staging: Path) -> None:
-    """The run's tokenizer and chat template (the ones training used), else the base's."""
-    source = run if (run / "tokenizer_config.json").exists() else config_dir
+def _copy_side_files(run: Path, config_dir: Path, staging: Path, weights_folder: Path | None = None) -> None:
+    """The tokenizer and chat template training used: the merged checkpoint's or the run's, else the base's."""
+    source = next((folder for folder in (weights_folder, run) if folder and (folder / "tokenizer_config.json").exists()),
+                  config_dir)  # fmt: skip
     for name in TOKENIZER_FILES:
         if (source / name).exists():
             shutil.copy2(source / name, staging / name)

@@ -247,6 +247,9 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         _check_rows(marker, trainer.train_dataset, resume)
         log(f"resuming from {resume}")
         trainer.saved_world, trainer.rows_before = marker.get("world_size"), marker.get("rows_seen")
+        from llmtune.plan.resume import started_from
+
+        trainer.started_from = started_from(resume, output_dir, marker)
     from llmtune.train.runtime.memory import ModelStateMeter
 
     meter = ModelStateMeter(trainer.model, lambda: trainer.model_wrapped)

@@ -63,16 +63,21 @@ SAMPLE = {
 WORDS = ["apple", "river", "stone", "cloud", "green", "happy", "seven", "light", "table", "music", "paper", "bread"]
 
 
-def tiny_model(root: Path, family: str) -> Path:
-    """A randomly initialised model of this family with the fixture tokenizer, saved under root/family."""
+def tiny_model(root: Path, family: str, special: tuple[str, ...] = ()) -> Path:
+    """A randomly initialised model of this family with the fixture tokenizer, saved under root/family; `special`:
+    tokens its vocabulary has as special ones, as the real model's has its turn markers (<end_of_turn>)."""
+    import hashlib
+
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
-    path = root / family
+    path = root / (family + (f"-{hashlib.sha256(repr(special).encode()).hexdigest()[:8]}" if special else ""))
     if path.exists():
         return path
     tokenizer = load_tokenizer()
+    if special:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
     class_name, extra = FAMILIES[family]
     config = getattr(transformers, class_name)(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -123,7 +128,11 @@ def rows_like(spec: dict, count: int = 24) -> list[dict]:
 def rehearsal_recipe(name: str, family: str, root: Path) -> Path:
     """The corpus recipe with a tiny model, local data of the same type, and a short run."""
     recipe = yaml.safe_load((CORPUS / f"{name}.yml").read_text())
-    recipe["base_model"] = str(tiny_model(root.parent / "models", family))
+    # eot tokens and the special tokens a recipe names are tokens of the real model's vocabulary (Gemma 3's
+    # <end_of_turn>, Llama 4's <|eot|>): the tiny model's vocabulary has them too
+    named = [v for v in (recipe.get("special_tokens") or {}).values() if isinstance(v, str)]
+    special = tuple(dict.fromkeys([*(recipe.get("eot_tokens") or []), *named]))
+    recipe["base_model"] = str(tiny_model(root.parent / "models", family, special))
     recipe.pop("tokenizer_config", None)  # the tiny model carries the fixture tokenizer
     for group in ("datasets", "pretraining_dataset"):
         for index, spec in enumerate(recipe.get(group) or []):
@@ -133,8 +142,6 @@ def rehearsal_recipe(name: str, family: str, root: Path) -> Path:
             spec["path"] = str(data)
     if recipe.get("optimizer") in OPTIMIZER_PACKAGES and not importlib.util.find_spec("torchao"):
         recipe["optimizer"] = "adamw_torch"  # torchao's low-bit AdamW isn't installed here; the rest is as written
-    # eot tokens must be single tokens, as they are in the real model's vocabulary
-    recipe["tokens"] = [*(recipe.get("tokens") or []), *(recipe.get("eot_tokens") or [])] or None
     recipe.update(output_dir=str(root / "out"), dataset_prepared_path=str(root / "prepared"), max_steps=4,
                   sequence_len=min(recipe.get("sequence_len", 2048), 128), logging_steps=1)  # fmt: skip
     path = root / f"{name}.yml"

@@ -31,9 +31,12 @@ def etcd_hosts(tmp_path_factory):
         pytest.skip(WHY_NOT)
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed (.ci/run installs Debian's etcd-server)")
-    tag = os.getpid() % 200 + 20
+    # distinct on the two xdist workers (their parity), whatever their process ids
+    tag = os.getpid() % 100 * 2 + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % 2 + 20
     server, names = f"lt-e-{tag}", (f"lt-x-{tag}", f"lt-y-{tag}")
     subnet = f"10.78.{tag}"
+    for n in (server, *names):  # a namespace of this suite's name left by a run killed before its teardown
+        subprocess.run(["ip", "netns", "del", n], capture_output=True)
     commands = [["ip", "netns", "add", n] for n in (server, *names)]
     commands += [["ip", "-n", server, "link", "add", "br0", "type", "bridge"],
                  ["ip", "-n", server, "addr", "add", f"{subnet}.10/24", "dev", "br0"],

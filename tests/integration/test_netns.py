@@ -41,7 +41,8 @@ WHY_NOT = _can_make_namespaces()
 def hosts():
     if WHY_NOT:
         pytest.skip(WHY_NOT)
-    tag = os.getpid() % 200 + 20
+    # distinct on the two xdist workers (their parity), whatever their process ids
+    tag = os.getpid() % 100 * 2 + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % 2 + 20
     names = (f"lt-a-{tag}", f"lt-b-{tag}")
     addresses = (f"10.77.{tag}.1", f"10.77.{tag}.2")
     pair = (f"lta{tag}", f"ltb{tag}")
@@ -55,6 +56,8 @@ def hosts():
     for n, link, address in zip(names, links, addresses, strict=True):
         commands += [["ip", "-n", n, "addr", "add", f"{address}/24", "dev", link], ["ip", "-n", n, "link", "set", link, "up"],
                      ["ip", "-n", n, "link", "set", "lo", "up"]]  # fmt: skip
+    for n in names:  # a namespace of this suite's name left by a run that was killed before its teardown
+        subprocess.run(["ip", "netns", "del", n], capture_output=True)
     try:
         for command in commands:
             subprocess.run(command, check=True, capture_output=True)

@@ -255,7 +255,7 @@ def test_resuming_with_a_longer_max_steps_follows_the_new_schedule_and_the_end_o
     before = sorted(p.name for p in (recipe.parent / "longer").iterdir())
     changed = make_recipe("longer", max_steps=6, **{**lora, "learning_rate": 2e-3})
     refused = llmtune("train", changed, timeout=600)
-    assert refused.returncode == 2 and "checkpoint-6 is at step 6, and max_steps is 6 (the end of its run)" in (
+    assert refused.returncode == 2 and "checkpoint-6 is at step 6, and max_steps is 6 (the end of its run, which finished;" in (
         refused.stderr.strip().splitlines()[-1]
     )
     assert sorted(p.name for p in (recipe.parent / "longer").iterdir()) == before
@@ -274,3 +274,18 @@ def test_resuming_with_a_longer_max_steps_follows_the_new_schedule_and_the_end_o
     other = llmtune("train", make_recipe("longer", max_steps=8, base_model=str(wide), **lora), timeout=600)
     assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
     assert "checkpoint-6 holds weights of another model than base_model (" in other.stderr
+
+
+def test_a_run_killed_after_its_last_checkpoint_writes_its_final_model_when_rerun(make_recipe):
+    recipe = make_recipe("ended", num_epochs=1, adapter="lora", lora_r=4, lora_alpha=8, lora_target_linear=True,
+                         save_strategy="epoch")  # fmt: skip
+    assert llmtune("train", recipe, timeout=600).returncode == 0
+    out, steps = recipe.parent / "ended", read_metrics(recipe)["steps"]
+    assert (out / f"checkpoint-{steps}").is_dir()
+    for name in ("metrics.json", "adapter_model.safetensors"):  # killed before its final save
+        (out / name).unlink()
+    again = llmtune("train", recipe, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming checkpoint-{steps}, the run's last step ({steps}): no step is trained" in again.stderr
+    assert read_metrics(recipe)["steps"] == steps and (out / "adapter_model.safetensors").is_file()
+    assert not STEP_LINE.search(again.stderr)  # no step ran

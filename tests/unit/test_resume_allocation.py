@@ -9,8 +9,14 @@ from pathlib import Path
 import pytest
 
 from llmtune.errors import UserError
-from llmtune.plan import make_cluster, make_plan
+from llmtune.plan import make_cluster
+from llmtune.plan import make_plan as plan_alone
 from llmtune.recipe.loader import recipe_from_mapping
+
+
+def make_plan(recipe, cluster):
+    """The plan `llmtune train` makes: with what resuming output_dir's checkpoint takes from the recipe checked."""
+    return plan_alone(recipe, cluster, resume=True)
 
 
 def recipe(output_dir: Path, **changes):
@@ -239,11 +245,14 @@ def test_resuming_with_another_length_says_what_the_schedule_does(tmp_path):
     end = saved(tmp_path / "done", step=8, **DDP_2)
     (end / "trainer_state.json").write_text(json.dumps({"global_step": 8, "max_steps": 8, "num_train_epochs": 2,
                                                         "epoch": 2.0}))  # fmt: skip
+    (tmp_path / "done" / "metrics.json").write_text("{}")  # it finished (the same recipe would be "nothing to do")
     for changes in ({"num_epochs": 2, "learning_rate": 0.01}, {"max_steps": 8, "learning_rate": 0.01}):
         with pytest.raises(UserError) as err:
             make_plan(recipe(tmp_path / "done", **changes), make_cluster(2, device="cpu"))
         assert "checkpoint-8 is at step 8, and " in err.value.one_line()
-        assert "(the end of its run): there is no step left to train" in err.value.one_line()
+        assert "(the end of its run, which finished; the recipe changed since): there is no step left to train" in (
+            err.value.one_line()
+        )
     more = make_plan(recipe(tmp_path / "done", num_epochs=3), make_cluster(2, device="cpu"))
     assert any("with num_epochs 2 -> 3" in n for n in more.notes)
     epochs = make_plan(recipe(tmp_path, num_epochs=3), make_cluster(2, device="cpu"))
@@ -345,3 +354,43 @@ def test_a_run_started_from_another_runs_checkpoint_resumes_its_own_after_a_cras
     done = recipe(out, resume_from_checkpoint=str(start))
     (out / "metrics.json").write_text(json.dumps({"recipe_fingerprint": recipe_fingerprint(done), "steps": 8}))
     assert "already holds this recipe's finished run" in finished_run(done)
+
+
+def test_only_train_and_plan_check_what_a_resume_takes(tmp_path):
+    # validate, rehearse, doctor and the wizard plan the recipe alone: a finished run's edited recipe validates
+    folder = saved(tmp_path, step=8, **DDP_2)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 8, "max_steps": 8, "epoch": 2.0,
+                                                           "num_train_epochs": 2}))  # fmt: skip
+    (tmp_path / "metrics.json").write_text("{}")
+    changed = recipe(tmp_path, max_steps=8, micro_batch_size=1)
+    assert plan_alone(changed, make_cluster(2, device="cpu")).global_batch_size == 4  # the recipe's own
+    with pytest.raises(UserError, match="the end of its run, which finished; the recipe changed since"):
+        make_plan(changed, make_cluster(2, device="cpu"))
+
+
+def test_a_run_killed_after_its_last_checkpoint_writes_its_final_model_when_rerun(tmp_path):
+    folder = saved(tmp_path, step=8, **DDP_2)
+    state = {"global_step": 8, "max_steps": 8, "epoch": 2.0, "num_train_epochs": 2}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    epochs = make_plan(recipe(tmp_path, num_epochs=2), make_cluster(2, device="cpu"))  # no metrics.json: not finished
+    assert "resuming checkpoint-8, the run's last step (8): no step is trained, the final model is written" in epochs.notes
+    # with max_steps the Trainer would run a step past the end: refused with the checkpoint's model as the way out
+    with pytest.raises(UserError, match="the run's last step; it stopped before its final save"):
+        make_plan(recipe(tmp_path, max_steps=8), make_cluster(2, device="cpu"))
+
+
+def test_the_run_a_named_checkpoint_started_is_followed_by_its_markers(tmp_path):
+    from llmtune.plan.resume import resume_checkpoint, started_from
+
+    start, out = saved(tmp_path / "sft", step=2, **DDP_2), tmp_path / "run"
+    attempt = saved(out, step=4, **DDP_2, started_from="/elsewhere/checkpoint-9")  # an earlier attempt's
+    assert resume_checkpoint(recipe(out, resume_from_checkpoint=str(start))) == start
+    (attempt / "llmtune-complete.json").write_text(json.dumps({"step": 4, **DDP_2, "started_from": str(start)}))
+    assert resume_checkpoint(recipe(out, resume_from_checkpoint=str(start))) == attempt  # the same run, further on
+    # another tool's checkpoint in output_dir, named as the refusal says: the run that started there is followed
+    hf = out / "checkpoint-1"
+    hf.mkdir()
+    assert started_from(str(hf), out, {}) == str(hf.resolve())  # unmarked: where the run started
+    assert started_from(str(attempt), out, {"started_from": str(start)}) == str(start)  # its own: carried over
+    (attempt / "llmtune-complete.json").write_text(json.dumps({"step": 4, **DDP_2, "started_from": str(hf)}))
+    assert resume_checkpoint(recipe(out, resume_from_checkpoint=str(hf))) == attempt

@@ -187,11 +187,12 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
                 "global_batch_size": micro * accumulation * data_parallel, "mesh": self.plan.get("mesh"),
                 # the rows trained up to here, the resumed checkpoint's included (unknown when its marker is older)
                 **({"rows_seen": self.rows_before + int(rows)} if self.rows_before is not None else {}),
-                "rows_per_epoch": len(self.train_dataset),
+                "rows_per_epoch": len(self.train_dataset), "started_from": self.started_from,
                 # what a later resume checks the recipe against (llmtune/plan/resume_checks.py)
                 **(marker_keys(self.recipe) if self.recipe is not None else {})}  # fmt: skip
 
     rows_before: int | None = 0  # rows the checkpoint this run resumed had trained (None: its marker didn't say)
+    started_from: str | None = None  # the checkpoint this run (and the runs it resumes) started from
     saved_world: int | None = None  # the world size of the checkpoint this run resumed
 
     def _load_rng_state(self, checkpoint) -> None:
