@@ -16,7 +16,13 @@ import json
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.plan.checkpoint_layout import MARKER, complete_checkpoints, files_in, read_marker
+from llmtune.plan.checkpoint_layout import (
+    MARKER,
+    complete_checkpoints,
+    files_in,
+    incomplete_checkpoints,
+    read_marker,
+)
 from llmtune.plan.resume import resume_checkpoint
 
 SCHEDULE_KEYS = ("learning_rate", "lr_scheduler", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
@@ -68,14 +74,13 @@ def _refuse_unmarked(recipe) -> None:
     try:
         if not recipe.auto_resume_from_checkpoints or not output_dir.is_dir():
             return
-        found = sorted((p for p in output_dir.glob("checkpoint-*") if p.is_dir() and not (p / MARKER).is_file()),
-                       key=lambda p: p.name)  # fmt: skip
+        found = incomplete_checkpoints(output_dir)  # by step
         if not found or complete_checkpoints(output_dir):
             return
     except OSError:  # a name no file system takes: the run reports the path itself
         return
     if found:
-        newest = max(found, key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
+        newest = found[-1]
         raise UserError(
             f"{output_dir} holds {', '.join(p.name for p in found[:3])}{' ...' if len(found) > 3 else ''} without "
             f"llmtune's completion marker ({MARKER}): saved by another tool (or an older llmtune), and starting over "
