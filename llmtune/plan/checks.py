@@ -37,6 +37,39 @@ def gptq_check(recipe, strategy: str) -> str:
     return "GPTQ base: loaded as quantized (its quantization_config), LoRA trains over its dequantized weights"
 
 
+def check_chat_templates(recipe: Recipe) -> None:
+    """A dataset rendered with the tokenizer's own chat template (chat_template: tokenizer_default, or none given)
+    when the tokenizer, on this machine already, has none: one line now, not after the model has loaded."""
+    import json
+
+    from llmtune.plan.memory.facts import model_file
+
+    specs = [
+        (group, i, spec)
+        for group in ("datasets", "test_datasets")
+        for i, spec in enumerate(getattr(recipe, group) or [])
+    ]
+    own = [(group, i, spec) for group, i, spec in specs if isinstance(spec.type, str)
+           and (spec.type in ("chat_template", "bradley_terry.chat_template") or spec.type.startswith("chat_template."))
+           and (spec.chat_template or recipe.chat_template or "tokenizer_default") == "tokenizer_default"]  # fmt: skip
+    if not own:
+        return
+    name = recipe.tokenizer_config or recipe.base_model
+    found = model_file(name, "tokenizer_config.json")
+    if found is None or any((found.parent / f).is_file() for f in ("chat_template.jinja", "chat_template.json")):
+        return  # not here yet (checked when it loads), or a template beside it
+    try:
+        if json.loads(found.read_text()).get("chat_template"):
+            return
+    except (OSError, ValueError, AttributeError):
+        return
+    group, index, spec = own[0]
+    raise UserError(f"{group}[{index}] (type: {spec.type}) renders with the tokenizer's own chat template, and the "
+                    f"tokenizer of {name} has none (a base model's usually hasn't)", "set chat_template: chatml (or "
+                    "another named template, or jinja with chat_template_jinja), as the model is meant to "
+                    "chat")  # fmt: skip
+
+
 def _check_async_checkpoint(recipe: Recipe, strategy: str, facts: ModelFacts | None) -> str:
     """async_checkpoint runs through torch's distributed checkpoint; refused where the engine writes its own
     checkpoints or the Trainer's format is needed. Returns the plan's note, with the host memory it stages into."""
@@ -78,11 +111,13 @@ def _check_relora(recipe: Recipe, strategy: str) -> str:
                         "and prunes the optimizer's state in place, which sharded or split weights don't allow "
                         "(Axolotl refuses DeepSpeed and FSDP too)",
                         "run ReLoRA in one process or with DDP")  # fmt: skip
-    if recipe.optimizer == "adafactor" or recipe.optimizer.endswith(("8bit", "4bit")):
-        kind = "factored" if recipe.optimizer == "adafactor" else "quantized"
-        raise UserError(f"relora with optimizer: {recipe.optimizer} is not supported: a restart prunes the optimizer's "
-                        f"state value by value, and this optimizer's state is {kind}",
-                        "use adamw_torch (or another 32-bit optimizer)")  # fmt: skip
+    name = recipe.optimizer
+    bnb_8bit = name.endswith("8bit") and "torch" not in name and "ademamix" not in name  # blockwise state1/state2
+    if name == "adafactor" or (name.endswith(("8bit", "4bit")) and not bnb_8bit):
+        kind = "factored" if name == "adafactor" else "quantized in a layout a restart can't prune"
+        raise UserError(f"relora with optimizer: {name} is not supported: a restart prunes the optimizer's state "
+                        f"value by value, and this optimizer's state is {kind}",
+                        "use adamw_torch, or adamw_bnb_8bit (its 8-bit state is pruned dequantized)")  # fmt: skip
     method = recipe.relora_prune_method
     ratio = recipe.relora_pruned_fraction
     return (f"ReLoRA: every {recipe.jagged_restart_steps} steps the LoRA is merged into the base weights and "

@@ -19,6 +19,7 @@ from llmtune.plan.checks import (
     _check_muon_offload,
     _check_relora,
     _qat_notes,
+    check_chat_templates,
     check_wrap_class,
     fsdp2_notes,
     gptq_check,
@@ -264,6 +265,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
             notes.append("gradient_checkpointing and fsdp_config.activation_checkpointing are both on: FSDP's "
                          "recomputes each wrapped layer (transformers refuses the two together)")  # fmt: skip
 
+    check_chat_templates(recipe)
     if recipe.gptq:
         notes.append(gptq_check(recipe, strategy))
     if recipe.activation_offloading:

@@ -45,7 +45,14 @@ def data_key(recipe) -> str:
 def marker_keys(recipe) -> dict:
     """What a checkpoint's marker records of the recipe that trained it, for the checks of a later resume."""
     return {"schedule": {key: getattr(recipe, key, None) for key in SCHEDULE_KEYS}, "data_key": data_key(recipe),
-            "data_seed": _data_seed(recipe)}  # fmt: skip
+            "data_seed": _data_seed(recipe), "base_model": _model_key(recipe)}  # fmt: skip
+
+
+def _model_key(recipe) -> str:
+    """The base model by its last name (a hub id and its download in a local folder are the same model), with the
+    revision asked for."""
+    name = Path(str(recipe.base_model).rstrip("/")).name
+    return f"{name}@{recipe.revision_of_model}" if getattr(recipe, "revision_of_model", None) else name
 
 
 def _data_seed(recipe) -> int:
@@ -145,6 +152,14 @@ def _check_recipe(recipe, checkpoint: Path, marker: dict) -> list[str]:
     saved = _saved_keys(checkpoint, marker)
     if not saved:
         return []
+    model = saved.get("base_model")
+    if model is not None and model != _model_key(recipe):
+        raise UserError(
+            f"{checkpoint.name} was trained from base_model {model}, and the recipe now names {_model_key(recipe)}: "
+            f"the resume would load the checkpoint's {'adapter onto the other model' if recipe.adapter else 'weights'}"
+            ", not train the model named",
+            f"set base_model back to resume it; {START_OVER}",
+        )
     changed = [what for what, key, now in (("datasets", "data_key", data_key(recipe)),
                                            ("seed (the data order)", "data_seed", _data_seed(recipe)))
                if saved.get(key) is not None and saved[key] != now]  # fmt: skip

@@ -71,8 +71,8 @@ class AdapterKeys(Section):
         "quantize_embedding, fake_quant_after_n_steps}; a full fine-tune.",
     )  # fmt: skip
     relora: bool = Field(False, description="ReLoRA: every jagged_restart_steps optimizer steps the LoRA is merged into "
-                         "the base weights, a fresh one starts and its optimizer state is pruned (adapter: lora; one "
-                         "process or DDP). The saved adapter holds every cycle: its rank is lora_r x cycles.")  # fmt: skip
+                         "the base weights, a fresh one starts and its optimizer state is pruned (adapter: lora, or qlora: "
+                         "the 4-bit base requantized; one process or DDP). The saved adapter holds every cycle: its rank is lora_r x cycles.")  # fmt: skip
     relora_steps: int | None = Field(None, gt=0, description="Axolotl v0.3-v0.11's ReLoRA switch: ReLoRA every this "
                                      "many steps (read as relora: true with jagged_restart_steps).")  # fmt: skip
     relora_prune_ratio: float | None = Field(None, gt=0, le=1, description="ReLoRA: the fraction of each optimizer "
@@ -188,13 +188,12 @@ class AdapterKeys(Section):
             raise ValueError("relora: true needs jagged_restart_steps: the optimizer steps between merges")
         if self.adapter is None:
             raise ValueError("relora: true needs adapter: lora (ReLoRA merges and restarts a LoRA adapter)")
-        quantized = next((key for key, on in (("adapter: qlora", self.adapter == "qlora"),
-                                              ("load_in_4bit", self.load_in_4bit), ("load_in_8bit", self.load_in_8bit),
+        quantized = next((key for key, on in (("load_in_8bit", self.load_in_8bit),
                                               ("gptq", getattr(self, "gptq", False))) if on), None)  # fmt: skip
         if quantized:
             raise ValueError(f"relora with {quantized} is not supported: a restart merges the LoRA into the base "
-                             "weights, which a quantized base would take only dequantized and requantized, its "
-                             "rounding compounding at every restart; use adapter: lora on the 16-bit model")  # fmt: skip
+                             "weights, which llmtune requantizes for a 4-bit base (adapter: qlora) only; use "
+                             "adapter: qlora (load_in_4bit) or adapter: lora on the 16-bit model")  # fmt: skip
         for key, on in (("peft_use_dora", self.peft_use_dora), ("lora_target_parameters", self.lora_target_parameters)):
             if on:
                 raise ValueError(f"relora with {key} is not supported: a restart merges plain LoRA layers "

@@ -156,8 +156,8 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "gptq_disable_exllama gptq_groupsize gptq_model_v1",
     ),
     **_no_effect(
-        "Axolotl moves only a quantized base's ReLoRA merge to the CPU; llmtune's ReLoRA merges a 16-bit base in "
-        "place, as Axolotl does for lora",
+        "llmtune's ReLoRA merges a 16-bit base in place, as Axolotl does for lora, and keeps a 4-bit base's loaded "
+        "weights on the CPU for every restart whatever it says",
         "relora_cpu_offload",
     ),
     **_refused("LoRA+ learning rates", "remove it (plain LoRA)", "loraplus_lr_ratio loraplus_lr_embedding"),

@@ -288,7 +288,8 @@ class DataKeys(Section):
     excess_length_strategy: Literal["drop", "truncate", "raise"] = Field(
         "drop",
         description="What to do with examples longer than sequence_len: drop them, truncate them, or "
-        "raise (stop with an error naming the first such row).",
+        "raise (stop with an error naming the first such row). GRPO prompts past sequence_len minus "
+        "trl.max_completion_length are dropped under truncate too (TRL trains whole prompts).",
     )
     sample_packing: bool = Field(False, description="Pack several examples per row, with no attention between them.")
     eval_sample_packing: bool | None = Field(None, description="Pack eval rows too (default: as sample_packing).")

@@ -552,3 +552,46 @@ def test_precision_defaults_to_bf16_auto_as_axolotl_and_falls_back_to_fp16_befor
     assert volta.precision == "fp16" and volta.deepspeed_config["fp16"]["enabled"] is True
     assert any("compute capability 7, which have no bf16" in n for n in volta.notes)
     assert make_plan(recipe(bf16=True), make_cluster(8, device="cuda")).precision == "bf16"  # asked for: kept
+
+
+def test_gpu_queries_read_only_the_gpus_cuda_visible_devices_names_and_old_drivers_by_name(monkeypatch):
+    """The precision and the memory check read nvidia-smi; a job given some GPUs of a mixed machine (by index or
+    UUID) is planned for those, and a driver whose nvidia-smi has no compute_cap field is read by the GPU's name."""
+    import shutil
+    import subprocess
+
+    from llmtune.plan.memory import fit
+
+    table = {"0": ("GPU-aaaa1111", "7.5", "15360", "Tesla T4"), "1": ("GPU-bbbb2222", "9.0", "81559", "NVIDIA H100")}
+    old_driver = {"yes": False}
+
+    def smi(cmd, **_):
+        fields = cmd[1].removeprefix("--query-gpu=").split(",")
+        if old_driver["yes"] and "compute_cap" in fields:
+            raise subprocess.CalledProcessError(2, cmd, "Field \"compute_cap\" is not a valid field to query.")
+        column = {"compute_cap": 1, "memory.total": 2, "name": 3}
+        lines = [", ".join([i, row[0], *(row[column[f]] for f in fields[2:])]) for i, row in table.items()]
+        return subprocess.CompletedProcess(cmd, 0, stdout="\n".join(lines) + "\n")
+
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(subprocess, "run", smi)
+
+    def read(visible):
+        fit.gpu_compute_capability_of_this_machine.cache_clear()
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        memory = fit.gpu_memory_of_this_machine()
+        return fit.gpu_compute_capability_of_this_machine(), memory and round(memory / 2**20)
+
+    assert read(None) == (7.5, 15360)  # every GPU: the weakest decides
+    assert read("1") == (9.0, 81559)  # only the H100: bf16, and its memory
+    assert read("GPU-bbbb") == (9.0, 81559)  # a UUID prefix, as CUDA takes it
+    assert read("1,7,0") == (9.0, 81559)  # CUDA stops at the first entry that names no GPU
+    assert read("MIG-1234") == (7.5, 15360)  # a MIG instance isn't mapped here: every GPU counts
+    old_driver["yes"] = True
+    assert read("0") == (7.5, 15360) and read("1") == (9.0, 81559)  # from the name
+    assert fit.capability_from_name("NVIDIA A100-SXM4-80GB") == 8.0 and fit.capability_from_name("NVIDIA A10G") == 8.6
+    assert fit.capability_from_name("Tesla V100-SXM2-16GB") == 7.0 and fit.capability_from_name("Radeon") is None
+    fit.gpu_compute_capability_of_this_machine.cache_clear()

@@ -134,6 +134,20 @@ def test_rows_are_checked_against_sequence_len_and_max_prompt_len_before_trainin
     assert (len(data.train), len(data.eval)) == (4, 2) and set(data.train[0]) == {"prompt", "chosen", "rejected"}
 
 
+def test_grpo_prompts_past_the_budget_are_dropped_and_counted_or_stop_it_when_asked(tmp_path, tokenizer):
+    from llmtune.train.data.online_rows import prepare_online_data
+
+    path = write_rows(tmp_path, [{"prompt": "Say " + " ".join(["word"] * n)} for n in (1, 2, 40)])
+    raw = {"rl": "grpo", "datasets": [{"path": path}], "sequence_len": 24,
+           "trl": {"reward_funcs": ["rwd.r"], "num_generations": 2, "max_completion_length": 8}}  # fmt: skip
+    data = prepare_online_data(load(**raw).recipe, tokenizer, {})
+    assert data.stats["dropped_too_long"] == 1 and sorted(row["prompt"].count("word") for row in data.train) == [1, 2]
+    with pytest.raises(UserError) as caught:
+        prepare_online_data(load(**raw, excess_length_strategy="raise").recipe, tokenizer, {})
+    line = caught.value.one_line()
+    assert "rows.jsonl line 3: the prompt is" in line and "over the 16 that sequence_len 24 leaves" in line, line
+
+
 def test_a_malformed_row_is_one_line_naming_the_row_and_field(tmp_path, tokenizer):
     from llmtune.train.data.prepare import prepare_data
 

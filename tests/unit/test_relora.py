@@ -51,7 +51,6 @@ def test_a_jagged_schedule_alone_is_not_relora():
     [
         ({"relora": True, "adapter": "lora"}, "relora: true needs jagged_restart_steps"),
         ({"relora_steps": 100}, "relora: true needs adapter: lora"),
-        ({"relora_steps": 100, "adapter": "qlora", "load_in_4bit": True}, "relora with adapter: qlora is not supported"),
         ({"relora_steps": 100, "adapter": "lora", "load_in_8bit": True}, "relora with load_in_8bit is not supported"),
         ({"relora_steps": 100, "adapter": "lora", "peft_use_dora": True}, "relora with peft_use_dora is not supported"),
         ({"relora_steps": 100, "jagged_restart_steps": 50, "adapter": "lora"},
@@ -336,6 +335,126 @@ def test_rslora_keeps_its_scaling_when_stacked(tiny, tmp_path):
     assert (logits(reloaded) - trained).abs().max().item() < 1e-5
 
 
+def qlora_model(path, seed: int = 0):
+    """The tiny model loaded in 4 bits (NF4, double quantization, fp32 storage as llmtune loads it), LoRA on every
+    linear layer with B drawn at random."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    torch.manual_seed(seed)
+    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, quantization_config=quantized,
+                                                device_map={"": "cpu"})  # fmt: skip
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    _draw_b(model)
+    return model
+
+
+def _draw_b(model, std: float = 0.05) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=std)
+
+
+def test_a_4bit_base_is_requantized_from_its_loaded_weights_and_every_delta_without_compounding(tiny, tmp_path):
+    """Axolotl's ReLoRA example trains on a 4-bit base. A restart requantizes dequantize(loaded) + delta1 + ... +
+    deltaK, never the previous restart's requantized weight again; a resumed run replays it exactly."""
+    import torch
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    from llmtune.train.objectives.relora import is_4bit
+
+    def weight(layer):
+        w = layer.get_base_layer().weight
+        return dequantize_4bit(w.data, w.quant_state).float()
+
+    def requantized(values, like):
+        state = like.get_base_layer().weight.quant_state
+        packed, new = quantize_4bit(values.to(state.dtype), blocksize=state.blocksize, compress_statistics=True,
+                                    quant_type=state.quant_type, quant_storage=torch.float32)  # fmt: skip
+        return dequantize_4bit(packed, new).float()
+
+    model = qlora_model(tiny)
+    relora = relora_for(model, tmp_path, adapter="qlora", load_in_4bit=True)
+    assert len(relora.layers) == 14 and all(is_4bit(layer) for layer in relora.layers.values())
+    loaded = {name: weight(layer) for name, layer in relora.layers.items()}
+    deltas = {name: [] for name in relora.layers}
+    for step in (10, 20):
+        for name, layer in relora.layers.items():
+            deltas[name].append(layer.get_delta_weight("default").float().detach().clone())  # peft's own delta
+        relora.restart(step, optimizer=None)
+        _draw_b(model)
+    wrong, right, compounded = 0.0, 0.0, 0.0
+    for name, layer in relora.layers.items():
+        exact = loaded[name] + deltas[name][0] + deltas[name][1]
+        once = requantized(exact, layer)
+        # one rounding, from the loaded weight (to the last bits of the block scales: the deltas are summed here one
+        # by one, there as one stacked product)
+        assert torch.allclose(weight(layer), once, rtol=0, atol=1e-6), name
+        twice = requantized(requantized(loaded[name] + deltas[name][0], layer) + deltas[name][1], layer)
+        wrong += (twice != once).float().mean().item() / len(relora.layers)
+        right += (once - exact).abs().sum().item()
+        compounded += (twice - exact).abs().sum().item()
+    assert wrong > 0.01 and right < compounded  # requantizing the requantized weight would differ, and drift further
+    assert torch.count_nonzero(relora.layers[next(iter(relora.layers))].lora_B["default"].weight) > 0
+    # a resumed run: the base as loaded, the checkpoint's adapter; the replay gives the same 4-bit weights
+    checkpoint = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    resumed = qlora_model(tiny, seed=1)
+    resumed.load_state_dict(checkpoint, strict=False)
+    again = relora_for(resumed, tmp_path, adapter="qlora", load_in_4bit=True)
+    again.replay(25)
+    for name, layer in again.layers.items():
+        assert torch.equal(weight(layer), weight(relora.layers[name])), name
+    assert again.restarts == relora.restarts
+
+
+@pytest.mark.parametrize("method", ["magnitude", "random"])
+def test_an_8bit_optimizer_s_state_is_pruned_dequantized(tiny, tmp_path, method):
+    """bitsandbytes' 8-bit AdamW (Axolotl's ReLoRA example uses adamw_bnb_8bit) holds each moment as blockwise uint8
+    values with their absmax: pruned dequantized, quantized back; zeros stay zero, the largest values survive."""
+    import bitsandbytes as bnb
+    import torch
+    from bitsandbytes.functional import dequantize_blockwise
+
+    from llmtune.train.objectives.relora import factors
+
+    model = lora_model(tiny)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = bnb.optim.AdamW8bit(params, lr=1e-3, min_8bit_size=1)  # the tiny adapter's tensors in 8 bits too
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+
+    def moment(state, n):
+        values, absmax, code = state[f"state{n}"], state[f"absmax{n}"], state[f"qmap{n}"]
+        return dequantize_blockwise(values, absmax=absmax, code=code, blocksize=256).float()
+
+    layer = next(iter(relora_for(model, tmp_path / "x").layers.values()))
+    a = factors(layer, "default")[0]
+    assert optimizer.state[a]["state1"].dtype == torch.uint8
+    before = moment(optimizer.state[a], 1).clone()
+    relora = relora_for(model, tmp_path, relora_prune_method=method, relora_prune_ratio=0.75)
+    relora.restart(10, optimizer)
+    zeros, values = 0, 0
+    for layer in relora.layers.values():
+        for param in factors(layer, "default"):
+            for n in (1, 2):
+                after = moment(optimizer.state[param], n)
+                zeros, values = zeros + int((after == 0).sum()), values + after.numel()
+                if method == "magnitude":  # the ratio in every tensor, to the values tied at the threshold
+                    assert (after == 0).float().mean().item() >= 0.75 - 1 / after.numel()
+    assert zeros / values == pytest.approx(0.75, abs=0.03)
+    after = moment(optimizer.state[a], 1)
+    if method == "magnitude":  # what survives is what was largest, near its value
+        largest = before.abs() > before.abs().flatten().kthvalue(round(0.75 * before.numel())).values
+        assert (after[largest] != 0).all() and torch.allclose(after[largest], before[largest], rtol=0.1, atol=1e-4)
+
+
 # --- the plan --------------------------------------------------------------------------------------------------
 
 
@@ -355,11 +474,12 @@ def test_ddp_plans_with_a_note_and_sharded_strategies_are_refused():
             plan_for(2, **changes)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw_bnb_8bit", "paged_adamw_8bit", "adafactor", "adamw_torch_4bit"])
+@pytest.mark.parametrize("optimizer", ["adafactor", "adamw_torch_4bit", "adamw_torch_8bit", "ademamix_8bit"])
 def test_optimizers_whose_state_can_t_be_pruned_value_by_value_are_refused(optimizer):
     with pytest.raises(UserError, match=f"relora with optimizer: {optimizer} is not supported"):
         plan_for(1, optimizer=optimizer)
-    assert plan_for(1, optimizer="paged_adamw_32bit").strategy == "single"
+    for accepted in ("paged_adamw_32bit", "adamw_bnb_8bit", "paged_adamw_8bit"):  # bitsandbytes' blockwise state
+        assert plan_for(1, optimizer=accepted).strategy == "single"
 
 
 def test_merging_a_relora_run_without_its_final_save_is_refused(tmp_path):

@@ -305,6 +305,12 @@ def test_a_damaged_checkpoint_or_one_another_recipe_trained_is_refused_or_explai
         plan(tmp_path / "b", seed=7)
     with pytest.raises(UserError, match="trained with other datasets"):
         plan(tmp_path / "b", datasets=[{"path": "org/other", "type": "alpaca"}])
+    # another base model of the same shape: the resume would load the checkpoint's weights, not train it
+    with pytest.raises(UserError, match="trained from base_model model, and the recipe now names other-model"):
+        plan(tmp_path / "b", base_model="org/other-model")
+    with pytest.raises(UserError, match="now names model@v2"):
+        plan(tmp_path / "b", revision_of_model="v2")
+    plan(tmp_path / "b", base_model="/mnt/models/model")  # its download in a local folder is the same model
     # schedule keys: what the resume does with them
     notes = plan(tmp_path / "b", learning_rate=0.01, lr_scheduler="linear").notes
     assert any(f"learning_rate {keys['schedule']['learning_rate']} -> 0.01 since checkpoint-4: the resume keeps "

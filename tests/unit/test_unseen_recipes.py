@@ -268,3 +268,34 @@ def test_a_resume_path_that_is_not_there_says_where_it_looked(tmp_path, monkeypa
         with pytest.raises(UserError) as err:
             recipe_from_mapping({**base, "resume_from_checkpoint": value}, tmp_path / "r.yaml")
         assert said in err.value.one_line()
+
+
+def test_a_chat_dataset_on_a_tokenizer_without_a_chat_template_is_one_line_when_validated(tmp_path, run_cli):
+    """type: chat_template with no chat_template key renders with the tokenizer's own template; a base model's
+    tokenizer (here a local folder, as a download is) has none, which the run found only after loading the model."""
+    import shutil
+
+    import yaml
+
+    model = tmp_path / "base-model"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures" / "tokenizer", model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+
+    def validate(**changes):
+        raw = {"base_model": str(model), "output_dir": str(tmp_path / "out"),
+               "datasets": [{"path": str(tmp_path / "chats.jsonl"), "type": "chat_template"}], **changes}  # fmt: skip
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+        return run_cli("validate", str(tmp_path / "r.yaml"), "--device", "cpu", "--num-processes", "1")
+
+    refused = validate()
+    assert refused.code == 2 and "Traceback" not in refused.err, refused.err
+    assert "datasets[0] (type: chat_template) renders with the tokenizer's own chat template, and the tokenizer of " \
+           f"{model} has none" in refused.err and "set chat_template: chatml" in refused.err  # fmt: skip
+    assert validate(chat_template="chatml").code == 0
+    assert validate(datasets=[{"path": str(tmp_path / "chats.jsonl"), "type": "chat_template",
+                               "chat_template": "llama3"}]).code == 0  # fmt: skip
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert validate().code == 0  # transformers' newer layout keeps the template beside the config

@@ -51,10 +51,17 @@ class ModelFacts:
         return self.embedding_params() + self.num_layers * self.layer_params() + self.hidden_size + head
 
 
-def _hub_cache_config(repo_id: str) -> Path | None:
+def model_file(name: str, filename: str) -> Path | None:
+    """A model's file where it is already on this machine: its local folder, or the HF cache's snapshot of a hub id
+    (no download)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path / filename if (path / filename).is_file() else None
+    if path.exists() or name.count("/") != 1:
+        return None
     hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub")
-    snapshots = hub.expanduser() / f"models--{repo_id.replace('/', '--')}" / "snapshots"
-    found = sorted(snapshots.glob("*/config.json")) if snapshots.is_dir() else []
+    snapshots = hub.expanduser() / f"models--{name.replace('/', '--')}" / "snapshots"
+    found = sorted(snapshots.glob(f"*/{filename}")) if snapshots.is_dir() else []
     return found[-1] if found else None
 
 
@@ -98,7 +105,7 @@ def find_config_json(name: str) -> Path | None:
     if path.is_file() and path.name == "config.json":
         return path
     if not path.exists() and name.count("/") == 1:
-        return _hub_cache_config(name)
+        return model_file(name, "config.json")
     return None
 
 

@@ -156,37 +156,77 @@ def row_for_plan(plan) -> str:
     return "pipeline" if plan.strategy == "pipeline" else "single / DDP"
 
 
-def gpu_memory_of_this_machine() -> float | None:
-    """Memory of the smallest visible GPU, from nvidia-smi (no torch import); None when it can't be read."""
+def _nvidia_smi(fields: str) -> list[list[str]] | None:
+    """One row per GPU this process may use (CUDA_VISIBLE_DEVICES by index or UUID, as CUDA reads it): the fields
+    asked for, from nvidia-smi (no torch import); None where nvidia-smi is absent or fails (an old driver that
+    doesn't know a field fails the query)."""
     import shutil
     import subprocess
 
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu=index,uuid,{fields}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=20, check=True).stdout  # fmt: skip
-        sizes = [float(line) * 2**20 for line in out.split() if line.strip()]  # MiB
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
+    return visible_rows(rows, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible_rows(rows: list[list[str]], visible: str | None) -> list[list[str]]:
+    """The rows (index, uuid, ...) of the GPUs CUDA_VISIBLE_DEVICES names; CUDA stops at the first entry that names
+    no GPU. Entries it can't map here (MIG instances) leave every GPU counted."""
+    if visible is None:
+        return rows
+    chosen: list[list[str]] = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if entry.startswith("MIG-"):
+            return rows
+        match = [r for r in rows if entry and (r[0] == entry or (entry.startswith("GPU-") and r[1].startswith(entry)))]
+        if not match:
+            break
+        chosen.append(match[0])
+    return chosen
+
+
+def gpu_memory_of_this_machine() -> float | None:
+    """Memory of the smallest GPU this process may use, from nvidia-smi; None when it can't be read."""
+    rows = _nvidia_smi("memory.total")
+    try:
+        sizes = [float(row[2]) * 2**20 for row in rows or []]  # MiB
+    except (ValueError, IndexError):
         return None
     return min(sizes) if sizes else None
 
 
+# compute capability by the GPU's name, for drivers before R510, whose nvidia-smi has no compute_cap field
+_CAPABILITY_BY_NAME = (("H100", 9.0), ("H200", 9.0), ("H800", 9.0), ("GH200", 9.0), ("L40", 8.9), ("L4", 8.9),
+                       ("RTX 40", 8.9), ("A100", 8.0), ("A800", 8.0), ("A30", 8.0), ("A10", 8.6), ("A40", 8.6),
+                       ("RTX A", 8.6), ("RTX 30", 8.6), ("A16", 8.6), ("A2", 8.6), ("T4", 7.5), ("RTX 20", 7.5),
+                       ("TITAN RTX", 7.5), ("QUADRO RTX", 7.5), ("V100", 7.0), ("TITAN V", 7.0), ("P100", 6.0),
+                       ("P40", 6.1), ("P4", 6.1), ("K80", 3.7))  # fmt: skip
+
+
+def capability_from_name(name: str) -> float | None:
+    upper = name.upper()
+    return next((cap for key, cap in _CAPABILITY_BY_NAME if key in upper), None)
+
+
 @functools.lru_cache(maxsize=1)
 def gpu_compute_capability_of_this_machine() -> float | None:
-    """The lowest compute capability among the visible GPUs (8.0 is Ampere, the first with bf16), from nvidia-smi
-    (no torch import); None where it can't be read (no GPU here: a plan written for another machine)."""
-    import shutil
-    import subprocess
-
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout  # fmt: skip
-        caps = [float(line) for line in out.split() if line.strip()]
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
+    """The lowest compute capability among the GPUs this process may use (8.0 is Ampere, the first with bf16), from
+    nvidia-smi's compute_cap, or from the GPU's name on a driver without that field; None where it can't be read
+    (no GPU here: a plan written for another machine)."""
+    rows = _nvidia_smi("compute_cap")
+    if rows is None:
+        rows = [[*row[:2], str(capability_from_name(",".join(row[2:])) or "")] for row in _nvidia_smi("name") or []]
+    caps = []
+    for row in rows:
+        try:
+            caps.append(float(row[2]))
+        except (ValueError, IndexError):
+            return None  # a GPU of unknown capability: auto stays bf16, as on a machine without GPUs
     return min(caps) if caps else None
 
 

@@ -4,7 +4,8 @@ chat template) and the columns the reward functions read (e.g. the reference ans
 A dataset's `type` is a transform from the user's file, as Axolotl writes it: `transform(cfg)` returns
 `(transform_fn, {"remove_columns": [...]})` and `transform_fn(row, tokenizer=...)` returns the new row; or no type,
 for rows that carry a `prompt` already. A row without a prompt, or a transform that raises, is one line naming the
-row. Prompts longer than sequence_len minus the completion budget are dropped before launch and counted.
+row. Prompts longer than sequence_len minus the completion budget are dropped before launch and counted (TRL's
+GRPO trains whole prompts; there is no truncation to ask for), or stop it with excess_length_strategy: raise.
 """
 
 from __future__ import annotations
@@ -68,7 +69,13 @@ def read_group(specs, group: str, recipe, tokenizer, functions: dict, stats: dic
                 raise UserError(f"{where}: no prompt (a string or a list of chat messages) in the row"
                                 + (f" {spec.type} returned" if transform_fn else ""),
                                 "GRPO's rows need a 'prompt'; give the dataset a transform (type: module.function)")  # fmt: skip
-            if _prompt_tokens(prompt, tokenizer) > budget:
+            length = _prompt_tokens(prompt, tokenizer)
+            if length > budget:
+                if recipe.excess_length_strategy == "raise":
+                    raise UserError(f"{where}: the prompt is {length} tokens, over the {budget} that sequence_len "
+                                    f"{recipe.sequence_len} leaves beside trl.max_completion_length (excess_length_"
+                                    "strategy is raise)", "shorten or remove the row, raise sequence_len, lower "
+                                    "trl.max_completion_length, or set excess_length_strategy: drop")  # fmt: skip
                 stats["dropped_too_long"] += 1
                 continue
             rows.append(row)

@@ -10,6 +10,11 @@ At a restart (the start of optimizer step N, N a multiple of the cycle, where Ax
    its parameter is zeroed, the smallest values (magnitude) or a seeded random subset (random, reset).
 The learning rate around the restarts is schedule.py's jagged multiplier.
 
+On a 4-bit base (adapter: qlora), step 1 requantizes: the layer's 4-bit weight becomes quantize(dequantize(the
+weight as loaded) + every cycle's delta so far). The loaded 4-bit weight is kept on the CPU for this, so the rounding
+of one restart never carries into the next (requantizing the requantized weight would compound it). An 8-bit
+optimizer's state (bitsandbytes' blockwise state1/state2) is pruned dequantized and quantized back.
+
 A checkpoint holds only the adapter of the current cycle. So each restart's merged A and B go to
 <output_dir>/relora/restart-<step>.safetensors as they merge (one adapter's size each): a resumed run replays them
 onto the base weights, and the final adapter is assembled from them. B1 A1 + B2 A2 = [B1 B2] [A1; A2], so every
@@ -32,6 +37,11 @@ from transformers import TrainerCallback
 from llmtune.errors import UserError
 
 
+def is_4bit(layer) -> bool:
+    """A LoRA layer over a bitsandbytes 4-bit linear layer (qlora)."""
+    return type(layer.get_base_layer().weight).__name__ == "Params4bit"
+
+
 def lora_layers(model) -> dict[str, object]:
     """The model's LoRA layers by module name; refuses layers a restart can't merge (and tied base weights)."""
     from peft.tuners.lora import Embedding, Linear, LoraLayer
@@ -39,7 +49,7 @@ def lora_layers(model) -> dict[str, object]:
     layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
     uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
     for name, layer in layers.items():
-        if not isinstance(layer, (Linear, Embedding)):
+        if not isinstance(layer, (Linear, Embedding)) and not is_4bit(layer):
             raise UserError(f"relora: {name} is a {type(layer).__name__} LoRA layer; a restart merges LoRA on linear "
                             "and embedding layers only", "leave that module out of lora_target_modules")  # fmt: skip
         if uses[id(layer.get_base_layer().weight)] > 1:
@@ -75,6 +85,36 @@ def random_prune_(tensor: torch.Tensor, ratio: float, generator: torch.Generator
     tensor.mul_(keep.to(tensor.dtype))
 
 
+def quantized_states(state: dict, param) -> list[tuple[str, str, str]]:
+    """bitsandbytes' 8-bit optimizer state of one parameter: (values, absmax, code map) keys of each moment held as
+    blockwise uint8 (a parameter under its min_8bit_size keeps 32-bit state, pruned as any other)."""
+    found = []
+    for n in (1, 2):
+        values = state.get(f"state{n}")
+        if (torch.is_tensor(values) and values.dtype == torch.uint8 and values.shape == param.shape
+                and torch.is_tensor(state.get(f"absmax{n}")) and torch.is_tensor(state.get(f"qmap{n}"))):  # fmt: skip
+            found.append((f"state{n}", f"absmax{n}", f"qmap{n}"))
+    return found
+
+
+@torch.no_grad()
+def prune_quantized_(state: dict, keys: tuple[str, str, str], prune) -> None:
+    """Dequantize one 8-bit moment, prune it (`prune(tensor)` in place), quantize it back into the same tensors."""
+    from bitsandbytes.functional import dequantize_blockwise, quantize_blockwise
+
+    name, absmax_key, code_key = keys
+    values, absmax, code = state[name], state[absmax_key], state[code_key]
+    blocksize = next(b for b in (256, 2048, 4096, 1024, 512, 128, 64, 32) if -(-values.numel() // b) == absmax.numel())
+    full = dequantize_blockwise(values, absmax=absmax, code=code, blocksize=blocksize).float()
+    prune(full)
+    again, quant_state = quantize_blockwise(full, code=code, blocksize=blocksize)
+    zero = torch.nonzero(code == 0).flatten()
+    if zero.numel():  # the quantizer's search lands a zero on a neighbouring code (2e-5 x absmax): pruned is zero
+        again[full == 0] = zero[0].to(again.dtype)
+    values.copy_(again)
+    absmax.copy_(quant_state.absmax)
+
+
 def restart_file(folder: Path, step: int) -> Path:
     return folder / f"restart-{step:08d}.safetensors"
 
@@ -93,6 +133,17 @@ class ReLoRA(TrainerCallback):
         self.ratio = recipe.relora_pruned_fraction
         self.folder = Path(output_dir) / "relora"
         self.restarts: list[dict] = []  # {step, delta_norm}: the Frobenius norm of all the layers' merged deltas
+        # 4-bit layers: the weight as loaded (on the CPU) and every merged cycle's A and B, for the requantization
+        self.loaded: dict[str, tuple[torch.Tensor, object]] = {}
+        self.merged: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for name, layer in self.layers.items():
+            if is_4bit(layer):
+                import copy
+
+                weight = layer.get_base_layer().weight
+                state = copy.deepcopy(weight.quant_state)
+                state.to("cpu")
+                self.loaded[name], self.merged[name] = (weight.data.detach().cpu().clone(), state), []
 
     # --- the restart ---
 
@@ -106,7 +157,7 @@ class ReLoRA(TrainerCallback):
         for name, layer in self.layers.items():
             a, b = factors(layer, self.adapter)
             merged[f"{name}.A"], merged[f"{name}.B"] = a.detach().cpu().clone(), b.detach().cpu().clone()
-            squares.append(self._merge(layer))
+            squares.append(self._merge(name, layer))
         norm = math.sqrt(float(sum(squares)))
         with self._seeded(step):
             for layer in self.layers.values():
@@ -117,12 +168,38 @@ class ReLoRA(TrainerCallback):
             self._write(step, merged, norm)
         self.restarts.append({"step": step, "delta_norm": norm})
 
-    def _merge(self, layer) -> torch.Tensor:
+    def _merge(self, name: str, layer) -> torch.Tensor:
         """The layer's delta added to its base weight; returns the delta's squared norm."""
         delta = layer.get_delta_weight(self.adapter).float()
-        weight = layer.get_base_layer().weight
-        weight.copy_(weight.float().add_(delta))  # summed in fp32, rounded once to a bf16 base's dtype
+        if name in self.loaded:
+            self._requantize(name, layer)
+        else:
+            weight = layer.get_base_layer().weight
+            weight.copy_(weight.float().add_(delta))  # summed in fp32, rounded once to a bf16 base's dtype
         return delta.pow(2).sum().cpu()
+
+    def _requantize(self, name: str, layer) -> None:
+        """A 4-bit weight := quantize(dequantize(as loaded) + scaling x [B1 .. Bk] [A1; ..; Ak]), this cycle's last."""
+        import copy
+
+        from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+        weight = layer.get_base_layer().weight
+        device = weight.device
+        a, b = factors(layer, self.adapter)
+        self.merged[name].append((a.detach().float().cpu().clone(), b.detach().float().cpu().clone()))
+        stacked_a = torch.cat([f[0] for f in self.merged[name]], dim=0).to(device)
+        stacked_b = torch.cat([f[1] for f in self.merged[name]], dim=1).to(device)
+        data, state = self.loaded[name]
+        state = copy.deepcopy(state)
+        state.to(device)
+        total = dequantize_4bit(data.to(device), state).float()
+        total.add_(stacked_b @ stacked_a, alpha=float(layer.scaling[self.adapter]))
+        packed, new_state = quantize_4bit(total.to(state.dtype), blocksize=state.blocksize,
+                                          compress_statistics=bool(state.nested), quant_type=state.quant_type,
+                                          quant_storage=weight.data.dtype)  # fmt: skip
+        weight.data = packed
+        weight.quant_state = new_state
 
     @contextmanager
     def _seeded(self, step: int):
@@ -136,17 +213,30 @@ class ReLoRA(TrainerCallback):
         momentum buffers) as relora_prune_method says."""
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
         generators: dict[torch.device, torch.Generator] = {}
+
+        def prune(value: torch.Tensor) -> None:
+            if self.method == "magnitude":
+                magnitude_prune_(value, self.ratio)
+            else:
+                if value.device not in generators:
+                    generators[value.device] = torch.Generator(value.device).manual_seed(self.seed + step)
+                random_prune_(value, self.ratio, generators[value.device])
+
         for layer in self.layers.values():
             for param in factors(layer, self.adapter):
-                for value in inner.state.get(param, {}).values():
-                    if not (torch.is_tensor(value) and value.is_floating_point() and value.shape == param.shape):
-                        continue
-                    if self.method == "magnitude":
-                        magnitude_prune_(value, self.ratio)
-                    else:
-                        if value.device not in generators:
-                            generators[value.device] = torch.Generator(value.device).manual_seed(self.seed + step)
-                        random_prune_(value, self.ratio, generators[value.device])
+                state = inner.state.get(param, {})
+                pruned = 0
+                for value in state.values():
+                    if torch.is_tensor(value) and value.is_floating_point() and value.shape == param.shape:
+                        prune(value)
+                        pruned += 1
+                for keys in quantized_states(state, param):
+                    prune_quantized_(state, keys, prune)
+                    pruned += 1
+                if state and not pruned:  # a state layout not known here: never a restart that prunes nothing
+                    raise UserError(f"relora: the optimizer's state ({', '.join(sorted(map(str, state)))}) has no "
+                                    "tensor of its parameter's shape to prune", "use adamw_torch or "
+                                    "adamw_bnb_8bit")  # fmt: skip
 
     def _write(self, step: int, merged: dict, norm: float) -> None:
         from safetensors.torch import save_file
@@ -172,7 +262,7 @@ class ReLoRA(TrainerCallback):
             merged, norm = self.read(step)
             for name, layer in self.layers.items():
                 self._set_factors(layer, merged[f"{name}.A"], merged[f"{name}.B"])
-                self._merge(layer)
+                self._merge(name, layer)
             self.restarts.append({"step": step, "delta_norm": norm})
         for name, layer in self.layers.items():
             self._set_factors(layer, *current[name])
