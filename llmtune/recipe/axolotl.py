@@ -10,6 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from llmtune.errors import UserError
+from llmtune.recipe.axolotl_entries import (
+    BEST_BY_LOSS,
+    FORMAT_KEYS,
+    PREFERENCE_KEYS,
+    WANDB_LOG_MODEL,
+    format_key,
+    path_from_data_files,
+    top_level_key_in_entry,
+)
 from llmtune.recipe.axolotl_history import DEPRECATED, KEYS, RELEASES
 from llmtune.recipe.axolotl_keys import (
     ANY,
@@ -130,8 +139,15 @@ def _top_level(raw: dict, path: Path, notes: Notes) -> dict:
             if value is not None:
                 data.setdefault(new, value)
                 notes.add(f"{key}: read as {new} ({history(key) or OLDER_NAME})")
+        elif key == "wandb_log_model" and isinstance(value, str) and value.lower() not in WANDB_LOG_MODEL:
+            data[key] = "false"  # Axolotl passed it on as WANDB_LOG_MODEL, which transformers read as off
+            notes.add(f"wandb_log_model: {value!r} is none of false, checkpoint, end: no model is uploaded, as "
+                      "transformers did with it under Axolotl")  # fmt: skip
         elif key in Recipe.model_fields:
             data[key] = value
+        elif key in BEST_BY_LOSS and raw.get("early_stopping_patience") and value in BEST_BY_LOSS[key]:
+            notes.unused(key, "early_stopping_patience keeps the best checkpoint by eval_loss already, as Axolotl "
+                              "turns load_best_model_at_end on beside it")  # fmt: skip
         elif key in AXOLOTL_ONLY_KEYS:
             _screen_key("", key, value, AXOLOTL_ONLY_KEYS[key], notes, path)
         elif key in INTENDED:
@@ -275,10 +291,19 @@ def _datasets(data: dict, path: Path, notes: Notes) -> None:
                     if entry.get(new) not in (None, value):
                         raise UserError(f"{path}: {group}[{index}].{key} and .{new} disagree; keep {new}")
                     spec[new] = value
+                elif key in FORMAT_KEYS and isinstance(entry.get("type"), str):
+                    format_key(f"{group}[{index}]", key, value, entry["type"], notes, path)
+                elif key in PREFERENCE_KEYS and not data.get("rl"):
+                    notes.unused(f"{group}[{index}].{key}", "a preference data key, beside a dataset without rl: "
+                                 "Axolotl ignores it there too")  # fmt: skip
                 elif key in AXOLOTL_DATASET_KEYS and key not in DatasetSpec.model_fields:
                     _screen_key(f"{group}[{index}].", key, value, AXOLOTL_DATASET_KEYS[key], notes, path)
+                elif key in Recipe.model_fields and key not in DatasetSpec.model_fields:
+                    top_level_key_in_entry(f"{group}[{index}]", key, value, data, notes, path)
                 else:
                     spec[key] = value
+            if "path" not in spec and spec.get("data_files"):
+                path_from_data_files(f"{group}[{index}]", spec, notes)
             screened.append(spec)
         data[group] = screened
 

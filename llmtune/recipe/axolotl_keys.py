@@ -126,6 +126,9 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     """,
     ),
     **_no_effect(PUSH, "hub_model_id hub_strategy hub_revision push_to_hub_model_id"),
+    # TrainingArguments' and peft's spellings public recipes carry beside hub_model_id / save_safetensors
+    **_no_effect(PUSH, "push_to_hub hub_private_repo push_adapter_to_hub"),
+    **_no_effect("llmtune always saves safetensors", "safe_serialization"),
     **_no_effect("the adapter is saved in output_dir", "lora_out_dir"),
     **_no_effect(PERFORMANCE, "dpo_use_logits_to_keep dpo_use_liger_kernel"),
     **_no_effect(TRACKING, "dpo_generate_during_eval"),
@@ -160,7 +163,10 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "weights on the CPU for every restart whatever it says",
         "relora_cpu_offload",
     ),
-    **_refused("LoRA+ learning rates", "remove it (plain LoRA)", "loraplus_lr_ratio loraplus_lr_embedding"),
+    **_refused("LoRA+", "remove it (plain LoRA)", "loraplus_lr_ratio"),
+    **_no_effect(
+        "LoRA+'s embedding rate, read only beside loraplus_lr_ratio (which llmtune refuses)", "loraplus_lr_embedding"
+    ),
     **_refused("per-group learning rates", "use one learning_rate", "lr_groups embedding_lr embedding_lr_scale"),
     **_refused("one-cycle schedules (lr_div_factor)", "use lr_scheduler", "lr_div_factor"),
     **_refused(
@@ -211,8 +217,8 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     """,
     ),
     **_refused(
-        "arguments for Axolotl's own optimizers",
-        "use one of llmtune's optimizers",
+        "optimizer arguments (optim_args, and the settings of Axolotl's own optimizers)",
+        "set adam_beta1/adam_beta2/adam_epsilon/weight_decay, or use one of llmtune's optimizers",
         """
         optim_args optim_target_modules adam_beta3 adam_epsilon2 dion_lr dion_momentum dion_rank_fraction
         dion_rank_multiple_of qgalore_cos_threshold qgalore_gamma_proj qgalore_proj_bits
@@ -350,8 +356,8 @@ AXOLOTL_DATASET_KEYS: dict[str, AxolotlKey] = {
     ),
     **_refused("knowledge-distillation data", "remove it", "logprobs_field temperature"),
     **_refused(
-        "a preference data key of Axolotl's older releases",
-        "with rl:, write them in the dataset's type: mapping (user_defined.default), or use field_messages, "
+        "a preference data key beside the dataset's type (Axolotl reads it only inside a type: mapping)",
+        "write them in the dataset's type: mapping (user_defined.default), or use field_messages, "
         "field_chosen and field_rejected (chat_template.default)",
         """
         field_prompt field_system_chosen chosen rejected field_label prompt_key chosen_key rejected_key

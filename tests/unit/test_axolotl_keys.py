@@ -141,7 +141,7 @@ def test_capability_refusals_read_as_the_issue_asks():
     assert "training vision and audio models is not supported (processor_type" in refusal(
         processor_type="AutoProcessor"
     )
-    assert "LoRA+ learning rates is not supported (loraplus_lr_ratio: 16)" in refusal(loraplus_lr_ratio=16)
+    assert "LoRA+ is not supported (loraplus_lr_ratio: 16)" in refusal(loraplus_lr_ratio=16)
     assert load(context_parallel_size=1, tensor_parallel_size=1).recipe
     # context parallelism runs (with FSDP2); Axolotl's older name is read as it
     assert "context parallelism without FSDP2 is not supported" in refusal(context_parallel_size=2)
@@ -247,8 +247,9 @@ def test_dataset_entry_keys():
     assert (r.datasets[0].train_on_eot, r.datasets[0].skip) == ("last", 3)
     line = refusal(datasets=[{"path": "org/data", "type": "chat_template", "field_chosen": "chosen"}])
     assert "datasets[0].field_chosen belongs to preference data; set rl: dpo" in line
-    line = refusal(datasets=[{"path": "org/data", "type": "chat_template", "chosen_key": "chosen"}])
-    assert "a preference data key of Axolotl's older releases is not supported (datasets[0].chosen_key" in line
+    line = refusal(rl="dpo", datasets=[{"path": "org/data", "type": "chatml.intel", "chosen_key": "chosen"}])
+    assert "a preference data key beside the dataset's type (Axolotl reads it only inside a type: mapping) is not " \
+           "supported (datasets[0].chosen_key" in line  # fmt: skip
     assert load(datasets=[{"path": "x", "type": "chat_template.default"}]).recipe.datasets[0].type == "chat_template"
 
 
@@ -282,3 +283,41 @@ def test_model_loading_keys():
 
 def test_dataset_only_keys_are_all_data():
     assert all(isinstance(entry.reason, str) and entry.reason for entry in AXOLOTL_DATASET_KEYS.values())
+
+
+def test_what_public_recipes_carry_that_axolotl_ignored_is_a_note_or_one_line_saying_where_it_goes():
+    """From scripts/axolotl_corpus.tsv's review: keys Axolotl ignored (or set itself) that llmtune refused."""
+    notes = lambda **raw: " | ".join(load(**raw).notes)  # noqa: E731
+    # a W&B model-upload value that isn't one: transformers turned uploading off under Axolotl
+    assert load(wandb_log_model="axolotl-qlora-run").recipe.wandb_log_model == "false"
+    assert "wandb_log_model: 'x-run' is none of false, checkpoint, end" in notes(wandb_log_model="x-run")
+    assert load(wandb_log_model="checkpoint").recipe.wandb_log_model == "checkpoint"
+    # LoRA+'s embedding rate alone (Axolotl's schema default) asks for nothing; the ratio still is LoRA+
+    assert "loraplus_lr_embedding" in notes(loraplus_lr_embedding=1e-6)
+    # the best-model keys that say what early_stopping_patience does: Axolotl sets them beside it
+    best = {"load_best_model_at_end": True, "metric_for_best_model": "eval_loss", "greater_is_better": False}
+    assert "early_stopping_patience keeps the best checkpoint by eval_loss" in notes(
+        **best, early_stopping_patience=3, val_set_size=0.1)
+    assert "keeping the best checkpoint by a metric is not supported" in refusal(**best)
+    assert "keeping the best checkpoint by a metric" in refusal(metric_for_best_model="eval_accuracy",
+                                                                 early_stopping_patience=3, val_set_size=0.1)
+    # hub and serialization spellings beside hub_model_id
+    said = notes(hub_model_id="me/model", push_to_hub=True, hub_private_repo=True, safe_serialization=True)
+    assert "push_to_hub" in said and "hub_private_repo" in said and "safe_serialization" in said
+    # a custom format's keys beside a named type: the default is a note, another value says where it goes
+    spec = {"path": "org/data", "type": "alpaca", "field_instruction": "instruction", "field_output": "output"}
+    assert "datasets[0].field_instruction" in notes(datasets=[spec])
+    line = refusal(datasets=[{**spec, "field_instruction": "question"}])
+    assert "datasets[0].field_instruction: 'question' beside type: alpaca has no effect" in line
+    assert "type: {field_instruction: question, ...}" in line
+    # a preference key beside an SFT dataset: ignored there by Axolotl too
+    sft = {"path": "org/data", "type": "completion", "field_prompt": "prompt", "field_completion": "completion"}
+    assert "datasets[0].field_prompt" in notes(datasets=[sft])
+    # a recipe key repeated in a dataset entry: the same value is a note, another is refused
+    assert "datasets[0].train_on_inputs" in notes(train_on_inputs=False, datasets=[{**spec, "train_on_inputs": False}])
+    line = refusal(train_on_inputs=False, datasets=[{"path": "org/data", "type": "alpaca", "train_on_inputs": True}])
+    assert "datasets[0].train_on_inputs: True: train_on_inputs is a recipe key, read for the whole recipe" in line
+    # v0.4.0's documented rl: data entry: data_files and ds_type, no path
+    loaded = load(rl="dpo", datasets=[{"ds_type": "json", "data_files": ["pairs.jsonl"], "type": "chatml.intel"}])
+    assert loaded.recipe.datasets[0].path == "json" and "no path, read as path: json" in " | ".join(loaded.notes)
+    assert load(datasets=[{"data_files": "rows.parquet", "type": "alpaca"}]).recipe.datasets[0].path == "parquet"

@@ -150,7 +150,7 @@ def test_keys_asking_for_missing_capabilities_stop_the_upgrade(run_cli, write_re
     path = write_recipe({"max_packed_sequence_len": 1024, "loraplus_lr_ratio": 16, "kd_trainer": True})
     result = run_cli("validate", "--upgrade", path)
     assert result.code == 2
-    assert "loraplus_lr_ratio (LoRA+ learning rates)" in result.err
+    assert "loraplus_lr_ratio (LoRA+)" in result.err
     assert "kd_trainer (knowledge distillation" in result.err
     assert "nothing written" in result.err and "Traceback" not in result.err
     assert not (tmp_path / "recipe.upgraded.yaml").exists()

@@ -1,0 +1,65 @@
+"""Keys public Axolotl recipes write where Axolotl ignored them, or set itself: a custom format's keys beside a named
+type, a recipe key repeated in a dataset entry, an entry with data_files and no path, and the top-level values that
+say what llmtune does anyway. Each is a note, or one line saying where the key goes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llmtune.errors import UserError
+from llmtune.recipe.data import CustomFormat, DatasetSpec
+from llmtune.recipe.schema import Recipe
+
+WANDB_LOG_MODEL = ("false", "checkpoint", "end")
+# best-model keys that say what early_stopping_patience does already (Axolotl sets them beside it)
+BEST_BY_LOSS = {"load_best_model_at_end": (True,), "metric_for_best_model": ("eval_loss", "loss"),
+                "greater_is_better": (False,)}  # fmt: skip
+FORMAT_KEYS = frozenset(CustomFormat.model_fields) - frozenset(DatasetSpec.model_fields)
+PREFERENCE_KEYS = frozenset("field_prompt field_completion field_system_chosen chosen rejected field_label "
+                            "prompt_key chosen_key rejected_key".split())  # fmt: skip
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def path_from_data_files(where: str, spec: dict, notes) -> None:
+    """An entry with data_files and no path (v0.4.0's documented form for rl: data): `datasets`' builder for the
+    files, as Axolotl's loader called load_dataset(ds_type, data_files=...)."""
+    files = [spec["data_files"]] if isinstance(spec["data_files"], str) else spec["data_files"]
+    suffixes = {Path(str(f)).suffix.lower().lstrip(".") for f in files if isinstance(f, str)}
+    by_suffix = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet", "arrow": "arrow", "txt": "text"}
+    builder = spec.get("ds_type") or (by_suffix.get(suffixes.pop()) if len(suffixes) == 1 else None)
+    if builder:
+        spec["path"] = builder
+        notes.add(f"{where}: no path, read as path: {builder} with its data_files (as Axolotl loaded them)")
+
+
+def format_key(where: str, key: str, value: Any, kind: str, notes, path: Path) -> None:
+    """A key of a custom format's type: mapping written beside a named type (type: alpaca): Axolotl reads it only
+    inside the mapping and ignored it here. At its default it changes nothing; another value, which the author meant
+    to take effect, is refused with where it goes."""
+    default = CustomFormat.model_fields[key].default
+    if value in (default, None, ""):
+        notes.unused(f"{where}.{key}", f"beside type: {kind} (a named format) it is the default, and Axolotl reads "
+                     "it only inside a type: mapping")  # fmt: skip
+        return
+    raise UserError(f"{path}: {where}.{key}: {_shown(value)} beside type: {kind} has no effect (Axolotl reads {key} "
+                    f"only inside a custom format's type: mapping, and ignored it here)",
+                    f"to use it, write the format as a mapping: type: {{{key}: {value}, ...}} (see docs/axolotl.md); "
+                    "else remove it")  # fmt: skip
+
+
+def top_level_key_in_entry(where: str, key: str, value: Any, data: dict, notes, path: Path) -> None:
+    """A recipe key written in one dataset entry (train_on_inputs, sequence_len, ...): read for the whole recipe
+    only, in Axolotl as here. The same value as the recipe's (or its default) is a note; another is refused."""
+    field = Recipe.model_fields[key]
+    recipe_value = data.get(key, field.default)
+    if value == recipe_value:
+        notes.unused(f"{where}.{key}", f"a recipe key, set for the whole recipe (here {value!r} as there)")
+        return
+    raise UserError(f"{path}: {where}.{key}: {_shown(value)}: {key} is a recipe key, read for the whole recipe "
+                    f"only (Axolotl ignores it in a dataset entry too; the recipe's is {recipe_value!r})",
+                    f"set {key} at the top level of the recipe, or remove it here")  # fmt: skip
