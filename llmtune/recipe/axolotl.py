@@ -26,6 +26,7 @@ from llmtune.recipe.axolotl_keys import (
     AXOLOTL_FSDP_KEYS,
     AXOLOTL_ONLY_KEYS,
     BNB_CONFIG_KWARGS,
+    BNB_DEFAULTS,
     CLOUD_KEYS,
     INTENDED,
     RENAMED,
@@ -243,6 +244,9 @@ def _bnb_kwargs(value: Any, raw: dict, data: dict, path: Path, notes: Notes) -> 
     if not isinstance(value, dict):
         raise UserError(f"{path}: bnb_config_kwargs must be a mapping of BitsAndBytesConfig arguments")
     for name, setting in value.items():
+        if name in BNB_DEFAULTS and setting == BNB_DEFAULTS[name]:
+            notes.unused(f"bnb_config_kwargs.{name}", "BitsAndBytesConfig's default")
+            continue
         if name not in BNB_CONFIG_KWARGS:
             raise UserError(f"{path}: the bitsandbytes option {name} is not supported (bnb_config_kwargs.{name})",
                             "llmtune sets bnb_4bit_quant_type and bnb_4bit_use_double_quant")  # fmt: skip

@@ -48,7 +48,7 @@ def format_key(where: str, key: str, value: Any, kind: str, notes, path: Path) -
         return
     raise UserError(f"{path}: {where}.{key}: {_shown(value)} beside type: {kind} has no effect (Axolotl reads {key} "
                     f"only inside a custom format's type: mapping, and ignored it here)",
-                    f"to use it, write the format as a mapping: type: {{{key}: {value}, ...}} (see docs/axolotl.md); "
+                    f"to use it, write the format as a mapping: type: {{{key}: {_shown(value)}, ...}} (see docs/axolotl.md); "
                     "else remove it")  # fmt: skip
 
 

@@ -217,10 +217,10 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     """,
     ),
     **_refused(
-        "optimizer arguments (optim_args, and the settings of Axolotl's own optimizers)",
-        "set adam_beta1/adam_beta2/adam_epsilon/weight_decay, or use one of llmtune's optimizers",
+        "the settings of Axolotl's own optimizers",
+        "use one of llmtune's optimizers (optim_args passes arguments to transformers' own)",
         """
-        optim_args optim_target_modules adam_beta3 adam_epsilon2 dion_lr dion_momentum dion_rank_fraction
+        optim_target_modules adam_beta3 adam_epsilon2 dion_lr dion_momentum dion_rank_fraction
         dion_rank_multiple_of qgalore_cos_threshold qgalore_gamma_proj qgalore_proj_bits
         qgalore_proj_group_size qgalore_proj_quant qgalore_proj_type qgalore_queue_size qgalore_rank
         qgalore_scale qgalore_update_proj_gap
@@ -278,6 +278,9 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     ),
 }
 
+# BitsAndBytesConfig's own defaults: asked for, they ask for nothing (Axolotl v0.4.0 wrote the first itself)
+BNB_DEFAULTS = {"llm_int8_has_fp16_weight": False, "llm_int8_threshold": 6.0,
+                "llm_int8_enable_fp32_cpu_offload": False}  # fmt: skip
 # bnb_config_kwargs entries: llmtune's key for each, or None where llmtune decides (from the precision).
 BNB_CONFIG_KWARGS = {
     "bnb_4bit_use_double_quant": "bnb_4bit_use_double_quant",

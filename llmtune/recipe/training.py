@@ -52,6 +52,11 @@ class TrainingKeys(Section):
         "adamw_torch",
         description="Optimizer (transformers' names; muon: Muon for weight matrices, AdamW for the rest).",
     )  # type: ignore[valid-type]
+    optim_args: str | dict[str, str | int | float | bool] | None = Field(
+        None, description="The optimizer's own arguments as transformers reads them ('key=value,...' or a mapping): "
+        "taken by the optimizers that read any (GaLore, APOLLO, AdEMAMix, AnyPrecision AdamW, ...), ignored by the rest, "
+        "as under Axolotl.",
+    )  # fmt: skip
     lr_scheduler: Literal[LR_SCHEDULERS] = Field("cosine", description="Learning-rate schedule.")  # type: ignore[valid-type]
     lr_scheduler_kwargs: dict | None = Field(None, description="Extra scheduler arguments.")
     cosine_min_lr_ratio: float | None = Field(
@@ -233,6 +238,9 @@ class TrainingKeys(Section):
 
     @model_validator(mode="after")
     def _training_rules(self):
+        if self.optim_args and self.optimizer in OWN_OPTIMIZERS:
+            raise ValueError(f"optim_args with optimizer: {self.optimizer} is not supported: llmtune builds it itself "
+                             "(transformers never reads optim_args for it); remove optim_args")  # fmt: skip
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("warmup_steps and warmup_ratio are both set; use one")
         if self.bf16 is True and self.fp16:

@@ -195,8 +195,8 @@ def test_bnb_config_kwargs_are_read_as_llmtunes_keys():
                   bnb_config_kwargs={"bnb_4bit_use_double_quant": False, "bnb_4bit_compute_dtype": "bfloat16"})  # fmt: skip
     assert loaded.recipe.bnb_4bit_use_double_quant is False
     assert "the bitsandbytes option llm_int8_threshold is not supported" in refusal(
-        bnb_config_kwargs={"llm_int8_threshold": 6.0}
-    )
+        bnb_config_kwargs={"llm_int8_threshold": 4.0}
+    )  # (at BitsAndBytesConfig's default, 6.0, it asks for nothing)
 
 
 def test_plugins_speed_and_logging_only_accepted_others_refused_by_capability():
@@ -309,7 +309,7 @@ def test_what_public_recipes_carry_that_axolotl_ignored_is_a_note_or_one_line_sa
     assert "datasets[0].field_instruction" in notes(datasets=[spec])
     line = refusal(datasets=[{**spec, "field_instruction": "question"}])
     assert "datasets[0].field_instruction: 'question' beside type: alpaca has no effect" in line
-    assert "type: {field_instruction: question, ...}" in line
+    assert "type: {field_instruction: 'question', ...}" in line
     # a preference key beside an SFT dataset: ignored there by Axolotl too
     sft = {"path": "org/data", "type": "completion", "field_prompt": "prompt", "field_completion": "completion"}
     assert "datasets[0].field_prompt" in notes(datasets=[sft])
@@ -321,3 +321,6 @@ def test_what_public_recipes_carry_that_axolotl_ignored_is_a_note_or_one_line_sa
     loaded = load(rl="dpo", datasets=[{"ds_type": "json", "data_files": ["pairs.jsonl"], "type": "chatml.intel"}])
     assert loaded.recipe.datasets[0].path == "json" and "no path, read as path: json" in " | ".join(loaded.notes)
     assert load(datasets=[{"data_files": "rows.parquet", "type": "alpaca"}]).recipe.datasets[0].path == "parquet"
+    # BitsAndBytesConfig's own default, written out (Axolotl v0.4.0 wrote it itself): nothing asked for
+    assert "bnb_config_kwargs.llm_int8_has_fp16_weight" in notes(bnb_config_kwargs={"llm_int8_has_fp16_weight": False})
+    assert "llm_int8_has_fp16_weight is not supported" in refusal(bnb_config_kwargs={"llm_int8_has_fp16_weight": True})

@@ -139,6 +139,18 @@ def test_curriculum_sampling_and_neftune_reach_training_arguments(tmp_path):
     args = training_arguments(recipe(output_dir=str(tmp_path), curriculum_sampling=True, neftune_noise_alpha=5.0),
                               plan, 8, False)  # fmt: skip
     assert args.train_sampling_strategy == "sequential" and args.neftune_noise_alpha == 5.0
+    # optim_args as Axolotl passes it: a mapping or transformers' 'key=value,...', read by the optimizers that take any
+    for given in ({"beta3": 0.9999, "alpha": 8, "t_alpha": 100}, "beta3=0.9999,alpha=8,t_alpha=100"):
+        args = training_arguments(recipe(output_dir=str(tmp_path), optimizer="ademamix", optim_args=given), plan, 8,
+                                  False)  # fmt: skip
+        assert args.optim_args == "beta3=0.9999,alpha=8,t_alpha=100"
+    from transformers import Trainer
+    from transformers.trainer_optimizer import _parse_optim_args
+
+    assert _parse_optim_args(args.optim_args) == {"beta3": "0.9999", "alpha": "8", "t_alpha": "100"}
+    assert Trainer.get_optimizer_cls_and_kwargs(args)[1]["alpha"] == 8.0  # AdEMAMix takes it
+    with pytest.raises(UserError, match="optim_args with optimizer: muon is not supported"):
+        recipe(optimizer="muon", optim_args="eps=1e-8")
 
 
 # --- end-of-turn tokens and chat data ----------------------------------------------------------------------------

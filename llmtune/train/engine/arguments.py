@@ -43,6 +43,15 @@ def _every(steps: float | None, per_epoch: int | None, epoch_steps: int) -> tupl
 OPTIMIZER_PACKAGES = {"adamw_torch_4bit": ("torchao", "torchao"), "adamw_torch_8bit": ("torchao", "torchao")}
 
 
+def optim_args_text(value) -> str | None:
+    """optim_args as TrainingArguments takes it: 'key=value,...' (a mapping's values written as YAML wrote them)."""
+    if not value:
+        return None
+    if isinstance(value, dict):
+        return ",".join(f"{key}={str(item).lower() if isinstance(item, bool) else item}" for key, item in value.items())
+    return str(value)
+
+
 def _check_optimizer_package(optimizer: str) -> None:
     """One line instead of the Trainer's ImportError at the first step."""
     import importlib.util
@@ -129,6 +138,7 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
         max_steps=recipe.max_steps or -1,
         # muon: the trainer builds it; adamw_torch on CUDA: the fused twin where the plan chose it
         optim="adamw_torch" if recipe.optimizer == "muon" else (kernels.get("optimizer") or recipe.optimizer),
+        optim_args=optim_args_text(recipe.optim_args),
         learning_rate=recipe.learning_rate,
         lr_scheduler_type=scheduler,
         lr_scheduler_kwargs=scheduler_kwargs,
