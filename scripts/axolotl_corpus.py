@@ -76,6 +76,7 @@ ABSENT = re.compile(r"(does not exist|not found in) ")
 # an unknown key, or the schema's complaint about one key's value. The first pattern that matches names the class.
 CLASSES = (
     (re.compile(r"unknown key '([^']+)'"), "unknown key {0}"),
+    (re.compile(r"\d+ unknown keys: '([^']+)'"), "unknown key {0}"),  # several: grouped by the first
     (re.compile(r"(?:unknown dataset type|Axolotl's dataset type) '([^']+)'"), "dataset type {0}"),
     (re.compile(r"(?:^|: )([^:;]*?) (?:is|are) not supported"), "{0}"),
     (re.compile(r"^(?:[\w.\[\]]+: )?(.+?) can't run (?:under|with) ([^:;(]+)"), "{0} under {1}"),

@@ -208,6 +208,9 @@ def test_refusals_are_classed_by_what_they_ask_for():
         cls("unknown key 'data_seed'; did you mean 'datasets'?") == "unknown key data_seed (no Axolotl release has it)"
     )
     assert cls("datasets[0]: unknown key 'overlap_len'") == "unknown key overlap_len (no Axolotl release has it)"
+    assert cls("2 unknown keys: 'lr' (did you mean 'learning_rate'?), 'train_batch_size'") == (
+        "unknown key lr (no Axolotl release has it)"
+    )
     assert cls("datasets[0].type: Axolotl's dataset type 'alpaca_chat.load_chatml' is not supported; use one of x") == (
         "dataset type alpaca_chat.load_chatml"
     )
