@@ -56,7 +56,7 @@ def top_level_key_in_entry(where: str, key: str, value: Any, data: dict, notes, 
     """A recipe key written in one dataset entry (train_on_inputs, sequence_len, ...): read for the whole recipe
     only, in Axolotl as here. The same value as the recipe's (or its default) is a note; another is refused."""
     field = Recipe.model_fields[key]
-    recipe_value = data.get(key, field.default)
+    recipe_value = data.get(key, field.get_default(call_default_factory=True))
     if value == recipe_value:
         notes.unused(f"{where}.{key}", f"a recipe key, set for the whole recipe (here {value!r} as there)")
         return

@@ -270,8 +270,15 @@ def test_resuming_with_a_longer_max_steps_follows_the_new_schedule_and_the_end_o
     from tiny import make_tiny_model
 
     alpaca_file.write_text("\n".join(rows) + "\n")
+    name = Path(yaml.safe_load(changed.read_text())["base_model"]).name  # (make_recipe rewrites the one file)
     wide = make_tiny_model(alpaca_file.parent / "wide", hidden=32, heads=2, kv_heads=1, intermediate=64)
     other = llmtune("train", make_recipe("longer", max_steps=8, base_model=str(wide), **lora), timeout=600)
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert "checkpoint-6 was trained from base_model " in other.stderr and "now names wide" in other.stderr
+    # the same name in another folder (a download replaced by another model): the rank's size check says it
+    same_name = make_tiny_model(alpaca_file.parent / "elsewhere" / name, hidden=32, heads=2, kv_heads=1,
+                                intermediate=64)  # fmt: skip
+    other = llmtune("train", make_recipe("longer", max_steps=8, base_model=str(same_name), **lora), timeout=600)
     assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
     assert "checkpoint-6 holds weights of another model than base_model (" in other.stderr
 
