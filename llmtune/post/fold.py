@@ -168,3 +168,27 @@ def fold_adapter(adapter: Path, folder: Path, writer: ShardWriter, target, progr
     if embedding is not None and embedding[1] != base_config.get("vocab_size"):
         changes["vocab_size"] = embedding[1]  # the adapter carried a resized embedding (added tokens)
     return done, changes
+
+
+def merge_through_peft(
+    adapter: Path, folder: Path, writer: ShardWriter, target, progress: Callable
+) -> tuple[int, dict]:
+    """An adapter on parameters (peft's target_parameters: a MoE model's fused expert tensors, which peft's
+    all-linear selects) has no tensor of the base's files to fold into: transformers 5 keeps the experts fused in
+    memory and writes them back one per expert. So the base is loaded whole (in the target dtype), peft merges the
+    adapter, and transformers' save_pretrained writes its on-disk layout, read back tensor by tensor."""
+    import tempfile
+
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=target)
+    model = PeftModel.from_pretrained(base, str(adapter))
+    done = sum(1 for module in model.modules() if isinstance(module, LoraLayer))
+    merged = model.merge_and_unload()
+    with tempfile.TemporaryDirectory(prefix=".llmtune-merge-", dir=writer.folder.parent) as saved:
+        merged.save_pretrained(saved)
+        for name, tensor in progress(iter_tensors(Path(saved)), "merging", total=None):
+            writer.add(name, tensor.to(target))
+    return done, {}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from llmtune.errors import UserError
 from llmtune.post.consolidate import RunWeights, find_weights, write_full_weights
-from llmtune.post.fold import fold_adapter
+from llmtune.post.fold import fold_adapter, merge_through_peft
 from llmtune.train.model.shards import ShardWriter, base_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -137,7 +137,11 @@ def _write_weights(recipe, weights: RunWeights, writer: ShardWriter, target, pro
             fused.check()
         return weights.folder, {"modules": 0, "config_changes": {}}, weights.note
     folder = base_folder_of(recipe)
-    done, changes = fold_adapter(weights.folder, folder, writer, target, progress)
+    on_parameters = json.loads((weights.folder / "adapter_config.json").read_text()).get("target_parameters")
+    if on_parameters:  # LoRA on fused expert tensors: peft merges it, transformers writes its own on-disk layout
+        done, changes = merge_through_peft(weights.folder, folder, writer, target, progress)
+    else:
+        done, changes = fold_adapter(weights.folder, folder, writer, target, progress)
     return (
         folder,
         {"modules": done, "config_changes": changes},

@@ -391,3 +391,52 @@ def test_older_value_forms_plan_and_reach_training_arguments(tmp_path):
     assert (args.logging_steps, args.save_steps) == (0.05, 0.25)
     checkpointing = getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing
     assert checkpointing is True
+
+
+@pytest.mark.parametrize("family", ["phimoe", "falcon_h1"])
+def test_lora_target_linear_leaves_out_what_peft_selects_and_cant_adapt(family):
+    """Found by training tiny models of every family transformers has: peft's all-linear wraps Phi-MoE's router (an
+    nn.Linear returning a tuple: the forward failed) and Falcon-H1's out_proj (which peft itself then refuses)."""
+    import torch
+    import transformers
+
+    from llmtune.train.model.adapters import attach_adapter
+
+    tokens = len(load_tokenizer())
+    if family == "phimoe":
+        config = transformers.PhimoeConfig(vocab_size=tokens, hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+        left_out = ["model.layers.0.mlp.router", "model.layers.1.mlp.router"]
+    else:
+        config = transformers.FalconH1Config(vocab_size=tokens, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+                                             mamba_d_state=16, head_dim=16)  # fmt: skip
+        left_out = ["conv1d", "out_proj"]
+    model = attach_adapter(transformers.AutoModelForCausalLM.from_config(config),
+                           recipe(adapter="lora", lora_target_linear=True))  # fmt: skip
+    assert sorted(model.peft_config["default"].exclude_modules) == left_out
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    model(input_ids=ids, labels=ids).loss.backward()  # trains: the forward and backward run
+    assert any(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_fsdp_wraps_a_text_model_whose_family_lists_a_vision_block():
+    """Qwen3.5's text model lists its vision block in _no_split_modules; accelerate's wrap policy refused the class it
+    can't find ("Could not find the transformer layer class Qwen3_5VisionBlock") on every rank."""
+    import transformers
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from llmtune.train.model.load import keep_present_layer_classes
+
+    config = transformers.Qwen3_5TextConfig(vocab_size=len(load_tokenizer()), hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=16)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    policy = lambda: FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")  # noqa: E731
+    with pytest.raises(ValueError, match="Could not find the transformer layer class Qwen3_5VisionBlock"):
+        policy().set_auto_wrap_policy(model)
+    keep_present_layer_classes(model)
+    assert set(model._no_split_modules) == {"Qwen3_5DecoderLayer"}
+    policy().set_auto_wrap_policy(model)  # wraps each decoder layer

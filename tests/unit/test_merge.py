@@ -197,3 +197,36 @@ def test_align_token_ids_keeps_listed_eos_ids():
     unchanged = {"eos_token_id": [9, 7], "bos_token_id": 2}
     align_token_ids(unchanged, None, {"eos_token_id": 9})
     assert unchanged == {"eos_token_id": [9, 7], "bos_token_id": 2}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_lora_on_fused_moe_experts_merges_through_peft(tmp_path, family):
+    """peft's all-linear puts LoRA on a MoE model's fused expert tensors (target_parameters), which transformers 5
+    keeps fused in memory and writes one per expert: the merge goes through peft and save_pretrained's layout."""
+    import torch
+    import transformers
+    from tiny import load_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from llmtune.post.merge import merge_run
+
+    config_class = {"qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}[family]
+    extra = {"qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                           "decoder_sparse_step": 1},
+             "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}}[family]  # fmt: skip
+    tokenizer = load_tokenizer()
+    config = getattr(transformers, config_class)(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 **extra)  # fmt: skip
+    torch.manual_seed(0)
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_config(config).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    run, reference = fake_run(tmp_path, base, r=4, lora_alpha=8, target_modules="all-linear")
+    assert json.loads((run / "adapter_config.json").read_text())["target_parameters"]  # what this path is for
+    result = merge_run(run, tmp_path / "merged")
+    assert result.merged_modules > 8  # the attention projections and the expert tensors
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    want, got = logits(reference), logits(merged)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert not torch.allclose(logits(AutoModelForCausalLM.from_pretrained(base)), want, atol=1e-4)

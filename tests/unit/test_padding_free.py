@@ -177,6 +177,20 @@ def test_models_whose_attention_cant_read_flat_batches_are_named():
     hybrid = tiny()
     hybrid.model.layers[0].mixer = MambaMixer()
     assert "mixes tokens outside attention" in varlen.unsupported(hybrid)
+    # found by running two packed rows against one alone per family: MiniMax's lightning (linear) attention mixed
+    # them (0.055 in the logits), and transformers' Nemotron layer drops the row boundaries before its attention
+    # (0.78): both now take padded batches
+    linear = tiny()
+    linear.config.model_type = "minimax"
+    assert "minimax mixes tokens outside attention" in varlen.unsupported(linear)
+    from transformers import NemotronConfig, NemotronForCausalLM
+
+    nemotron = NemotronForCausalLM(NemotronConfig(vocab_size=100, num_hidden_layers=1, hidden_size=32,
+                                                  num_attention_heads=2, num_key_value_heads=1,
+                                                  intermediate_size=64))  # fmt: skip
+    assert "NemotronDecoderLayer doesn't pass the batch's row boundaries on to its attention" in varlen.unsupported(
+        nemotron
+    )
 
 
 def test_torch_compile_traces_the_padding_free_path():

@@ -775,6 +775,39 @@ def test_varlen_attention_no_mask():
            "down to attention: padding-free rows would attend to each other")  # fmt: skip
 
 
+def test_no_split_modules_present():
+    """transformers' models list their layer classes in _no_split_modules, and accelerate's wrap policy reads the
+    model instance's attribute (so the cut of keep_present_layer_classes reaches it)."""
+    import inspect as inspect_module
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+    expect("LlamaDecoderLayer" in (model._no_split_modules or ()), "no-split-modules-present", "transformers",
+           "PreTrainedModel._no_split_modules", "no longer lists the decoder layer class")  # fmt: skip
+    source = inspect_module.getsource(FullyShardedDataParallelPlugin.set_auto_wrap_policy)
+    expect('getattr(model, "_no_split_modules"' in source, "no-split-modules-present", "accelerate",
+           "FullyShardedDataParallelPlugin.set_auto_wrap_policy", "no longer reads the model's _no_split_modules")  # fmt: skip
+
+
+def test_no_split_modules_layers():
+    """The decoder layer classes are in _no_split_modules and hand **kwargs to their attention call (the source
+    llmtune reads), for the families that take padding-free batches."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llmtune.train.model.varlen import _passes_boundaries
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+    layer = type(model.model.layers[0])
+    expect(layer.__name__ in model._no_split_modules, "no-split-modules-layers", "transformers",
+           "PreTrainedModel._no_split_modules", "no longer names the decoder layer class")  # fmt: skip
+    expect(_passes_boundaries(layer), "no-split-modules-layers", "transformers", "LlamaDecoderLayer.forward",
+           "no longer shows a self_attn(..., **kwargs) call llmtune can read")  # fmt: skip
+
+
 def test_tensor_flatten():
     import torch
     from torch import nn

@@ -73,11 +73,39 @@ def _with_adapter(model, recipe):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.gradient_checkpointing)
     if recipe.lora_model_dir:
         return PeftModel.from_pretrained(model, recipe.lora_model_dir, is_trainable=True)
+    config = lora_config(recipe)
+    if config.target_modules == "all-linear":
+        left_out = all_linear_exclusions(model)
+        if left_out:
+            config.exclude_modules = sorted({*(config.exclude_modules or ()), *left_out})
     try:
-        return get_peft_model(model, lora_config(recipe))
+        return get_peft_model(model, config)
     except ValueError as err:
-        raise UserError(f"LoRA could not be attached: {str(err).splitlines()[0][:200]}",
-                        "set lora_target_modules to module names of this model, or lora_target_linear: true") from None  # fmt: skip
+        hint = ("set lora_target_modules to the module names to adapt (lora_target_linear: true is what failed)"
+                if recipe.lora_target_linear else
+                "set lora_target_modules to module names of this model, or lora_target_linear: true")  # fmt: skip
+        raise UserError(f"LoRA could not be attached: {str(err).splitlines()[0][:200]}", hint) from None
+
+
+# peft refuses LoRA on these modules of state-space models (its own all-linear selects out_proj there)
+MAMBA_MODULES = {"falcon_h1": ("out_proj", "conv1d"), "mamba": ("out_proj", "conv1d"),
+                 "mamba2": ("out_proj", "conv1d"), "falcon_mamba": ("out_proj", "conv1d"),
+                 "nemotron_h": ("out_proj", "conv1d")}  # fmt: skip
+
+
+def all_linear_exclusions(model) -> list[str]:
+    """What peft's all-linear would select and can't adapt: a state-space model's out_proj/conv1d (peft refuses
+    them), and a MoE router that subclasses nn.Linear but returns a tuple (transformers' PhimoeTopKRouter: the LoRA
+    forward fails on it)."""
+    import torch
+
+    names = list(MAMBA_MODULES.get(getattr(getattr(model, "config", None), "model_type", ""), ()))
+    for name, module in model.named_modules():
+        kind = type(module)
+        if (isinstance(module, torch.nn.Linear) and kind is not torch.nn.Linear and "Router" in kind.__name__
+                and kind.__module__.startswith("transformers.models.")):  # fmt: skip
+            names.append(name)
+    return names
 
 
 def parameter_counts(model) -> tuple[int, int]:

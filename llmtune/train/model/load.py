@@ -232,6 +232,19 @@ def head_of(recipe) -> tuple[str, str]:
     return "AutoModelForCausalLM", "CAUSAL_LM"
 
 
+def keep_present_layer_classes(model) -> None:
+    """_no_split_modules, which FSDP's wrap policy reads when no class is named, cut to the classes this model holds:
+    a text model of a multimodal family lists its vision block too (Qwen3.5), and accelerate refuses a class it
+    can't find."""
+    listed = getattr(model, "_no_split_modules", None)
+    if not listed:
+        return
+    present = {type(module).__name__ for module in model.modules()}
+    kept = [name for name in listed if name in present]
+    if kept and len(kept) < len(listed):
+        model._no_split_modules = set(kept) if isinstance(listed, set) else kept
+
+
 def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, device: str | None = None,
                mesh: dict | None = None, frozen: bool = False):  # fmt: skip
     """The model, with the recipe's GPU kernels applied (device: 'cuda' or 'cpu'; default: whether CUDA is visible).
@@ -311,6 +324,7 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
                             "tensor-parallel model can't grow its embeddings",
                             "add the tokens in a one-process run first (or without tensor_parallel_size)")  # fmt: skip
         model.resize_token_embeddings(rows)
+    keep_present_layer_classes(model)
     # Packed rows leak attention across examples when a KV cache exists (see DESIGN.md).
     model.config.use_cache = False
     if getattr(model, "generation_config", None) is not None:

@@ -21,6 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from llmtune.plan.memory.facts import NOT_ATTENTION_ONLY
 from llmtune.recipe.batches import VARLEN_ATTENTION
 from llmtune.train.runtime.ranks import SEQUENCE_MIXERS
 
@@ -107,6 +108,29 @@ def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+@functools.cache
+def _passes_boundaries(layer_class) -> bool:
+    """Whether a decoder layer hands its keyword arguments (cu_seq_lens_q, ...) on to its attention call; some
+    modelling code drops them (transformers' Nemotron), so the kernel would see one sequence. True where the source
+    can't be read or has no such call."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(layer_class.forward)
+    except (OSError, TypeError):
+        return True
+    found = re.search(r"self\.(?:self_attn|attn|attention)\(", source)
+    if found is None:
+        return True
+    depth, end = 0, found.end() - 1
+    for end in range(found.end() - 1, len(source)):
+        depth += {"(": 1, ")": -1}.get(source[end], 0)
+        if depth == 0:
+            break
+    return "**" in source[found.end() : end]
+
+
 def unsupported(model) -> str | None:
     """Why this model's attention can't read padding-free batches, or None when it can."""
     model = _base(model)
@@ -116,8 +140,13 @@ def unsupported(model) -> str | None:
     configs = [model.config, *(getattr(model.config, name, None) for name in ("text_config",))]
     if any(getattr(c, "attn_logit_softcapping", None) for c in configs if c is not None):
         return "its attention soft-caps the logits (no varlen kernel here does)"
+    if any(getattr(c, "model_type", None) in NOT_ATTENTION_ONLY for c in configs if c is not None):
+        return f"{model.config.model_type} mixes tokens outside attention (linear or state-space layers)"
     for name, module in model.named_modules():
         kind = type(module).__name__
+        if kind in (getattr(model, "_no_split_modules", None) or ()) and not _passes_boundaries(type(module)):
+            return f"{kind} doesn't pass the batch's row boundaries on to its attention (the rows would attend to " \
+                   "each other)"  # fmt: skip
         if any(word in kind for word in SEQUENCE_MIXERS):
             return f"{name} ({kind}) mixes tokens outside attention and would run across the concatenated rows"
         if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):

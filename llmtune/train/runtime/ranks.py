@@ -87,7 +87,16 @@ def _check_groups_differ(groups: dict[int, set], group: int, plan: dict, dataset
                            "split across ranks, so they would train on the same examples")  # fmt: skip
 
 
-SEQUENCE_MIXERS = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent", "Rwkv", "SSM")
+SEQUENCE_MIXERS = (
+    "Mamba",
+    "DeltaNet",
+    "LinearAttention",
+    "LightningAttention",
+    "ShortConv",
+    "Recurrent",
+    "Rwkv",
+    "SSM",
+)
 
 
 def check_attention_only(model) -> None:
