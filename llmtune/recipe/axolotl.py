@@ -17,6 +17,7 @@ from llmtune.recipe.axolotl_entries import (
     WANDB_LOG_MODEL,
     format_key,
     path_from_data_files,
+    shown,
     top_level_key_in_entry,
 )
 from llmtune.recipe.axolotl_history import DEPRECATED, KEYS, RELEASES
@@ -90,17 +91,12 @@ def history(key: str) -> str:
     return f"a key of Axolotl since {first}{spelling}" if today else ""
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _screen_key(where: str, key: str, value: Any, entry: AxolotlKey, notes: Notes, path: Path) -> None:
     """Accept (with a note) or refuse one Axolotl-only key."""
     old = "" if where else history(key)
     if not is_inert(entry, value):
         then = f"; {key} is {old}" if old else ""
-        raise UserError(f"{path}: {entry.reason} is not supported ({where}{key}: {_shown(value)}){then}",
+        raise UserError(f"{path}: {entry.reason} is not supported ({where}{key}: {shown(value)}){then}",
                         entry.hint or None)  # fmt: skip
     asked = entry.accepted is ANY and not is_inert(AxolotlKey((), ""), value)
     # a key left empty is only listed; one given a value is told where it comes from
@@ -180,7 +176,7 @@ def _translated(key: str, value: Any, data: dict, path: Path, notes: Notes) -> N
         return
     if key == "max_packed_sequence_len":
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise UserError(f"{path}: max_packed_sequence_len: {_shown(value)} must be a whole number of tokens",
+            raise UserError(f"{path}: max_packed_sequence_len: {shown(value)} must be a whole number of tokens",
                             "e.g. max_packed_sequence_len: 2048")  # fmt: skip
         sequence_len = data.get("sequence_len")
         # Axolotl packed to the smaller of the two (its data.py: min(max_packed_sequence_len, sequence_len))
@@ -189,9 +185,7 @@ def _translated(key: str, value: Any, data: dict, path: Path, notes: Notes) -> N
         notes.add(f"max_packed_sequence_len: {value}: read as sample_packing: true at sequence_len: {length} ({old})")
     elif key == "rope_scaling":
         if not isinstance(value, dict):
-            raise UserError(
-                f"{path}: rope_scaling: {_shown(value)} must be a mapping, e.g. {{type: linear, factor: 2}}"
-            )
+            raise UserError(f"{path}: rope_scaling: {shown(value)} must be a mapping, e.g. {{type: linear, factor: 2}}")
         overrides = data.get("overrides_of_model_config")
         overrides = dict(overrides) if isinstance(overrides, dict) else {}
         if overrides.get("rope_scaling") not in (None, value):
@@ -200,7 +194,7 @@ def _translated(key: str, value: Any, data: dict, path: Path, notes: Notes) -> N
         notes.add(f"rope_scaling: read as overrides_of_model_config: {{rope_scaling: {value}}} ({old})")
     elif key == "xformers_attention":
         if value is not True:
-            raise UserError(f"{path}: xformers_attention: {_shown(value)} must be true or false")
+            raise UserError(f"{path}: xformers_attention: {shown(value)} must be true or false")
         clash = "flash_attention: true" if data.get("flash_attention") else None
         if data.get("attn_implementation") not in (None, "sdpa", "xformers"):
             clash = f"attn_implementation: {data['attn_implementation']}"
@@ -226,7 +220,7 @@ def _intended(key: str, value: Any, raw: dict, data: dict, path: Path, notes: No
             floor, peak = float(value), float(peak)
         except (TypeError, ValueError):
             raise UserError(
-                f"{path}: {key}: {_shown(value)} is not a number", "an absolute learning rate, e.g. 1e-6"
+                f"{path}: {key}: {shown(value)} is not a number", "an absolute learning rate, e.g. 1e-6"
             ) from None
         if not 0 <= floor <= peak:
             raise UserError(f"{path}: {key}: {floor:g} must lie between 0 and learning_rate {peak:g}")

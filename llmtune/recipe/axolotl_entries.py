@@ -20,7 +20,8 @@ PREFERENCE_KEYS = frozenset("field_prompt field_completion field_system_chosen c
                             "prompt_key chosen_key rejected_key".split())  # fmt: skip
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
+    """A value as a one-line message quotes it (cut at 60 characters)."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -46,9 +47,9 @@ def format_key(where: str, key: str, value: Any, kind: str, notes, path: Path) -
         notes.unused(f"{where}.{key}", f"beside type: {kind} (a named format) it is the default, and Axolotl reads "
                      "it only inside a type: mapping")  # fmt: skip
         return
-    raise UserError(f"{path}: {where}.{key}: {_shown(value)} beside type: {kind} has no effect (Axolotl reads {key} "
+    raise UserError(f"{path}: {where}.{key}: {shown(value)} beside type: {kind} has no effect (Axolotl reads {key} "
                     f"only inside a custom format's type: mapping, and ignored it here)",
-                    f"to use it, write the format as a mapping: type: {{{key}: {_shown(value)}, ...}} (see docs/axolotl.md); "
+                    f"to use it, write the format as a mapping: type: {{{key}: {shown(value)}, ...}} (see docs/axolotl.md); "
                     "else remove it")  # fmt: skip
 
 
@@ -60,6 +61,6 @@ def top_level_key_in_entry(where: str, key: str, value: Any, data: dict, notes, 
     if value == recipe_value:
         notes.unused(f"{where}.{key}", f"a recipe key, set for the whole recipe (here {value!r} as there)")
         return
-    raise UserError(f"{path}: {where}.{key}: {_shown(value)}: {key} is a recipe key, read for the whole recipe "
+    raise UserError(f"{path}: {where}.{key}: {shown(value)}: {key} is a recipe key, read for the whole recipe "
                     f"only (Axolotl ignores it in a dataset entry too; the recipe's is {recipe_value!r})",
                     f"set {key} at the top level of the recipe, or remove it here")  # fmt: skip

@@ -99,14 +99,11 @@ def known_model_facts(name: str) -> ModelFacts | None:
 
 
 def find_config_json(name: str) -> Path | None:
+    """A config.json named directly, else the model's own (its folder, or the HF cache's snapshot)."""
     path = Path(name).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path / "config.json"
     if path.is_file() and path.name == "config.json":
         return path
-    if not path.exists() and name.count("/") == 1:
-        return model_file(name, "config.json")
-    return None
+    return model_file(name, "config.json")
 
 
 def fetch_hub_config(repo_id: str, timeout: float = 5.0) -> Path | None:

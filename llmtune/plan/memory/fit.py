@@ -219,15 +219,20 @@ def gpu_compute_capability_of_this_machine() -> float | None:
     nvidia-smi's compute_cap, or from the GPU's name on a driver without that field; None where it can't be read
     (no GPU here: a plan written for another machine)."""
     rows = _nvidia_smi("compute_cap")
-    if rows is None:
-        rows = [[*row[:2], str(capability_from_name(",".join(row[2:])) or "")] for row in _nvidia_smi("name") or []]
-    caps = []
-    for row in rows:
-        try:
-            caps.append(float(row[2]))
-        except (ValueError, IndexError):
-            return None  # a GPU of unknown capability: auto stays bf16, as on a machine without GPUs
+    if rows is not None:
+        caps = [_number(row[2]) if len(row) > 2 else None for row in rows]
+    else:
+        caps = [capability_from_name(",".join(row[2:])) for row in _nvidia_smi("name") or []]
+    if None in caps:
+        return None  # a GPU of unknown capability: auto stays bf16, as on a machine without GPUs
     return min(caps) if caps else None
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def cpu_memory_of_this_machine() -> float | None:
