@@ -254,5 +254,24 @@ def report(watcher: StderrWatcher, log_dir: Path, out=None, rendezvous: tuple[st
             print(f"    {line}", file=out)
     elif path is not None:  # a rank that printed nothing (ranks other than 0 are quiet) was stopped from outside
         print(f"rank {cause.rank} printed nothing before it stopped (its log: {path.parent})", file=out)
-    print("to resume from the last complete checkpoint, run the same command again", file=out)
+    print(next_step(log_dir, cause.exitcode, local_addresses is None), file=out)
     return 1
+
+
+def next_step(log_dir: Path, exitcode: int, one_machine: bool) -> str:
+    """What to do after a rank failed, true to what is on disk: the checkpoint a rerun resumes from, or that it starts
+    over; and for a rank that stopped on an error of its own (not a signal), that rerunning only helps once its cause
+    is gone. On several machines the checkpoints may sit on machine 0's disk, so none is named."""
+    from llmtune.plan.checkpoint_layout import last_complete
+
+    if not one_machine or log_dir.parent.name != "llmtune":
+        again = "run the same command again: it resumes from the last complete checkpoint, if one was saved"
+    else:
+        output_dir = log_dir.parent.parent
+        last = last_complete(output_dir)
+        again = (f"to resume from the last complete checkpoint, run the same command again ({last.name})" if last
+                 else f"run the same command again: it starts over (no complete checkpoint in {output_dir} yet)")  # fmt: skip
+    if exitcode > 0:  # the rank raised: the same command meets the same error unless its cause was passing
+        return (f"if the error above was a passing fault (network, hardware), {again}; otherwise fix its cause first: "
+                "the same command would stop the same way")  # fmt: skip
+    return again

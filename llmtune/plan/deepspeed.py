@@ -145,6 +145,20 @@ def build_deepspeed_config(
     config.setdefault("wall_clock_breakdown", False)
     config["zero_allow_untested_optimizer"] = True
     _reject_auto(config)
+    if recipe.context_parallel_size > 1:
+        # Ulysses: transformers checks train_batch_size against micro x accumulation x world, then accelerate sets it
+        # to micro x accumulation x data-parallel groups; only "auto" passes both (the one "auto" llmtune writes)
+        config["train_batch_size"] = "auto"
+        zero = config.get("zero_optimization") or {}
+        if int(zero.get("stage", 0)) == 3 and zero.get("reduce_scatter") is False:
+            # llmtune scales Ulysses' loss to what DeepSpeed divides the summed gradients by (train/engine/trainer.py);
+            # ZeRO-3 without reduce-scatter divides some buckets by the data-parallel groups and others by every rank
+            raise UserError("deepspeed: zero_optimization.reduce_scatter: false with ZeRO-3 and context parallelism: "
+                            "DeepSpeed then averages gradient buckets over different rank counts (by bucket size), "
+                            "which no loss scaling can undo", "remove reduce_scatter (DeepSpeed's default is true)")  # fmt: skip
+        notes.append(f"deepspeed: train_batch_size is auto under context parallelism: accelerate sets it to "
+                     f"{resolved['train_batch_size']} (micro x accumulation x the {data_parallel_size} data-parallel "
+                     "groups) when DeepSpeed starts")  # fmt: skip
     return config, notes
 
 

@@ -62,6 +62,58 @@ def hybrid_mesh(recipe: Recipe, world: int, version: int, notes: list[str],
     return {"tensor_parallel": 1, "context_parallel": cp, "dp_shard": shard, "dp_replicate": replicate}
 
 
+def plan_mesh(recipe: Recipe, strategy: str, world: int, cluster: Cluster, facts: ModelFacts | None,
+              notes: list[str]) -> tuple[dict | None, str | None]:  # fmt: skip
+    """The plan's device mesh (None: every rank is a data-parallel rank) and, for tensor parallelism, why the machines
+    must share output_dir."""
+    if strategy == "tp":
+        check_tensor_parallel_loss(recipe)
+        return tensor_parallel_mesh(recipe, world, facts, notes), tensor_parallel_shared_output(recipe, cluster, notes)
+    if strategy.startswith("fsdp"):
+        return hybrid_mesh(recipe, world, recipe.resolved_fsdp()[0], notes, facts), None
+    if strategy == "zero" and recipe.context_parallel_size > 1:
+        if cluster.backend == "gloo":
+            notes.append(f"gloo: DeepSpeed's Ulysses gathers a group's batches before splitting them, which gloo does "
+                         f"for equal shapes only, so every batch is padded to sequence_len ({recipe.sequence_len}) "
+                         "here; over NCCL each batch is padded to its longest row")  # fmt: skip
+        return ulysses_mesh(recipe, world, facts, notes), None
+    return None, None
+
+
+def ulysses_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, notes: list[str]) -> dict:
+    """context_parallel_size under DeepSpeed: DeepSpeed's Ulysses sequence parallelism (ALST) through accelerate's
+    ParallelismConfig(sp_backend="deepspeed"). Each rank holds 1/C of every row's tokens; around attention an
+    all-to-all trades that for whole rows over 1/C of the heads, so the heads must split C ways. ZeRO still shards
+    the states over every rank; the C ranks of a group train on the same rows, so the data-parallel degree (and the
+    global batch) is world / C."""
+    cp = recipe.context_parallel_size
+    if world % cp:
+        raise UserError(f"world size {world} is not divisible by context_parallel_size {cp}",
+                        f"use --num-processes {cp * max(1, world // cp)}, or a context_parallel_size that divides "
+                        f"{world}")  # fmt: skip
+    if facts:
+        if facts.model_type in NOT_ATTENTION_ONLY:
+            raise UserError(f"context parallelism for {facts.model_type} models is not supported: their state-space / "
+                            "linear-attention layers would see each rank's chunk as a whole sequence (Ulysses splits "
+                            "only attention)", "remove context_parallel_size")  # fmt: skip
+        if facts.num_heads % cp:
+            raise UserError(f"context_parallel_size {cp} does not divide the model's {facts.num_heads} attention heads "
+                            "(DeepSpeed's Ulysses gives each rank whole heads)",
+                            "choose a context_parallel_size that divides the head count")  # fmt: skip
+        if facts.num_kv_heads % cp and cp % facts.num_kv_heads:
+            raise UserError(f"context_parallel_size {cp} and the model's {facts.num_kv_heads} KV heads don't divide "
+                            "one another (Ulysses splits the KV heads, or repeats them when there are fewer)",
+                            "choose a context_parallel_size that divides the KV heads or is a multiple of them")  # fmt: skip
+    if recipe.sequence_len < cp:
+        raise UserError(f"sequence_len {recipe.sequence_len} is too short to split across context_parallel_size {cp}")
+    notes.append(f"context parallel (DeepSpeed Ulysses, through accelerate): each row split into {cp} chunks; an "
+                 f"all-to-all around attention gives each rank whole rows over 1/{cp} of the heads; rows padded to a "
+                 f"multiple of {cp}; the data-parallel degree is {world // cp}, which sets the global batch; ZeRO "
+                 f"shards the states over all {world} ranks")  # fmt: skip
+    return {"tensor_parallel": 1, "context_parallel": cp, "dp_shard": world // cp, "dp_replicate": 1,
+            "sequence_parallel": "ulysses"}  # fmt: skip
+
+
 def tensor_parallel_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, notes: list[str]) -> dict[str, int]:
     """world = dp_replicate x dp_shard x tensor_parallel, each checked against the model and the cluster."""
     tp = recipe.tensor_parallel_size

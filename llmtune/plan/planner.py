@@ -28,12 +28,7 @@ from llmtune.plan.cluster import Cluster
 from llmtune.plan.commands import ELASTIC, _command, _environment
 from llmtune.plan.deepspeed import build_deepspeed_config
 from llmtune.plan.memory.facts import ModelFacts, read_model_facts
-from llmtune.plan.mesh import (
-    check_tensor_parallel_loss,
-    hybrid_mesh,
-    tensor_parallel_mesh,
-    tensor_parallel_shared_output,
-)
+from llmtune.plan.mesh import plan_mesh
 from llmtune.plan.pipeline import bubble_fraction, split_layers
 from llmtune.plan.resume import length_line, resumed_accumulation
 from llmtune.plan.resume_checks import check_resume
@@ -79,8 +74,12 @@ class Plan:
 
     @property
     def title(self) -> str:
-        title = STRATEGY_TITLES[self.strategy]
-        return title + (f" + {self.offload.upper()} offload" if self.offload != "none" else "")
+        title = STRATEGY_TITLES[self.strategy] + (
+            f" + {self.offload.upper()} offload" if self.offload != "none" else ""
+        )
+        cp = (self.mesh or {}).get("context_parallel", 1)
+        return title + (f" + context parallel ({cp}-way{', Ulysses' if self.strategy.startswith('zero') else ''})"
+                        if cp > 1 else "")  # fmt: skip
 
     @property
     def zero_stage(self) -> int:
@@ -206,13 +205,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
         # measured on an H100 (torch 2.11): gloo's send/recv of CUDA tensors fails with "Bad address"
         raise UserError("pipeline stages pass activations with send/recv, which gloo cannot do on CUDA tensors",
                         "run pipeline stages on separate GPUs (NCCL), or rehearse them with --device cpu")  # fmt: skip
-    mesh = shared_output = None
-    if strategy == "tp":
-        check_tensor_parallel_loss(recipe)
-        mesh = tensor_parallel_mesh(recipe, world, facts, notes)
-        shared_output = tensor_parallel_shared_output(recipe, cluster, notes)
-    elif strategy.startswith("fsdp"):
-        mesh = hybrid_mesh(recipe, world, recipe.resolved_fsdp()[0], notes, facts)
+    mesh, shared_output = plan_mesh(recipe, strategy, world, cluster, facts, notes)
     data_parallel = world // pipeline.stages if pipeline else world
     if mesh:  # ranks of one tensor/context-parallel group see the same rows: only data-parallel ranks split the data
         data_parallel = mesh["dp_shard"] * mesh["dp_replicate"]

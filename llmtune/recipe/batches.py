@@ -21,6 +21,8 @@ from llmtune.errors import UserError
 
 PADDING_FREE = "padding-free"
 PADDED = "padded"
+# context parallelism under DeepSpeed (Ulysses): padded rows with position_ids and no mask, split along the sequence
+SEQUENCE_SPLIT = "sequence-split"
 # The attention implementation llmtune registers with transformers for padding-free batches (train/model/varlen.py).
 VARLEN_ATTENTION = "llmtune_varlen"
 KERNELS = {
@@ -44,6 +46,11 @@ class Batches:
         return self.layout == PADDING_FREE
 
     def describe(self) -> str:
+        if self.layout == SEQUENCE_SPLIT:
+            return ("rows padded to a multiple of the context-parallel size, with position_ids and no mask, each split "
+                    "along the sequence by DeepSpeed's Ulysses; attention: "
+                    + (f"{KERNELS[self.kernel]}, per example (the boundaries read from position_ids) ({self.reason})"
+                       if self.kernel else self.reason))  # fmt: skip
         if not self.padding_free:
             return f"padded rows with an attention mask ({self.reason})"
         return f"padding-free (rows concatenated, no pad tokens, no mask); attention: {KERNELS[self.kernel]}" + (
@@ -79,13 +86,21 @@ def resolve_batches(recipe, device: str, precision: str, strategy: str | None, f
                     varlen_available: bool = True, mesh: dict | None = None) -> Batches:  # fmt: skip
     """Padding-free batches and their kernel where they can run; padded rows (and why) elsewhere. A recipe that says
     batch_flattening: true where it can't run is refused in one line."""
+    half = precision in ("bf16", "fp16")
+    if recipe.context_parallel_size > 1 and recipe.deepspeed is not None:
+        if recipe.batch_flattening is True:
+            raise UserError("batch_flattening: true can't run with context parallelism: DeepSpeed's Ulysses splits "
+                            "every row of the batch along the sequence", "remove batch_flattening")  # fmt: skip
+        kernel = "torch_varlen" if device == "cuda" and half and varlen_available else "sdpa_per_row"
+        why = ("Ulysses drops the attention mask, so the attention finds packed examples and padding from "
+               "position_ids")  # fmt: skip
+        return Batches(SEQUENCE_SPLIT, kernel, VARLEN_ATTENTION, why)
     why = _why_padded(recipe, strategy, mesh)
     if why:
         if recipe.batch_flattening is True:
             raise UserError(f"batch_flattening: true can't run here: {why}",
                             "remove batch_flattening (llmtune then pads these batches)")  # fmt: skip
         return Batches(PADDED, reason=why)
-    half = precision in ("bf16", "fp16")
     if device == "cuda" and half and recipe.attn_implementation == "flash_attention_2" and flash_installed:
         return Batches(PADDING_FREE, "flash_attn", "flash_attention_2")
     if device == "cuda" and half and varlen_available:

@@ -93,8 +93,9 @@ class DistributedKeys(Section):
         "default: whatever world / (tensor_parallel_size x dp_shard_size) leaves).",
     )  # fmt: skip
     context_parallel_size: int = Field(
-        1, gt=0, description="Context parallelism: each sequence split across this many ranks (torch's ring "
-        "attention through accelerate; FSDP2 and sdpa attention; unpacked rows).",
+        1, gt=0, description="Context parallelism: each sequence split across this many ranks. With FSDP2: torch's "
+        "ring attention through accelerate (sdpa, unpacked rows); with deepspeed: DeepSpeed's Ulysses (ALST) through "
+        "accelerate, packed rows too.",
     )  # fmt: skip
     ddp_timeout: int = Field(1800, gt=0, description="Seconds a collective may wait before the job fails.")
     stall_timeout: int | None = Field(
@@ -175,15 +176,14 @@ class DistributedKeys(Section):
             if self.fsdp_enabled and (self.resolved_fsdp()[0] == 1):
                 raise ValueError("tensor_parallel_size > 1 combines with FSDP2 only; set fsdp_version: 2")
         if self.context_parallel_size > 1:
-            others = [name for name, on in (("deepspeed", self.deepspeed is not None),
-                                            ("pipeline_parallel_size", self.pipeline_parallel_size > 1),
+            others = [name for name, on in (("pipeline_parallel_size", self.pipeline_parallel_size > 1),
                                             ("tensor_parallel_size", self.tensor_parallel_size > 1)) if on]  # fmt: skip
             if others:
                 raise ValueError(f"context parallelism with {', '.join(others)} is not supported: llmtune's context "
-                                 "parallel runs with FSDP2 alone (accelerate's, torch's ring attention)")  # fmt: skip
-            if not self.fsdp_enabled or self.resolved_fsdp()[0] != 2:
-                raise ValueError("context parallelism without FSDP2 is not supported (accelerate's context parallel "
-                                 "shards with FSDP2): set fsdp_version: 2")  # fmt: skip
+                                 "parallel runs with FSDP2 (torch's ring attention) or DeepSpeed (Ulysses) alone")  # fmt: skip
+            if self.deepspeed is None and (not self.fsdp_enabled or self.resolved_fsdp()[0] != 2):
+                raise ValueError("context parallelism needs a sharding engine to split rows with: set fsdp_version: 2 "
+                                 "(accelerate's ring attention) or deepspeed (DeepSpeed's Ulysses)")  # fmt: skip
         if self.rdzv_endpoint:  # (etcd without one is refused by the planner: --rdzv-endpoint may still give it)
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host or not port.isdigit():

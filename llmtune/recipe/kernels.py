@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmtune.errors import UserError
-from llmtune.recipe.batches import Batches, resolve_batches
+from llmtune.recipe.batches import KERNELS, SEQUENCE_SPLIT, Batches, resolve_batches
 
 LIGER_PLUGIN = "axolotl.integrations.liger.LigerPlugin"
 CCE_PLUGIN = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
@@ -198,7 +198,11 @@ def _attention(recipe, device: str, precision: str, strategy: str | None, flash_
     """flash_attention_2 where it can run; elsewhere sdpa, which keeps packed examples apart with a block mask."""
     if recipe.attn_implementation != "flash_attention_2":
         return recipe.attn_implementation
-    if device != "cuda":
+    split = kernels.batches is not None and kernels.batches.layout == SEQUENCE_SPLIT
+    if split:
+        reason = ("context parallelism under DeepSpeed attends with llmtune's varlen attention, which finds the packed "
+                  "examples from position_ids (transformers' flash-attn path does so for one row per batch only)")  # fmt: skip
+    elif device != "cuda":
         reason = "no effect in CPU rehearsal"
     elif strategy == "pipeline":
         reason = "no effect with pipeline_parallel_size > 1 (stages pass their own block mask)"
@@ -210,7 +214,9 @@ def _attention(recipe, device: str, precision: str, strategy: str | None, flash_
         return "flash_attention_2"
     key = "flash_attention" if recipe.flash_attention else "attn_implementation: flash_attention_2"
     instead = (
-        f"{kernels.batches.describe().split('attention: ')[-1]} reads the padding-free batches instead"
+        f"{KERNELS[kernels.batches.kernel]} runs instead"
+        if split
+        else f"{kernels.batches.describe().split('attention: ')[-1]} reads the padding-free batches instead"
         if kernels.batches and kernels.batches.padding_free
         else "sdpa runs instead, with the block mask that keeps packed examples apart"
     )

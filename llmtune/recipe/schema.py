@@ -24,13 +24,8 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys, Pr
             raise ValueError("tensor_parallel_size > 1 trains the full weights: peft's LoRA layers can't wrap every "
                              "tensor-parallel projection, and qat's fake-quantized layers aren't sharded (remove "
                              f"{'adapter' if self.adapter else 'qat'}, or tensor_parallel_size)")  # fmt: skip
-        if self.context_parallel_size > 1 and self.sample_packing:
-            raise ValueError("context parallelism with sample_packing is not supported: torch's ring attention "
-                             "takes causal attention over whole rows, not the per-example masks of packed rows (set "
-                             "sample_packing: false)")  # fmt: skip
-        if self.context_parallel_size > 1 and (self.attn_implementation not in (None, "sdpa") or self.flash_attention):
-            raise ValueError(f"context parallelism with {self.attn_implementation or 'flash_attention_2'} is not "
-                             "supported: torch's ring attention runs on sdpa (attn_implementation: sdpa)")  # fmt: skip
+        if self.context_parallel_size > 1:
+            self._context_parallel_rules()
         if self.lisa_n_layers and self.adapter:
             raise ValueError("lisa_n_layers samples layers of a full fine-tune; remove adapter (or lisa_n_layers)")
         if self.pipeline_parallel_size > 1 and (self.lisa_n_layers or self.use_eaft):
@@ -115,6 +110,29 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys, Pr
         if clash:
             raise ValueError(f"{wanted} with {clash} is not supported (a classification head trains on whole, "
                              f"unpacked rows through the HF Trainer); remove {clash.split()[0]}")  # fmt: skip
+
+    def _context_parallel_rules(self) -> None:
+        """What each context-parallel engine reads: torch's ring attention (FSDP2) takes causal attention over whole
+        rows; DeepSpeed's Ulysses gathers whole rows per head group, and llmtune's varlen attention reads each row's
+        examples from its position_ids."""
+        asked = self.attn_implementation or ("flash_attention_2" if self.flash_attention else None)
+        if self.deepspeed is None:
+            if self.sample_packing:
+                raise ValueError("context parallelism with sample_packing and FSDP2 is not supported: torch's ring "
+                                 "attention takes causal attention over whole rows, not the per-example masks of "
+                                 "packed rows (set sample_packing: false, or use deepspeed: its Ulysses attention "
+                                 "reads packed rows)")  # fmt: skip
+            if asked not in (None, "sdpa"):
+                raise ValueError(f"context parallelism with {asked} is not supported under FSDP2: torch's ring "
+                                 "attention runs on sdpa (attn_implementation: sdpa)")  # fmt: skip
+        elif self.use_eaft:
+            raise ValueError("use_eaft with context parallelism under DeepSpeed is not supported: Ulysses' loss is "
+                             "transformers' sum of each rank's chunk loss weighted by its tokens, which replaces the "
+                             "EAFT loss (remove use_eaft, or context_parallel_size)")  # fmt: skip
+        elif asked not in (None, "sdpa", "flash_attention_2"):
+            raise ValueError(f"context parallelism with {asked} is not supported under DeepSpeed: Ulysses drops the "
+                             "attention mask, and llmtune's varlen attention (which reads the rows' boundaries from "
+                             "position_ids) replaces sdpa and flash attention only; remove attn_implementation")  # fmt: skip
 
     @property
     def model_recomputes_for_fsdp(self) -> bool:

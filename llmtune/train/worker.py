@@ -168,11 +168,19 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         return run_pipeline(recipe, plan, rank, model, data, tokenizer, source, gguf_origin, trainable, total,
                             checkpoints, resume, log)  # fmt: skip
     pad_to = recipe.sequence_len if recipe.pad_to_sequence_len else None
+    from llmtune.recipe.batches import SEQUENCE_SPLIT
     from llmtune.train.model.kernels import batch_layout
 
     batches = batch_layout(recipe, plan, model, log)
     if batches.padding_free:
         collator = FlatCollator(tokenizer.pad_token_id, pad_to)
+    elif batches.layout == SEQUENCE_SPLIT:  # DeepSpeed's Ulysses: its data adapter splits each row into cp chunks
+        # and gathers a group's batches first, which gloo does only for batches of one shape: there, full rows
+        gloo = (plan["cluster"].get("backend") or ("gloo" if plan["cluster"]["device"] == "cpu" else "nccl")) == "gloo"
+        collator = Collator(tokenizer.pad_token_id, recipe.sequence_len if gloo else pad_to, multiple_of=cp,
+                            mask=False, positions=True)  # fmt: skip
+        # the attention the model now runs (accelerate's name check at construction doesn't list llmtune_varlen)
+        args.parallelism_config.sp_handler.sp_attn_implementation = batches.attention or "sdpa"
     else:
         collator = Collator(tokenizer.pad_token_id, pad_to, multiple_of=2 * cp if cp > 1 else 1, mask=cp == 1)
     loss_func, metrics_func = eaft_for(recipe), None
@@ -264,8 +272,11 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     if data.eval:
         metrics.update(_final_evaluation(trainer))
     steady_tokens, steady_seconds = step_stats.steady()
+    # the ranks of a tensor- or context-parallel group each count the rows they split (Ulysses: every row of the
+    # group passes through every rank, a chunk at a time), so the sums count each row once per rank of a group
+    group = (plan.get("mesh") or {}).get("tensor_parallel", 1) * cp
     tokens, rows, steady_tokens, steady_seconds = collectives.sum_values(
-        [trainer.tokens_seen, trainer.rows_seen, steady_tokens, steady_seconds]
+        [trainer.tokens_seen / group, trainer.rows_seen / group, steady_tokens / group, steady_seconds]
     )
     steady_seconds /= rank.world_size  # every rank times the same synchronised steps
     from llmtune.train.runtime.memory import cuda_peaks
@@ -289,8 +300,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     metrics.update(
         final_loss=losses[-1] if losses else None, steps=trainer.state.global_step,
         # rows: over the whole run, the resumed checkpoint's included (None when its marker didn't count them)
-        rows_seen=trainer.rows_before + int(rows) if trainer.rows_before is not None else None,
-        rows_seen_this_run=int(rows), tokens_seen=int(tokens),
+        rows_seen=trainer.rows_before + round(rows) if trainer.rows_before is not None else None,
+        rows_seen_this_run=round(rows), tokens_seen=round(tokens),
         # the whole train() call (engine start, first-step compilation included) and the steps after the warm-up
         tokens_per_second_whole_run=round(tokens / seconds, 2) if seconds else None, train_seconds=round(seconds, 2),
         tokens_per_second_steady=round(steady_tokens / steady_seconds, 2) if steady_seconds else None,

@@ -169,6 +169,30 @@ def test_two_ranks_sharing_the_gpu_match_one_process(workspace, name):
     assert saved_weights(out)
 
 
+def test_ulysses_on_a_shared_gpu_matches_one_process_in_bf16(workspace):
+    """Context parallelism under DeepSpeed (Ulysses) on packed rows, 2 ranks over gloo on one GPU, in bf16: torch's
+    varlen kernel attends to each example after DeepSpeed's all-to-all (the CPU rehearsal runs SDPA per example).
+    SGD without clipping, so a gradient of the wrong scale would show; bf16, so the tolerance is bf16's."""
+    changes = {"sample_packing": True, "bf16": True, "optimizer": "sgd", "max_grad_norm": 0, "learning_rate": 0.5,
+               "micro_batch_size": 1, "gradient_accumulation_steps": 2, "max_steps": 4}  # fmt: skip
+    runs = {}
+    for name, processes, extra in (("ulysses-one", 1, {}),
+                                   ("ulysses-two", 2, {"deepspeed": "zero2", "context_parallel_size": 2})):  # fmt: skip
+        path = write_run_recipe(workspace, name, **changes, **extra)
+        result = llmtune("train", path, "--num-processes", processes, "--device",
+                         "cuda:gloo" if processes > 1 else "cuda", timeout=900)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-4000:]
+        runs[name] = read_metrics(path)
+    plan = json.loads((workspace[0] / "ulysses-two" / "llmtune" / "plan.json").read_text())["plan"]
+    assert plan["kernels"]["batches"]["layout"] == "sequence-split"
+    assert plan["kernels"]["batches"]["kernel"] == "torch_varlen"
+    ranks = runs["ulysses-two"]["ranks"]
+    assert all(r["sequence_parallel"]["wrapper"] == "uattn_wrapper" for r in ranks)
+    mine, theirs = losses(runs["ulysses-two"]), losses(runs["ulysses-one"])
+    assert len(mine) == len(theirs) == 4
+    assert max(abs(a - b) / abs(b) for a, b in zip(mine, theirs, strict=True)) < 2e-2, (mine, theirs)
+
+
 def test_a_pipeline_on_a_shared_gpu_is_refused_with_the_reason(workspace):
     path = write_run_recipe(workspace, "pipe", pipeline_parallel_size=2)
     result = llmtune("train", path, "--num-processes", 2, "--device", "cuda:gloo", timeout=300)

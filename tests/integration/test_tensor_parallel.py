@@ -62,6 +62,7 @@ def test_tensor_parallel_two_ranks(workspace, reference, tmp_path):
     assert plan["strategy"] == "tp" and plan["data_parallel_size"] == 1 and plan["global_batch_size"] == GLOBAL_BATCH
     assert plan["mesh"] == {"tensor_parallel": 2, "dp_shard": 1, "dp_replicate": 1}
     assert metrics["steps"] == STEPS and losses(metrics) == pytest.approx(reference[0], abs=1e-5)
+    assert metrics["rows_seen"] == STEPS * GLOBAL_BATCH  # both ranks train on each row: counted once
     ranks = metrics["ranks"]
     assert [r["coordinates"] for r in ranks] == [{"tp": 0}, {"tp": 1}]
     assert all(r["engine"] == "tensor_parallel" and r["mesh"] == {"tp": 2} for r in ranks)
@@ -98,7 +99,7 @@ def test_tensor_parallel_two_ranks(workspace, reference, tmp_path):
 def test_tensor_parallel_with_data_parallel_groups_four_ranks(workspace, reference, name, micro, changes, mesh, q_rows):
     metrics, _ = run(workspace, name, 4, micro, **changes)
     assert metrics["world_size"] == 4 and metrics["global_batch_size"] == GLOBAL_BATCH
-    assert losses(metrics) == pytest.approx(reference[0], abs=1e-5)
+    assert losses(metrics) == pytest.approx(reference[0], abs=1e-5) and metrics["rows_seen"] == STEPS * GLOBAL_BATCH
     ranks = metrics["ranks"]
     assert all(r["mesh"] == mesh and r["engine"] == "tensor_parallel+fsdp2" for r in ranks)
     assert all(r["local_shapes"]["model.layers.0.self_attn.q_proj.weight"] == [q_rows, 64] for r in ranks)
@@ -125,6 +126,7 @@ def test_context_parallel(workspace, reference, processes, micro, changes):
     plan = json.loads((output_dir / "llmtune" / "plan.json").read_text())["plan"]
     assert plan["mesh"]["context_parallel"] == 2 and plan["data_parallel_size"] == processes // 2
     assert metrics["global_batch_size"] == GLOBAL_BATCH and losses(metrics) == pytest.approx(reference[0], abs=1e-5)
+    assert metrics["rows_seen"] == STEPS * GLOBAL_BATCH
     ranks = metrics["ranks"]
     for r in ranks:  # each rank's model sees half of every row (rows padded to a multiple of 2 x 2 chunks)
         assert r["first_batch_width"] % 4 == 0 and r["sequence_seen"][0] * 2 == r["first_batch_width"]
@@ -135,6 +137,41 @@ def test_context_parallel(workspace, reference, processes, micro, changes):
 
     saved = load_file(str(output_dir / "model.safetensors"))  # gathered whole from the FSDP2 shards
     assert saved["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+
+
+def test_context_parallel_under_deepspeed_is_ulysses_with_one_process_s_gradients(workspace):
+    """context_parallel_size beside deepspeed runs DeepSpeed's Ulysses on packed rows, under ZeRO-2 and ZeRO-3 (which
+    average gradients over different rank counts). SGD without clipping, so a gradient of the wrong scale shows in
+    the losses (AdamW would hide it: transformers' own Ulysses loss doubles the gradient at 2 ranks under ZeRO-2,
+    and weighs accumulated micro-batches alike). Each rank holds half of every row, the two ranks split the same
+    batches, the attention keeps the packed examples apart, and losses, gradient norms, eval losses, rows and tokens
+    are one process's."""
+    changes = {"sample_packing": True, "optimizer": "sgd", "max_grad_norm": 0, "learning_rate": 0.5,
+               "gradient_accumulation_steps": 2, "val_set_size": 0.25, "eval_steps": 2}  # fmt: skip
+    single, _ = run(workspace, "ulysses-single", 1, 1, **changes)  # micro-batches of unequal tokens, accumulated
+    for stage in ("zero2", "zero3"):
+        metrics, output_dir = run(workspace, f"ulysses-{stage}", 2, 1, deepspeed=stage, context_parallel_size=2,
+                                  **changes)  # fmt: skip
+        plan = json.loads((output_dir / "llmtune" / "plan.json").read_text())["plan"]
+        assert plan["mesh"]["sequence_parallel"] == "ulysses" and plan["data_parallel_size"] == 1
+        assert plan["kernels"]["batches"]["layout"] == "sequence-split"
+        assert losses(metrics) == pytest.approx(losses(single), abs=1e-5), stage
+        for key in ("grad_norm", "eval_loss"):  # evaluation: each rank reads whole rows of its own (Ulysses is off)
+            ulysses, one = ([e[key] for e in m["log_history"] if key in e] for m in (metrics, single))
+            assert len(ulysses) >= 2 and ulysses == pytest.approx(one, rel=1e-4), (stage, key)
+        assert metrics["rows_seen"] == single["rows_seen"] == STEPS * 2
+        assert metrics["tokens_seen"] == single["tokens_seen"]
+        ranks = metrics["ranks"]
+        assert all(r["engine"] == "deepspeed" and r["zero_stage"] == int(stage[-1]) for r in ranks)
+        assert all(r["sequence_parallel"] == {"size": 2, "rank": r["rank"], "attention": "llmtune_varlen",
+                                              "wrapper": "uattn_wrapper"} for r in ranks)  # fmt: skip
+        assert ranks[0]["first_batch"] == ranks[1]["first_batch"] and ranks[0]["chunk"] != ranks[1]["chunk"]
+        for r in ranks:  # each rank's model sees half of every row
+            assert r["chunk_width"] * 2 == r["first_batch_width"] and r["sequence_seen"] == [r["chunk_width"]] * 2
+        from safetensors.torch import load_file
+
+        saved = load_file(str(output_dir / "model.safetensors"))  # whole, ZeRO-3's partitions gathered
+        assert saved["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
 
 
 def test_hsdp_killed_after_a_checkpoint_resumes_to_the_same_losses(workspace, reference):

@@ -144,7 +144,7 @@ def test_capability_refusals_read_as_the_issue_asks():
     assert "LoRA+ is not supported (loraplus_lr_ratio: 16)" in refusal(loraplus_lr_ratio=16)
     assert load(context_parallel_size=1, tensor_parallel_size=1).recipe
     # context parallelism runs (with FSDP2); Axolotl's older name is read as it
-    assert "context parallelism without FSDP2 is not supported" in refusal(context_parallel_size=2)
+    assert "context parallelism needs a sharding engine" in refusal(context_parallel_size=2)
     assert load(sequence_parallel_degree=2, fsdp_version=2).recipe.context_parallel_size == 2
 
 

@@ -362,6 +362,20 @@ def test_context_parallel_row_splits_every_activation_and_is_preferred_for_long_
     assert choice is not None and choice[0].name == "context parallel" and "long sequences" in choice[1]
 
 
+def test_zero_rows_under_ulysses_split_the_activations_and_logits_not_the_states():
+    """context_parallel_size beside deepspeed (Ulysses): each rank holds 1/C of every row, so the ZeRO rows' saved
+    activations and logits are 1/C of the same recipe's without it; ZeRO's sharding of the states is unchanged."""
+    plain = {e.name: e for e in estimate(recipe(sequence_len=65536, micro_batch_size=1, deepspeed="zero3"), FACTS,
+                                         data_parallel=8, gpus_per_machine=8)}  # fmt: skip
+    split = {e.name: e for e in estimate(recipe(sequence_len=65536, micro_batch_size=1, deepspeed="zero3",
+                                                context_parallel_size=4), FACTS, data_parallel=8, gpus_per_machine=8)}  # fmt: skip
+    for name in ("ZeRO-2", "ZeRO-3", "ZeRO-3 + CPU offload"):
+        assert split[name].activations == pytest.approx(plain[name].activations / 4), name
+        assert split[name].logits == pytest.approx(plain[name].logits / 4), name
+        assert split[name].params == pytest.approx(plain[name].params) and split[name].total < plain[name].total
+    assert split["FSDP full shard"].activations == pytest.approx(plain["FSDP full shard"].activations)
+
+
 # Issue 32: every row says whether a recorded GPU run covers it ("measured on H100") or not ("modelled").
 def test_the_measured_table_is_what_the_gpu_runs_recorded():
     from llmtune.plan.memory.basis import MEASURED, MEASURED_ATTENTION, MEASURED_OPTIMIZERS

@@ -356,3 +356,24 @@ def test_a_rank_traceback_of_its_own_error_is_shown_whole():
     shown = console.getvalue()
     assert "Traceback (most recent call last):" in shown and "ValueError: shapes differ" in shown
     assert shown.index("ValueError: shapes differ") < shown.index("step 2")
+
+
+def test_the_advice_after_a_failure_names_the_checkpoint_a_rerun_resumes_from_or_says_it_starts_over(tmp_path):
+    """A rank that raised is not told a rerun will fix it; a rerun resumes from the newest complete checkpoint on
+    disk, or starts over when there is none (an incomplete one doesn't count)."""
+    from llmtune.launch.failures import next_step
+
+    out = tmp_path / "run"
+    logs = out / "llmtune" / "logs"
+    logs.mkdir(parents=True)
+    (out / "checkpoint-4").mkdir()  # interrupted while saving: no marker
+    killed, raised = next_step(logs, -9, True), next_step(logs, 1, True)
+    assert killed == f"run the same command again: it starts over (no complete checkpoint in {out} yet)"
+    assert raised.startswith("if the error above was a passing fault") and "fix its cause first" in raised
+    (out / "checkpoint-2").mkdir()
+    (out / "checkpoint-2" / "llmtune-complete.json").write_text("{}")
+    assert next_step(logs, -9, True) == ("to resume from the last complete checkpoint, run the same command again "
+                                         "(checkpoint-2)")  # fmt: skip
+    assert "checkpoint-2" in next_step(logs, 1, True) and "otherwise fix its cause first" in next_step(logs, 1, True)
+    # several machines: machine 0 may hold the checkpoints, so none is named
+    assert "if one was saved" in next_step(logs, -9, False) and "checkpoint-2" not in next_step(logs, -9, False)

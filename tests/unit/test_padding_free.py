@@ -137,6 +137,49 @@ def test_sliding_window_and_pad_segment_keep_the_maths():
             start += n
 
 
+def test_ulysses_batches_find_each_example_and_padding_from_position_ids():
+    """Context parallelism under DeepSpeed: padded rows (packed or not) with position_ids and no mask, as DeepSpeed's
+    Ulysses hands them to the attention after its all-to-all. Each example gets the logits it has alone, whatever
+    the other examples and rows hold."""
+    import torch
+
+    from llmtune.train.data.collate import WHOLE_BATCH
+    from llmtune.train.model.varlen import boundaries
+
+    reference, model = tiny("sdpa"), tiny(VARLEN_ATTENTION)
+    examples = rows_of([5, 3, 6, 4, 2, 7])
+    packed, _ = pack_examples(examples[:5], capacity=11, seed=0)
+    rows = [packed[i] for i in range(len(packed))] + [examples[5]]  # packed rows, and a row of one example
+    batch = Collator(0, multiple_of=4, mask=False, positions=True)(rows)
+    whole, _ = batch.pop(WHOLE_BATCH), batch.pop(REAL_TOKENS)
+    width = batch["input_ids"].shape[1]
+    assert whole[1] == width and width % 4 == 0 and "attention_mask" not in batch
+    assert batch["position_ids"][-1].tolist() == [*range(7), *range(width - 7)]  # padding: an example of its own
+    edges, longest = boundaries(batch["position_ids"])
+    assert edges[0] == 0 and edges[-1] == batch["input_ids"].numel() and longest == max(width - 7, 7, *[
+        len(r["input_ids"]) for r in examples[:5]])  # fmt: skip
+    with torch.no_grad():
+        logits = model(**batch).logits
+        for index, row in enumerate(rows):
+            positions = batch["position_ids"][index].tolist()
+            starts = [i for i, p in enumerate(positions) if p == 0] + [width]
+            for start, end in zip(starts[:-1], starts[1:], strict=True):
+                if end > len(row["input_ids"]) >= start:
+                    end = len(row["input_ids"])  # the padding segment after the row's last example
+                if end <= start:
+                    continue
+                alone = reference(input_ids=batch["input_ids"][index : index + 1, start:end]).logits[0]
+                assert torch.allclose(logits[index, start:end], alone, atol=1e-5), (index, start, end)
+        # the control that can fail: the same batch read as whole rows (no boundaries) leaks across examples
+        leaky = model(input_ids=batch["input_ids"]).logits
+        assert not torch.allclose(leaky[0], logits[0], atol=1e-3)
+    # the loss and gradients are the padded, masked batch's
+    masked = Collator(0)(rows)
+    masked.pop(REAL_TOKENS)
+    got, want = model(**batch), reference(**masked)
+    assert got.loss.item() == pytest.approx(want.loss.item(), abs=1e-5)
+
+
 def test_the_plan_decides_padding_free_and_its_kernel():
     r = recipe()
     gpu = resolve_batches(r, "cuda", "bf16", None, flash_installed=False)

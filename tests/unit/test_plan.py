@@ -333,17 +333,60 @@ def test_context_parallel_mesh_and_batch(changes, world, mesh, data_parallel):
 @pytest.mark.parametrize(
     ("changes", "words"),
     [
-        ({}, ["context parallelism without FSDP2 is not supported", "fsdp_version: 2"]),
-        ({"fsdp_version": 2, "sample_packing": True}, ["context parallelism", "sample_packing: false"]),
+        ({}, ["context parallelism needs a sharding engine", "fsdp_version: 2", "deepspeed"]),
+        ({"fsdp_version": 2, "sample_packing": True}, ["sample_packing and FSDP2", "sample_packing: false",
+                                                       "deepspeed"]),
         ({"fsdp_version": 2, "attn_implementation": "flash_attention_2"}, ["sdpa"]),
-        ({"fsdp_version": 2, "tensor_parallel_size": 2}, ["FSDP2 alone", "tensor_parallel_size", "not supported"]),
-        ({"deepspeed": "zero3"}, ["context parallelism with deepspeed is not supported"]),
+        ({"fsdp_version": 2, "tensor_parallel_size": 2}, ["alone", "tensor_parallel_size", "not supported"]),
+        ({"deepspeed": "zero3", "tensor_parallel_size": 2}, ["tensor_parallel_size"]),
+        ({"deepspeed": "zero2", "attn_implementation": "eager"}, ["eager", "under DeepSpeed", "Ulysses"]),
+        ({"deepspeed": "zero2", "use_eaft": True}, ["use_eaft", "Ulysses"]),
     ],
-)
+)  # fmt: skip
 def test_context_parallel_refusals_say_why(changes, words):
     with pytest.raises(UserError) as err:
         recipe(context_parallel_size=2, **changes)
     assert all(word in err.value.one_line() for word in words), err.value.one_line()
+
+
+@pytest.mark.parametrize(("world", "data_parallel"), [(2, 1), (4, 2)])
+def test_context_parallel_under_deepspeed_runs_ulysses(tmp_path, world, data_parallel):
+    """context_parallel_size beside deepspeed: DeepSpeed's Ulysses (packed rows too), ZeRO over every rank, the global
+    batch by the data-parallel groups; the JSON's train_batch_size is left to accelerate, which sets it for them."""
+    plan = make_plan(recipe(base_model=_llama_config(tmp_path), deepspeed="zero2", context_parallel_size=2,
+                            sample_packing=True, micro_batch_size=2), make_cluster(world, device="cuda"))  # fmt: skip
+    assert plan.strategy == "zero2" and plan.mesh == {"tensor_parallel": 1, "context_parallel": 2,
+                                                      "dp_shard": data_parallel, "dp_replicate": 1,
+                                                      "sequence_parallel": "ulysses"}  # fmt: skip
+    assert plan.data_parallel_size == data_parallel and plan.global_batch_size == 2 * data_parallel
+    assert plan.deepspeed_config["train_batch_size"] == "auto"
+    assert plan.deepspeed_config["train_micro_batch_size_per_gpu"] == 2
+    assert any("DeepSpeed Ulysses" in note for note in plan.notes)
+    batches = plan.kernels["batches"]
+    assert batches["layout"] == "sequence-split" and batches["attention"] == "llmtune_varlen"
+    assert batches["kernel"] == "torch_varlen"  # the GPU run's (bf16 on CUDA)
+
+
+def test_context_parallel_under_zero3_keeps_deepspeed_s_reduce_scatter():
+    """llmtune scales the Ulysses loss to ZeRO-3's reduce-scatter averaging; without it DeepSpeed averages buckets
+    over different rank counts, so the recipe is refused in one line."""
+    config = {"zero_optimization": {"stage": 3, "reduce_scatter": False}}
+    with pytest.raises(UserError, match="reduce_scatter: false with ZeRO-3 and context parallelism"):
+        make_plan(recipe(deepspeed=config, context_parallel_size=2), make_cluster(2, device="cuda"))
+    assert make_plan(recipe(deepspeed="zero3", context_parallel_size=2), make_cluster(2, device="cuda")).mesh
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "size", "match"),
+    [(4, 2, 3, "does not divide the model's 4 attention heads"), (12, 3, 2, "don't divide one another")],
+)
+def test_context_parallel_under_deepspeed_needs_heads_that_split(tmp_path, heads, kv_heads, size, match):
+    config = json.loads(Path(_llama_config(tmp_path), "config.json").read_text())
+    config.update(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=heads * 16)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=match):
+        make_plan(recipe(base_model=str(tmp_path), deepspeed="zero2", context_parallel_size=size),
+                  make_cluster(size * 2, device="cuda"))  # fmt: skip
 
 
 def test_context_parallel_world_must_divide():

@@ -133,6 +133,14 @@ def _layout(recipe, facts: ModelFacts, mixed: bool, sixteen_bit: bool, trainable
     return _Layout(acts, act.weight_copies(recipe, facts, widths, trainable))
 
 
+def _split_activations(layout: _Layout, saved: float, logits: float, recompute: float) -> _Layout:
+    """The layout with its activations scaled: what one rank keeps when a parallelism splits them."""
+    acts = layout.acts
+    return _Layout(replace(acts, saved=acts.saved * saved, logits=acts.logits * logits,
+                           idle_logits=acts.idle_logits * logits, recompute=acts.recompute * recompute,
+                           offloaded=acts.offloaded * saved), layout.copies)  # fmt: skip
+
+
 def _gpu_row(base: Estimate, layout: _Layout, held: float, comm: float, temporaries: float, idle_flat: float,
              allocator: buffers.Allocator, share: float = 1.0, per_machine: int = 1) -> Estimate:  # fmt: skip
     acts = layout.acts
@@ -207,6 +215,9 @@ def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: i
     forward = preference.forward_recipe(recipe)  # preference training: chosen and rejected in one forward
     loaded = _layout(forward, facts, mixed, False, trainable)
     sixteen = _layout(forward, facts, mixed, True, trainable)  # DeepSpeed's bf16 engine, FSDP's bf16 parameters
+    # context parallelism under DeepSpeed (Ulysses): each rank holds 1/C of every row's activations and logits
+    ulysses = recipe.context_parallel_size if recipe.deepspeed is not None else 1
+    zero = _split_activations(sixteen, 1 / ulysses, 1 / ulysses, 1 / ulysses) if ulysses > 1 else sixteen
     # gradients of earlier micro-batches stay allocated through the next forward
     accumulating = recipe.gradient_accumulation_steps > 1
 
@@ -226,12 +237,12 @@ def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: i
     # idle flat buffers. FSDP gathers its parameters in bf16 (its mixed-precision policy): the 16-bit layout.
     extras = {
         "single / DDP":          (loaded,  held(grads),        ddp_buckets, scratch,               0.0),
-        "ZeRO-1":                (sixteen, held(zg),           ds_buckets,  scratch / n,           zero_flat),
-        "ZeRO-2":                (sixteen, held(zg / n),       ds_buckets,  scratch / n,           zero_flat),
-        "ZeRO-3":                (sixteen, zg / n,             ds_buckets,  scratch / n,           fp32_grads / n),
-        "ZeRO-2 + CPU offload":  (sixteen, 0.0,                ds_buckets,  0.0,                   0.0),
-        "ZeRO-3 + CPU offload":  (sixteen, 0.0,                ds_buckets,  0.0,                   0.0),
-        "ZeRO-3 + NVMe offload": (sixteen, 0.0,                ds_buckets,  0.0,                   0.0),
+        "ZeRO-1":                (zero,    held(zg),           ds_buckets,  scratch / n,           zero_flat),
+        "ZeRO-2":                (zero,    held(zg / n),       ds_buckets,  scratch / n,           zero_flat),
+        "ZeRO-3":                (zero,    zg / n,             ds_buckets,  scratch / n,           fp32_grads / n),
+        "ZeRO-2 + CPU offload":  (zero,    0.0,                ds_buckets,  0.0,                   0.0),
+        "ZeRO-3 + CPU offload":  (zero,    0.0,                ds_buckets,  0.0,                   0.0),
+        "ZeRO-3 + NVMe offload": (zero,    0.0,                ds_buckets,  0.0,                   0.0),
         "FSDP full shard":       (sixteen, held(grads / n),    0.0,         scratch / n,           0.0),
         "FSDP shard grad op":    (sixteen, held(grads / n),    0.0,         scratch / n,           0.0),
         "FSDP hybrid shard":     (sixteen, held(grads / per_machine), 0.0,  scratch / per_machine, 0.0),
@@ -259,14 +270,10 @@ def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: i
     if tp > 1:
         splits.append(tensor_parallel_split(recipe, tp))
     for split in splits:
-        layout = sixteen if split.fsdp else loaded
-        acts = replace(layout.acts, saved=layout.acts.saved * split.saved, logits=layout.acts.logits * split.logits,
-                       idle_logits=layout.acts.idle_logits * split.logits,
-                       recompute=layout.acts.recompute * split.recompute,
-                       offloaded=layout.acts.offloaded * split.saved)  # fmt: skip
+        layout = _split_activations(sixteen if split.fsdp else loaded, split.saved, split.logits, split.recompute)
         base = Estimate(split.name, params / split.states, grads / split.states, optimizer / split.states, 0.0,
                         CUDA_CONTEXT, 0.0, 0.0, largest if split.fsdp else 0.0)  # fmt: skip
-        estimates.append(_gpu_row(base, _Layout(acts, layout.copies), held(grads) / split.states, 0.0,
+        estimates.append(_gpu_row(base, layout, held(grads) / split.states, 0.0,
                                   scratch / split.states, 0.0, allocators[split.fsdp],
                                   1 / split.states, per_machine))  # fmt: skip
     if stages > 1:

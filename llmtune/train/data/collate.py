@@ -9,6 +9,16 @@ from llmtune.train.data.formats import IGNORE
 REAL_TOKENS = "num_real_tokens"  # tokens that are not padding
 ROW_LENGTHS = "row_lengths"  # the micro-batch's rows, as lengths (padding-free batches: where each row lies)
 ROW_BYTES = "row_bytes"  # benchmarks only (LLMTUNE_BATCH_HASHES=1): each row's token ids, hashed by the trainer
+# Ulysses: (fingerprint, width) of the whole batch, which DeepSpeed's data adapter copies to every rank that holds a
+# chunk of it (the rank check compares batches, not chunks)
+WHOLE_BATCH = "whole_batch"
+
+
+def fingerprint(input_ids) -> str:
+    """A short hash of a batch's token ids (the rank check compares the ranks' batches by it)."""
+    import hashlib
+
+    return hashlib.sha256(input_ids.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 def row_bytes(rows: list[dict]) -> bytes | None:
@@ -26,18 +36,23 @@ def row_bytes(rows: list[dict]) -> bytes | None:
 class Collator:
     """Packed rows (they carry position_ids) batch without a mask; other rows pad with attention_mask."""
 
-    def __init__(self, pad_token_id: int, pad_to: int | None = None, multiple_of: int = 1, mask: bool = True):
+    def __init__(self, pad_token_id: int, pad_to: int | None = None, multiple_of: int = 1, mask: bool = True,
+                 positions: bool = False):  # fmt: skip
         self.pad_token_id = pad_token_id
         self.pad_to = pad_to
-        # context parallelism: rows split into 2 x cp chunks (load-balanced ring attention), and no padding mask:
-        # padding sits at the end, so under causal attention no real token sees it (its labels are ignored)
+        # context parallelism: rows split into 2 x cp chunks (load-balanced ring attention) or cp chunks (Ulysses),
+        # and no padding mask: padding sits at the end, so under causal attention no real token sees it (its labels
+        # are ignored)
         self.multiple_of = multiple_of
         self.mask = mask
+        # Ulysses: every row carries position_ids (DeepSpeed's data adapter requires them; the attention reads each
+        # row's examples and padding from them), unpacked rows as one example
+        self.positions = positions
 
     def __call__(self, rows: list[dict]) -> dict:
         import torch
 
-        packed = "position_ids" in rows[0]
+        packed = "position_ids" in rows[0] or self.positions
         width = max(len(r["input_ids"]) for r in rows)
         if self.pad_to:
             width = max(width, self.pad_to)
@@ -49,10 +64,12 @@ class Collator:
             labels.append(row["labels"] + [IGNORE] * pad)
             if packed:
                 # Padding becomes its own "example" (positions restart), so real tokens never attend to it.
-                extra.append(row["position_ids"] + list(range(pad)))
+                extra.append(list(row.get("position_ids") or range(len(row["input_ids"]))) + list(range(pad)))
             else:
                 extra.append([1] * len(row["input_ids"]) + [0] * pad)
         batch = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
+        if self.positions:
+            batch[WHOLE_BATCH] = (fingerprint(batch["input_ids"]), width)
         if packed or self.mask:
             batch["position_ids" if packed else "attention_mask"] = torch.tensor(extra)
         batch[REAL_TOKENS] = sum(len(r["input_ids"]) for r in rows)

@@ -11,7 +11,7 @@ from transformers import Trainer
 from llmtune.plan.resume_checks import marker_keys
 from llmtune.train.checkpoint.asynchronous import AsyncCheckpointing
 from llmtune.train.checkpoint.folders import STAGING
-from llmtune.train.data.collate import REAL_TOKENS, ROW_BYTES, ROW_LENGTHS
+from llmtune.train.data.collate import REAL_TOKENS, ROW_BYTES, ROW_LENGTHS, WHOLE_BATCH
 from llmtune.train.engine.callbacks import NONFINITE_HINT, NonFiniteLoss
 from llmtune.train.runtime import collectives
 
@@ -74,6 +74,35 @@ def _weights_finite(model) -> bool:
     return True
 
 
+def ulysses_loss(model, inputs: dict, trained_tokens, averaged_over: int, data_parallel: int,
+                 return_outputs: bool = False):  # fmt: skip
+    """The loss of a micro-batch whose rows DeepSpeed's Ulysses split across the ranks of a sequence-parallel group.
+
+    `trained_tokens`: the trained tokens of the whole step (every micro-batch of the accumulation, every rank's
+    chunk, every data-parallel group; LlmtuneTrainer.get_batch_samples counts them). `averaged_over`: what DeepSpeed
+    divides the ranks' summed gradients by (ZeRO-1/2: the data-parallel groups; ZeRO-3's reduce-scatter: every
+    rank, no sequence-parallel correction). Each rank's forward gives the mean loss over its chunk; its gradient is
+    its chunk's token-loss sum over the step's tokens, times `averaged_over`, so the step's gradient is one process's
+    token mean over the same rows. The value is the group's sum over the step's tokens times the data-parallel
+    groups: averaged over the ranks as the Trainer logs it, the step's loss. transformers' own Ulysses loss gathers the losses with a differentiable all-gather,
+    whose backward sums the group's copies: gradients context_parallel_size times too large (measured in the CPU
+    rehearsal: at 2 ranks the reported grad_norm doubles, and with SGD the losses part from one process's at step 2;
+    AdamW mostly hides it), and it weighs the micro-batches of an accumulation alike, whatever their tokens."""
+    import torch
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    labels = inputs["shift_labels"]  # the adapter's labels, shifted before the rows were split
+    outputs = model(**{**inputs, "labels": labels})
+    trained = (labels != -100).sum()
+    local = torch.where(trained > 0, outputs.loss * trained, outputs.loss.new_zeros(()))  # (a chunk of padding: NaN)
+    group = collectives.all_reduce(local.detach().clone(), group=parallel_state_sp.get_sequence_parallel_group())
+    tokens = trained_tokens.clamp(min=1)
+    gradient = local * averaged_over / tokens
+    loss = gradient + (group * data_parallel / tokens - gradient.detach())
+
+    return (loss, outputs) if return_outputs else loss
+
+
 class LlmtuneTrainer(AsyncCheckpointing, Trainer):
     tokens_seen = 0
     padded_seen = 0
@@ -84,10 +113,15 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         ids, mask, rows, real, lengths = self._batch_view(inputs)
+        whole = inputs.pop(WHOLE_BATCH, None) if isinstance(inputs, dict) else None
+        if whole is not None:  # Ulysses: DeepSpeed's adapter slices each row's chunk and copies it to the CPU, a
+            # no-op in the CPU rehearsal that leaves the slice strided (transformers' loss views it flat)
+            inputs.update({k: v.contiguous() for k, v in inputs.items() if hasattr(v, "is_contiguous")})
         if self.rank_reports is None and self.plan is not None:
             from llmtune.train.runtime.ranks import check_first_batch
 
-            self.rank_reports = check_first_batch(ids, self.plan, self.accelerator.num_processes, self.train_dataset)
+            self.rank_reports = check_first_batch(ids, self.plan, self.accelerator.num_processes, self.train_dataset,
+                                                  whole)  # fmt: skip
         self.tokens_seen += real
         self.rows_seen += rows
         self.padded_seen += int(ids.numel())
@@ -182,11 +216,13 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
         world = self.accelerator.num_processes
         data_parallel = self.plan["data_parallel_size"] * world // self.plan["world_size"]  # an elastic world too
         micro, accumulation = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
-        (rows,) = collectives.sum_values([float(self.rows_seen)])  # every rank saves, so every rank sums
+        mesh = self.plan.get("mesh") or {}  # a tensor- or context-parallel group's ranks each count its rows
+        group = mesh.get("tensor_parallel", 1) * mesh.get("context_parallel", 1)
+        (rows,) = collectives.sum_values([self.rows_seen / group])  # every rank saves, so every rank sums
         return {"strategy": self.plan["strategy"], "data_parallel_size": data_parallel,
                 "global_batch_size": micro * accumulation * data_parallel, "mesh": self.plan.get("mesh"),
                 # the rows trained up to here, the resumed checkpoint's included (unknown when its marker is older)
-                **({"rows_seen": self.rows_before + int(rows)} if self.rows_before is not None else {}),
+                **({"rows_seen": self.rows_before + round(rows)} if self.rows_before is not None else {}),
                 "rows_per_epoch": len(self.train_dataset), "started_from": self.started_from,
                 # what a later resume checks the recipe against (llmtune/plan/resume_checks.py)
                 **(marker_keys(self.recipe) if self.recipe is not None else {})}  # fmt: skip
@@ -234,6 +270,31 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         return None
 
+    def _ulysses(self) -> int:
+        """DeepSpeed's Ulysses group size (1: not running it)."""
+        config = getattr(self.accelerator, "parallelism_config", None)
+        return config.sp_size if config is not None and config.sp_backend == "deepspeed" and config.sp_enabled else 1
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Under Ulysses, the step's trained tokens over every rank (DeepSpeed's adapter turns labels into
+        shift_labels, which the Trainer doesn't count)."""
+        samples, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._ulysses() > 1 and samples and "shift_labels" in samples[0]:
+            import torch
+
+            local = sum(int((batch["shift_labels"] != -100).sum()) for batch in samples)
+            items = self.accelerator.gather(torch.tensor([local], device=device)).sum()
+        return samples, items
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        size = self._ulysses()
+        if size > 1 and model.training:
+            self.loss_is_scaled_for_ga = True  # over the step's tokens already (ulysses_loss)
+            world = self.accelerator.num_processes
+            averaged_over = world if (self.plan or {}).get("strategy") == "zero3" else world // size
+            return ulysses_loss(model, inputs, num_items_in_batch, averaged_over, world // size, return_outputs)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
     def create_optimizer(self, model=None):
         if self.optimizer is None and self.recipe is not None and self.recipe.optimizer == "muon":
             from llmtune.train.objectives.muon import make_muon
@@ -253,11 +314,8 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
         return super().create_scheduler(num_training_steps, optimizer)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs.pop(REAL_TOKENS, None)
-        inputs.pop(ROW_BYTES, None)
-        inputs.pop(
-            ROW_LENGTHS, None
-        )  # the Trainer weighs each eval batch's loss by the loader's batch size, flat or not
+        for key in (REAL_TOKENS, ROW_BYTES, WHOLE_BATCH, ROW_LENGTHS):
+            inputs.pop(key, None)  # (ROW_LENGTHS: the Trainer weighs each eval batch's loss by the loader's batch size)
         if self.recipe is not None and self.recipe.reward_model:  # one margin per pair, not one score per sequence
             import torch
 

@@ -148,10 +148,18 @@ def packed_boundaries(position_ids):
 def batch_layout(recipe, plan: dict, model, log):
     """The plan's batch layout on this rank: padding-free batches where the loaded model's attention takes them
     (the model is switched to the varlen kernel), padded rows elsewhere; said in one line."""
-    from llmtune.recipe.batches import PADDED, Batches
+    from llmtune.recipe.batches import PADDED, SEQUENCE_SPLIT, Batches
     from llmtune.train.model.varlen import apply, unsupported
 
     batches = kernels_for(recipe, plan["precision"], plan["cluster"]["device"]).batches
+    if batches.layout == SEQUENCE_SPLIT and not apply(model, batches.attention):
+        why = unsupported(model)
+        if recipe.sample_packing:
+            raise UserError(f"context parallelism under DeepSpeed with sample_packing can't run with this model: {why}; "
+                            "Ulysses drops the attention mask, and nothing else would keep packed examples apart",
+                            "set sample_packing: false (each row then attends causally as a whole, its padding at "
+                            "the end)")  # fmt: skip
+        batches = Batches(SEQUENCE_SPLIT, None, None, f"the model's own attention, causal over each whole row: {why}")
     if batches.padding_free and not apply(model, batches.attention):
         why = unsupported(model)
         if recipe.batch_flattening is True:

@@ -53,6 +53,16 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
         raise ValueError("llmtune_varlen: attention soft-capping and sinks have no varlen path (llmtune pads these "
                          "models' batches; this is a bug if you see it)")  # fmt: skip
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    positions = kwargs.get("position_ids")
+    if cu_seq_lens is None and _rows_in(positions, query, key):
+        # Ulysses (context parallelism under DeepSpeed): whole rows after its all-to-all, each padded, maybe packed,
+        # with no mask; the examples are where position_ids restart. Attended as one flat sequence of examples.
+        batch, tokens = query.shape[0], query.shape[2]
+        flat = [t.transpose(0, 1).reshape(1, t.shape[1], batch * tokens, t.shape[3]) for t in (query, key, value)]
+        cu_seq_lens, longest = boundaries(positions)
+        out, _ = varlen_attention(module, *flat, None, dropout, scaling, sliding_window, softcap,
+                                  cu_seq_lens_q=cu_seq_lens, max_length_q=longest)  # fmt: skip
+        return out.reshape(batch, tokens, *out.shape[2:]), None
     if cu_seq_lens is None:  # no row boundaries: one causal sequence per batch row (generation, or a probe)
         return _causal(query, key, value, dropout if module.training else 0.0, scaling, sliding_window), None
     if query.shape[0] != 1:
@@ -78,6 +88,27 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
         if end > start
     ]
     return torch.cat(rows, dim=1), None
+
+
+def _rows_in(positions, query, key) -> bool:
+    """Whether position_ids describe the rows of this attention call (a training forward, not a cached decode)."""
+    return (
+        isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == query.shape[0]
+        and positions.shape[1] == query.shape[2] == key.shape[2] and query.shape[2] > 1
+    )  # fmt: skip
+
+
+def boundaries(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seq_lens int32, longest example) of (batch, tokens) position_ids read as one flat sequence: an example
+    starts at each batch row and wherever a position is not its predecessor's plus one. One host read (the longest
+    length is a Python int for the kernel), on the device where the positions are."""
+    batch, tokens = positions.shape
+    flat = positions.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1] + 1
+    starts[::tokens] = True
+    edges = torch.cat([starts.nonzero().flatten(), flat.new_tensor([batch * tokens])]).to(torch.int32)
+    return edges, int((edges[1:] - edges[:-1]).max())
 
 
 def _causal(query, key, value, dropout: float, scaling: float | None, sliding_window: int | None):

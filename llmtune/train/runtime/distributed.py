@@ -49,6 +49,8 @@ def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
         kwargs.update(rehearsal.configure(strategy))
     if strategy.startswith("zero"):
         kwargs["deepspeed"] = str(Path(plan["config_dir"]) / "deepspeed.json")
+        if (plan.get("mesh") or {}).get("sequence_parallel") == "ulysses":
+            kwargs["parallelism_config"] = ulysses_config(plan["mesh"]["context_parallel"])
         arch_list = arch_list_for_deepspeed(os.environ.get("TORCH_CUDA_ARCH_LIST"))
         if arch_list is not None and plan["cluster"]["device"] == "cuda":
             if rank == 0:
@@ -74,6 +76,18 @@ def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
 
                 rehearsal.context_parallel_on_cpu()
     return RankInfo(rank, local_rank, world, kwargs)
+
+
+def ulysses_config(size: int):
+    """accelerate's ParallelismConfig for DeepSpeed's Ulysses over `size` ranks; rows vary in length from batch to
+    batch. The attention it wraps is set once the model is loaded (the worker names the model's own:
+    llmtune_varlen, train/model/varlen.py, which accelerate's name check doesn't list but DeepSpeed takes, as it
+    takes any attention transformers has registered)."""
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=size, sp_handler=handler)
 
 
 def arch_list_for_deepspeed(value: str | None) -> str | None:

@@ -7,19 +7,15 @@ split: the failure mode of DeepSpeed or FSDP quietly degrading on CPU), the run 
 
 from __future__ import annotations
 
-import hashlib
 import socket
 
 from llmtune.errors import UserError
+from llmtune.train.data.collate import fingerprint
 from llmtune.train.runtime import collectives
 
 
 class SilentlyWrongRun(RuntimeError):
     pass
-
-
-def fingerprint(input_ids) -> str:
-    return hashlib.sha256(input_ids.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 def gather(report: dict) -> list[dict]:
@@ -35,13 +31,16 @@ def duplicate_rows(dataset) -> int:
     return len(dataset) - len(seen)
 
 
-def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset) -> list[dict]:
+def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset, whole: tuple | None = None) -> list[dict]:
     """Gather every rank's view of the run and stop it if the ranks don't form the planned job.
 
     `dataset`: the train rows (each with input_ids), read only when two data-parallel groups collide."""
     world, rank = collectives.world_size(), collectives.rank()
     report = {"rank": rank, "host": socket.gethostname(), "world_size": world, "accelerate_world_size": accelerate_world,
               "first_batch": fingerprint(input_ids), "first_batch_width": int(input_ids.shape[-1])}  # fmt: skip
+    if whole is not None:  # Ulysses: this rank holds a chunk of each row; the batch is the one its group splits
+        report.update(first_batch=whole[0], first_batch_width=whole[1], chunk=report["first_batch"],
+                      chunk_width=report["first_batch_width"])  # fmt: skip
     reports = gather(report)
     planned = plan["world_size"]
     for seen in reports:
@@ -155,7 +154,7 @@ def engine_report(trainer) -> dict:
         fsdp2 = _fsdp2_units(trainer.model)
         return {"engine": "tensor_parallel" + ("+fsdp2" if fsdp2 else ""), "wrapped_units": fsdp2, **split}
     if kind == "DeepSpeedEngine":
-        return _deepspeed_report(wrapped)
+        return _deepspeed_report(wrapped, getattr(trainer.args, "parallelism_config", None))
     if kind == "FullyShardedDataParallel":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -195,7 +194,7 @@ def _mesh_report(model) -> dict | None:
             "coordinates": dict(zip(names, mesh.get_coordinate() or [], strict=False)), "local_shapes": shapes}  # fmt: skip
 
 
-def _deepspeed_report(engine) -> dict:
+def _deepspeed_report(engine, parallelism=None) -> dict:
     zero = engine.optimizer
     name = type(zero).__name__
     if name == "DeepSpeedZeroOptimizer_Stage3":
@@ -208,10 +207,19 @@ def _deepspeed_report(engine) -> dict:
     def device(offloaded: bool, config) -> str:
         return str(getattr(config, "device", "none")).rsplit(".", 1)[-1] if offloaded else "none"
 
-    return {"engine": "deepspeed", "zero_stage": stage, "zero_optimizer": name,
-            "optimizer": type(engine.basic_optimizer).__name__,
-            "offload_optimizer": device(optimizer_offloaded, engine.zero_offload_optimizer()),
-            "offload_param": device(param_offloaded, engine.zero_offload_param())}  # fmt: skip
+    report = {"engine": "deepspeed", "zero_stage": stage, "zero_optimizer": name,
+              "optimizer": type(engine.basic_optimizer).__name__,
+              "offload_optimizer": device(optimizer_offloaded, engine.zero_offload_optimizer()),
+              "offload_param": device(param_offloaded, engine.zero_offload_param())}  # fmt: skip
+    if getattr(engine, "sequence_parallel_size", 1) > 1:  # Ulysses: its group, and whether it wraps the attention
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        attention = parallelism.sp_handler.sp_attn_implementation
+        report["sequence_parallel"] = {"size": engine.sequence_parallel_size, "attention": attention,
+                                       "rank": parallel_state_sp.get_sequence_parallel_rank(),
+                                       "wrapper": getattr(ALL_ATTENTION_FUNCTIONS[attention], "__name__", "")}  # fmt: skip
+    return report
 
 
 def _fsdp2_units(model) -> int:
