@@ -173,11 +173,8 @@ def _loss_kernels(recipe, strategy: str | None, kernels: Kernels) -> None:
         raise UserError("liger_cross_entropy and liger_fused_linear_cross_entropy both replace the loss; choose one",
                         "liger_fused_linear_cross_entropy also saves the logits memory")  # fmt: skip
     fused = kernels.liger["fused_linear_cross_entropy"]
-    if fused and strategy == "zero3":
-        # The kernel never calls the lm_head module, so ZeRO-3's gather hook never fires (an empty weight shard).
-        raise UserError("Liger's fused linear cross-entropy (also cut_cross_entropy) can't run under DeepSpeed ZeRO-3: "
-                        "it reads lm_head.weight directly, which ZeRO-3 keeps partitioned",
-                        "use fsdp_version: 2 or deepspeed: zero2, or liger_cross_entropy instead")  # fmt: skip
+    # Under ZeRO-3 the kernel reads lm_head.weight without calling lm_head: DeepSpeed gathers a partitioned
+    # parameter when it is read (tests/integration/test_zero3_direct_weight.py), so it needs nothing here.
     if strategy == "pipeline" and (fused or kernels.liger["cross_entropy"]):
         kernels.liger.update(fused_linear_cross_entropy=False, cross_entropy=False)
         kernels.notes.append("Liger's loss kernels: no effect with pipeline_parallel_size > 1 (the last stage "

@@ -76,11 +76,14 @@ LIGER = {"plugins": ["axolotl.integrations.liger.LigerPlugin"], "liger_rope": Tr
          "liger_glu_activation": True, "liger_fused_linear_cross_entropy": True}  # fmt: skip
 
 
-def test_liger_kernels_keep_the_loss_on_the_same_batches(make_recipe):
-    """Kernels on against off, bf16, same data order: every step's loss within bf16 noise, and Liger really ran."""
+@pytest.mark.parametrize("engine", [{}, {"deepspeed": "zero3"}], ids=["single", "zero3"])
+def test_liger_kernels_keep_the_loss_on_the_same_batches(make_recipe, engine):
+    """Kernels on against off, bf16, same data order: every step's loss within bf16 noise, and Liger really ran.
+    Under ZeRO-3 the fused cross-entropy reads lm_head.weight, which DeepSpeed gathers when it is read (the CPU
+    check of that: tests/integration/test_zero3_direct_weight.py)."""
     runs = {}
-    for name, changes in (("plain", {}), ("liger", LIGER)):
-        recipe = make_recipe(name, bf16=True, learning_rate=1e-3, **changes)
+    for name, changes in (("plain", engine), ("liger", {**LIGER, **engine})):
+        recipe = make_recipe(f"{name}-{len(engine)}", bf16=True, learning_rate=1e-3, **changes)
         result = llmtune("train", recipe, "--device", "cuda", env={"LLMTUNE_BATCH_HASHES": "1"}, timeout=900)
         assert result.returncode == 0, result.stderr[-4000:]
         runs[name] = (read_metrics(recipe), result.stderr + result.stdout)

@@ -82,7 +82,6 @@ def test_unknown_plugin_is_one_line_exit_2(run_cli, write_recipe, command):
     [
         ({"liger_cross_entropy": True, "liger_fused_linear_cross_entropy": True}, ["choose one"]),
         ({"plugins": [CCE_PLUGIN], "liger_cross_entropy": True}, ["cut_cross_entropy", "liger_cross_entropy"]),
-        ({"liger_fused_linear_cross_entropy": True, "deepspeed": "zero3"}, ["ZeRO-3", "lm_head"]),
         ({"torch_compile_mode": "fastest"}, ["torch_compile_mode"]),
     ],
 )
