@@ -121,15 +121,19 @@ def layers_needed(pipeline_stages: int = 1, virtual_stages: int = 1) -> int:
     return max(MIN_LAYERS, pipeline_stages * max(1, virtual_stages))
 
 
-def _heads(full: ModelFacts, hidden: int | None, multiple: int) -> tuple[int, int, int]:
-    """(heads, kv heads, head dim) of the shrunken model: the GQA ratio kept, the fewest heads (>= MIN_HEADS); the
-    head dimension kept unless a hidden size is asked for. Every projection's width (kv heads x head dim, and so the
-    hidden size) stays a multiple of `multiple`, and the head dimension even (rotary embeddings rotate pairs)."""
+def _heads(full: ModelFacts, hidden: int | None, multiple: int, split: int = 1) -> tuple[int, int, int]:
+    """(heads, kv heads, head dim) of the shrunken model: the GQA ratio kept, the fewest heads (>= MIN_HEADS) that
+    `split` ranks can share as the full model's are (Ulysses: heads divided among them, kv heads divided or
+    repeated); the head dimension kept unless a hidden size is asked for. Every projection's width (kv heads x head
+    dim, and so the hidden size) stays a multiple of `multiple`, and the head dimension even (rotary embeddings
+    rotate pairs)."""
     if full.num_heads % full.num_kv_heads:
         raise UserError(f"the model has {full.num_heads} heads and {full.num_kv_heads} key/value heads, which don't "
                         "divide", "check the model's config.json")  # fmt: skip
     ratio = full.num_heads // full.num_kv_heads
     kv_heads = max(1, math.ceil(MIN_HEADS / ratio))
+    while kv_heads < full.num_kv_heads and ((ratio * kv_heads) % split or (kv_heads % split and split % kv_heads)):
+        kv_heads += 1
     heads = ratio * kv_heads
     step = math.lcm(2, multiple // math.gcd(kv_heads, multiple))
     target = full.head_dim if hidden is None else hidden / heads
@@ -143,12 +147,13 @@ def _round_up(value: float, multiple: int = 8) -> int:
 
 
 def shrink_config(config: dict, min_layers: int = MIN_LAYERS, hidden: int | None = None,
-                  layers: int | None = None, multiple: int = 1) -> Shrunk:  # fmt: skip
+                  layers: int | None = None, multiple: int = 1, heads_split: int = 1) -> Shrunk:  # fmt: skip
     """The shrunken model's config.json. `hidden` (optional, rounded to heads x an even head dimension) trades
     the head dimension for speed; `layers` (optional) raises the layer count above what the plan needs;
-    `multiple` divides every linear layer's width (bitsandbytes' CPU kernels for 4-bit weights need 64)."""
+    `multiple` divides every linear layer's width (bitsandbytes' CPU kernels for 4-bit weights need 64);
+    `heads_split`: the ranks that share the heads (context parallelism under DeepSpeed)."""
     full = facts_from_config(config)
-    heads, kv_heads, head_dim = _heads(full, hidden, multiple)
+    heads, kv_heads, head_dim = _heads(full, hidden, multiple, heads_split)
     new_layers = max(min_layers, layers or 0)
     if new_layers > full.num_layers and min_layers > full.num_layers:
         raise UserError(f"the plan needs {min_layers} layers (one per pipeline stage) but the model has "

@@ -166,7 +166,8 @@ def _shrunken_model(recipe, gpu_plan, options: RehearsalOptions, online: bool, e
     # a k-bit base evaluated on CPU runs bitsandbytes' packed kernel, which needs widths in blocks of 64
     evaluates = recipe.val_set_size or recipe.test_datasets
     multiple = KBIT_CPU_BLOCK if (recipe.load_in_4bit or recipe.load_in_8bit) and evaluates else 1
-    shrunk = shrink_config(full.config, needed, options.hidden_size, options.layers, multiple)
+    split = (gpu_plan.mesh or {}).get("context_parallel", 1) if recipe.deepspeed is not None else 1  # Ulysses
+    shrunk = shrink_config(full.config, needed, options.hidden_size, options.layers, multiple, split)
     choice = rehearsal_model.choose_tokenizer(recipe, gguf_tokenizer, options.stand_in_tokenizer, online)
     tokenizer = rehearsal_model.load_rehearsal_tokenizer(recipe, choice)
     echo(f"[llmtune] rehearsal: {recipe.base_model} shrunk ({', '.join(shrunk.changes)}); {choice.note}")

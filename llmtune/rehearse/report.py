@@ -79,12 +79,15 @@ def full_scale_data(recipe, plan, data) -> dict:
     }
 
 
-def distinct_data(metrics: dict) -> dict:
+def distinct_data(metrics: dict, mesh: dict | None = None) -> dict:
+    """Whether each data-parallel group read its own first batch: the consecutive ranks of a tensor- or
+    context-parallel group split one batch, so a run of N ranks in groups of G has N / G distinct first batches."""
     batches = [r.get("first_batch") for r in metrics.get("ranks", []) if r.get("first_batch")]
     if not batches:
         return {"checked": False, "why": "this strategy's loop does not fingerprint first batches (pipeline)"}
+    group = (mesh or {}).get("tensor_parallel", 1) * (mesh or {}).get("context_parallel", 1)
     return {"checked": True, "ranks": len(batches), "distinct_first_batches": len(set(batches)),
-            "ok": len(set(batches)) == len(batches)}  # fmt: skip
+            "ranks_per_batch": group, "ok": len(set(batches)) == len(batches) // group}  # fmt: skip
 
 
 def memory(recipe, rehearsal, plan, shrunk, gpu_memory: float, metrics: dict) -> dict:
@@ -212,7 +215,7 @@ def build_report(*, recipe, rehearsal, plan, gpu_plan, shrunk, full, tokenizer, 
         },  # fmt: skip
         "tokenizer": {"location": tokenizer.location, "real": tokenizer.real, "note": tokenizer.note},
         "data": full_scale_data(recipe, gpu_plan, data),
-        "ranks": distinct_data(metrics),
+        "ranks": distinct_data(metrics, plan.mesh),
         "memory": memory(recipe, rehearsal, plan, shrunk, gpu_memory, metrics),
         "checkpoint": checkpoint(
             recipe, plan, shrunk, checkpoint_dir, metrics["trainable_parameters"], metrics["total_parameters"]
@@ -255,7 +258,9 @@ def report_lines(report: dict) -> list[tuple[str, str]]:
                           f"{stats['dropped_too_long']} too long, {stats['dropped_no_labels']} without trained "
                           f"tokens{packing}"))  # fmt: skip
     if ranks["checked"]:
-        lines.append(("ranks", f"{ranks['distinct_first_batches']} distinct first batches of {ranks['ranks']} ranks"
+        split = ranks.get("ranks_per_batch", 1)
+        each = f" (each split by {split} ranks)" if split > 1 else ""
+        lines.append(("ranks", f"{ranks['distinct_first_batches']} distinct first batches of {ranks['ranks']} ranks{each}"
                                + ("" if ranks["ok"] else ": SOME RANKS SAW THE SAME DATA")))  # fmt: skip
     if mem.get("checked"):
         verdict = "agree" if mem["ok"] else "DISAGREE"

@@ -254,6 +254,11 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     if resume:
         _check_rows(marker, trainer.train_dataset, resume)
         log(f"resuming from {resume}")
+        if batches.layout == SEQUENCE_SPLIT:
+            from llmtune.train.engine.callbacks import UlyssesResume
+
+            args.ignore_data_skip = True  # (UlyssesResume skips the trained batches instead)
+            trainer.add_callback(UlyssesResume(trainer, resume))
         trainer.saved_world, trainer.rows_before = marker.get("world_size"), marker.get("rows_seen")
         from llmtune.plan.resume import started_from
 

@@ -145,13 +145,23 @@ def test_context_parallel_under_deepspeed_is_ulysses_with_one_process_s_gradient
     the losses (AdamW would hide it: transformers' own Ulysses loss doubles the gradient at 2 ranks under ZeRO-2,
     and weighs accumulated micro-batches alike). Each rank holds half of every row, the two ranks split the same
     batches, the attention keeps the packed examples apart, and losses, gradient norms, eval losses, rows and tokens
-    are one process's."""
+    are one process's. The ZeRO-3 run is killed after its checkpoint in the second epoch and resumed, which the
+    Trainer can't do with DeepSpeed's data adapter (llmtune's UlyssesResume does)."""
     changes = {"sample_packing": True, "optimizer": "sgd", "max_grad_norm": 0, "learning_rate": 0.5,
-               "gradient_accumulation_steps": 2, "val_set_size": 0.25, "eval_steps": 2}  # fmt: skip
+               "gradient_accumulation_steps": 2, "val_set_size": 0.75, "eval_steps": 3, "max_steps": 6}  # fmt: skip
     single, _ = run(workspace, "ulysses-single", 1, 1, **changes)  # micro-batches of unequal tokens, accumulated
+    assert single["log_history"][-2]["epoch"] > 1  # the runs cross into a second epoch
+    killed = {"save_strategy": "steps", "save_steps": 5}
+    with pytest.raises(AssertionError):  # the killed run fails (run() asserts success)
+        run(workspace, "ulysses-zero3", 2, 1, deepspeed="zero3", context_parallel_size=2,
+            env={"LLMTUNE_TEST_EXIT_AFTER_STEP": "5"}, **changes, **killed)  # fmt: skip
     for stage in ("zero2", "zero3"):
         metrics, output_dir = run(workspace, f"ulysses-{stage}", 2, 1, deepspeed=stage, context_parallel_size=2,
-                                  **changes)  # fmt: skip
+                                  **changes, **(killed if stage == "zero3" else {}))  # fmt: skip
+        if stage == "zero3":
+            assert metrics["resumed_from"].endswith("checkpoint-5") and metrics["steps"] == 6
+            metrics["log_history"] = [e for e in single["log_history"] if e.get("step", 0) <= 5] + [
+                e for e in metrics["log_history"] if e.get("step", 0) > 5]  # fmt: skip
         plan = json.loads((output_dir / "llmtune" / "plan.json").read_text())["plan"]
         assert plan["mesh"]["sequence_parallel"] == "ulysses" and plan["data_parallel_size"] == 1
         assert plan["kernels"]["batches"]["layout"] == "sequence-split"
@@ -159,8 +169,9 @@ def test_context_parallel_under_deepspeed_is_ulysses_with_one_process_s_gradient
         for key in ("grad_norm", "eval_loss"):  # evaluation: each rank reads whole rows of its own (Ulysses is off)
             ulysses, one = ([e[key] for e in m["log_history"] if key in e] for m in (metrics, single))
             assert len(ulysses) >= 2 and ulysses == pytest.approx(one, rel=1e-4), (stage, key)
-        assert metrics["rows_seen"] == single["rows_seen"] == STEPS * 2
-        assert metrics["tokens_seen"] == single["tokens_seen"]
+        assert metrics["rows_seen"] == single["rows_seen"] == 6 * 2
+        if stage == "zero2":  # (the resumed run counts the tokens of its own steps)
+            assert metrics["tokens_seen"] == single["tokens_seen"]
         ranks = metrics["ranks"]
         assert all(r["engine"] == "deepspeed" and r["zero_stage"] == int(stage[-1]) for r in ranks)
         assert all(r["sequence_parallel"] == {"size": 2, "rank": r["rank"], "attention": "llmtune_varlen",

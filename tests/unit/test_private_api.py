@@ -705,6 +705,16 @@ def test_deepspeed_param_attributes():
                f"a ZeRO-3 parameter's .{attribute}", "is no longer set by zero.Init")  # fmt: skip
 
 
+def test_deepspeed_ulysses_adapter():
+    text = deepspeed_file("runtime/sequence_parallel/ulysses_sp.py")
+    adapter = text[text.index("class UlyssesSPDataLoaderAdapter"):]
+    for needle, what in (("self.dl = dl", "keeps the loader it wraps as .dl"),
+                         ("self.iter = iter(dl)", "opens its iterator as .iter when it is built"),
+                         ("self.iter = iter(self.dl)", "reopens .iter on .dl at the end of an epoch")):  # fmt: skip
+        expect(needle in adapter, "deepspeed-ulysses-adapter", "deepspeed", "UlyssesSPDataLoaderAdapter",
+               f"no longer {what}")  # fmt: skip
+
+
 # --- liger-kernel, flash attention kwargs, tensor subclasses ---------------------------------------------------------
 
 

@@ -40,6 +40,24 @@ def test_default_shrink_keeps_head_dimension_gqa_ratio_and_vocabulary():
     assert "num_hidden_layers 32 -> 2" in shrunk.changes and parameter_ratio(shrunk) > 50
 
 
+@pytest.mark.parametrize(("split", "heads", "kv_heads"), [(1, 4, 1), (2, 4, 1), (4, 4, 1), (8, 8, 2)])
+def test_a_shrink_for_ulysses_keeps_heads_its_ranks_can_share(split, heads, kv_heads):
+    """Context parallelism under DeepSpeed gives each of its ranks whole heads (KV heads divided or repeated): the
+    rehearsal's model keeps the fewest heads that allow it, as the full model's 32/8 do."""
+    small = shrink_config(LLAMA_8B, heads_split=split).shrunk
+    assert (small.num_heads, small.num_kv_heads) == (heads, kv_heads)
+    assert small.num_heads % split == 0 and (small.num_kv_heads % split == 0 or split % small.num_kv_heads == 0)
+
+
+def test_the_rehearsal_counts_distinct_batches_per_data_parallel_group():
+    from llmtune.rehearse.report import distinct_data
+
+    ranks = {"ranks": [{"first_batch": "a"}, {"first_batch": "a"}, {"first_batch": "b"}, {"first_batch": "b"}]}
+    assert distinct_data(ranks, {"context_parallel": 2})["ok"]  # two groups of two ranks, one batch each
+    assert not distinct_data(ranks, None)["ok"]  # four data-parallel ranks that saw two batches
+    assert distinct_data({"ranks": [{"first_batch": x} for x in "abcd"]}, {"tensor_parallel": 1})["ok"]
+
+
 def test_a_hidden_size_trades_the_head_dimension_and_says_so():
     shrunk = shrink_config(known_config("meta-llama/Llama-3.1-70B-Instruct"), hidden=64)
     small = shrunk.shrunk

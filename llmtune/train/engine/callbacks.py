@@ -213,3 +213,28 @@ class HostSyncWatch(TrainerCallback):
             torch.cuda.set_sync_debug_mode(0)
             self._catcher.__exit__(None, None, None)
             self._catcher = None
+
+
+class UlyssesResume(TrainerCallback):
+    """A resume under DeepSpeed's Ulysses, whose data adapter the Trainer can't fast-forward: accelerate's
+    skip_first_batches rebuilds a plain DataLoader from the loader it is given, and the adapter has no dataset
+    (AttributeError at the first resumed step, measured). The worker turns the Trainer's skip off (ignore_data_skip)
+    and this does it instead, before the first step: the adapter's loader is set to the checkpoint's epoch (its
+    shuffle), the micro-batches that epoch already trained are drawn and dropped (read and split, not computed),
+    and the RNG state is restored as the Trainer does after its own skip."""
+
+    def __init__(self, trainer, checkpoint: str):
+        self.trainer, self.checkpoint = trainer, checkpoint
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        if not state.global_step or train_dataloader is None:
+            return
+        accumulation = args.gradient_accumulation_steps
+        length = len(train_dataloader)  # micro-batches per epoch: the adapter yields each batch's chunks in turn
+        per_epoch = max(length // accumulation + int(length % accumulation > 0), 1)
+        epoch, done = divmod(state.global_step, per_epoch)
+        train_dataloader.dl.set_epoch(epoch)
+        train_dataloader.iter = iter(train_dataloader.dl)  # the adapter opened epoch 0's iterator when it was built
+        for _ in range(done * accumulation):
+            next(train_dataloader)
+        self.trainer._load_rng_state(self.checkpoint)
