@@ -84,10 +84,12 @@ def ulysses_loss(model, inputs: dict, trained_tokens, averaged_over: int, data_p
     rank, no sequence-parallel correction). Each rank's forward gives the mean loss over its chunk; its gradient is
     its chunk's token-loss sum over the step's tokens, times `averaged_over`, so the step's gradient is one process's
     token mean over the same rows. The value is the group's sum over the step's tokens times the data-parallel
-    groups: averaged over the ranks as the Trainer logs it, the step's loss. transformers' own Ulysses loss gathers the losses with a differentiable all-gather,
-    whose backward sums the group's copies: gradients context_parallel_size times too large (measured in the CPU
-    rehearsal: at 2 ranks the reported grad_norm doubles, and with SGD the losses part from one process's at step 2;
-    AdamW mostly hides it), and it weighs the micro-batches of an accumulation alike, whatever their tokens."""
+    groups: averaged over the ranks as the Trainer logs it, the step's loss.
+
+    transformers' own Ulysses loss gathers the losses with a differentiable all-gather, whose backward sums the
+    group's copies: under ZeRO-1/2 gradients context_parallel_size times too large (measured in the CPU rehearsal:
+    at 2 ranks the reported grad_norm doubles, and with SGD the losses part from one process's at step 2; AdamW
+    mostly hides it), and it weighs the micro-batches of an accumulation alike, whatever their tokens."""
     import torch
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
@@ -99,7 +101,6 @@ def ulysses_loss(model, inputs: dict, trained_tokens, averaged_over: int, data_p
     tokens = trained_tokens.clamp(min=1)
     gradient = local * averaged_over / tokens
     loss = gradient + (group * data_parallel / tokens - gradient.detach())
-
     return (loss, outputs) if return_outputs else loss
 
 
