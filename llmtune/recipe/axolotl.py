@@ -289,7 +289,8 @@ def _datasets(data: dict, path: Path, notes: Notes) -> None:
                     if entry.get(new) not in (None, value):
                         raise UserError(f"{path}: {group}[{index}].{key} and .{new} disagree; keep {new}")
                     spec[new] = value
-                elif key in FORMAT_KEYS and isinstance(entry.get("type"), str):
+                elif (key in FORMAT_KEYS and isinstance(entry.get("type"), str)
+                      and not (key == "field_system" and entry["type"].startswith("chat_template"))):  # fmt: skip
                     format_key(f"{group}[{index}]", key, value, entry["type"], notes, path)
                 elif key in PREFERENCE_KEYS and not data.get("rl"):
                     notes.unused(f"{group}[{index}].{key}", "a preference data key, beside a dataset without rl: "

@@ -351,7 +351,6 @@ INTENDED = {
 AXOLOTL_DATASET_KEYS: dict[str, AxolotlKey] = {
     **_no_effect(DECIDED, "preprocess_shards input_format"),
     **_refused("per-row input transforms", "transform the data beforehand", "input_transform"),
-    **_refused("tool definitions in chat data", "render tools into the messages beforehand", "field_tools"),
     **_refused(
         "per-message partial training",
         "use message_field_training (whole messages)",

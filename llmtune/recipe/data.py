@@ -161,7 +161,21 @@ class DatasetSpec(Section):
     message_field_training: str | None = Field(
         None, description="A per-message true/false field that overrides roles_to_train for that message."
     )
-    field_thinking: str | None = Field(None, description="Message field holding reasoning text (chat_template).")
+    field_thinking: str | None = Field(
+        None,
+        description="Message field holding reasoning text (chat_template; "
+        "default: reasoning_content, where a message has it).",
+    )
+    field_system: str = Field(
+        "system",
+        description="chat_template: a row field with a system prompt, put first when "
+        "the conversation has no system message (Axolotl from v0.9.0).",
+    )
+    field_tools: str = Field(
+        "tools",
+        description="chat_template: a row field with tool definitions (a list, or its "
+        "JSON text), given to the chat template as `tools`.",
+    )
     template_thinking_key: str | None = Field(
         None, description="Name the chat template reads reasoning from (default: field_thinking); trained with "
         "the answer.",
@@ -220,6 +234,13 @@ class DatasetSpec(Section):
                                  "of Axolotl's older formats (sharegpt, alpaca_chat, oasst, ...)")  # fmt: skip
             if base in STYLED and style and style not in PROMPT_STYLES:
                 raise ValueError(f"type '{value}': the prompt style is one of {', '.join(PROMPT_STYLES)}")
+            if style and base not in STYLED and value != "sharegpt:chat":  # (Axolotl read that one as sharegpt; it
+                # refused the others: "unhandled prompt tokenization strategy")
+                instead = (f"type: {base} with conversation: {style}" if base == "sharegpt" and style in CONVERSATIONS
+                           else f"type: {base} with chat_template: {style}" if base == "chat_template"
+                           else f"type: {base}")  # fmt: skip
+                raise ValueError(f"type '{value}': a ':{style}' prompt style belongs to the alpaca-style types "
+                                 f"({', '.join(STYLED)}); for this data write {instead}")  # fmt: skip
             return f"{base}:{style}" if base in STYLED and style not in ("", "instruct") else base
         return value
 

@@ -116,6 +116,10 @@ def check_checkpoint_kind(folder: Path, adapter: str | None, recipe_path: Path |
                         "resume it without adapter:")  # fmt: skip
 
 
+# `datasets`' file readers, named as a dataset's path with data_files (path: json)
+BUILDERS = ("json", "jsonl", "csv", "parquet", "arrow", "text")
+
+
 def check_local_paths(recipe, recipe_path: Path) -> None:
     """Replace local names in the recipe by absolute paths, failing on ones that don't exist."""
     check_output_dir(recipe.output_dir, recipe_path)
@@ -167,3 +171,13 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
                         continue  # a glob, as `datasets` expands it
                     if not on_disk(str(base / name), where, recipe_path) and not on_disk(name, where, recipe_path):
                         raise UserError(f"{recipe_path}: {group}[{index}].data_files: {name} not found in {base}")
+            elif spec.path in BUILDERS and spec.data_files:  # path: json with local data_files (Axolotl's usual form)
+                files = [spec.data_files] if isinstance(spec.data_files, str) else spec.data_files
+                for name in files:
+                    if "://" in name or (is_glob(name) and glob.glob(name, recursive=True)):
+                        continue  # a URL (the hub route reads it), or a glob that matches
+                    if not Path(name).expanduser().exists():
+                        raise UserError(f"{recipe_path}: {group}[{index}].data_files: {name} does not exist"
+                                        + (" (no file matches the pattern)" if is_glob(name) else ""),
+                                        "relative paths are read from the folder llmtune runs in, as Axolotl "
+                                        "reads them")  # fmt: skip

@@ -694,3 +694,112 @@ def test_a_turn_terminator_that_never_trains_is_said_once(tmp_path, keys, why, c
         return
     assert len(notes) == 1 and why in notes[0] and "eot_tokens: ['[END]']" in notes[0]  # once for both datasets
     assert not end_trained
+
+
+# Qwen3's way (Axolotl's qwen3.jinja does the same): an answer before the last question loses its reasoning, the
+# turns after it get a thinking block (empty when there is none), and `<think>` inside a content is split out.
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last=0) %}{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last = loop.index0 %}"
+    "{%- endif %}{%- endfor %}{%- for m in messages %}{%- if m.role == 'assistant' %}{%- set content = m.content %}"
+    "{%- set reasoning = m.reasoning_content or '' %}{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip() %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last %}{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content"
+    " + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("second", "expected"),
+    [
+        ({"role": "assistant", "content": "a2"}, ["a1<|im_end|>", "a2<|im_end|>"]),  # (not the empty block)
+        ({"role": "assistant", "content": "<think>r2</think>a2"}, ["a1<|im_end|>", "r2\n</think>\n\na2<|im_end|>"]),
+        ({"role": "assistant", "content": "a2", "reasoning_content": "r2"}, ["a1<|im_end|>",
+                                                                             "r2\n</think>\n\na2<|im_end|>"]),
+    ],
+)  # fmt: skip
+def test_a_template_that_renders_earlier_turns_differently_later_trains_every_answer(tok, second, expected):
+    """Rendering turn by turn can't place these labels (an earlier answer changes once a question follows); they are
+    found in the whole conversation instead, as Axolotl does: every answer trains, the last with its reasoning."""
+    messages = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "<think>r1</think>a1"},
+                {"role": "user", "content": "q2"}, second]  # fmt: skip
+    [(ids, labels)] = run(tok, {"messages": messages}, template=QWEN3_LIKE, sequence_len=256, type="chat_template")
+    assert tok.decode(ids).startswith("<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\na1<|im_end|>")
+    assert pieces(tok, ids, labels) == expected
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTOOLS {{ tools | tojson }}<|im_end|>\n{% endif %}{% for m in messages %}"
+    "<|im_start|>{{ m.role }}\n{% if m.tool_calls %}CALL {{ m.tool_calls | tojson }}{% endif %}{{ m.content }}"
+    "{% if m.name %} ({{ m.name }}){% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_tool_calls_and_a_system_column_reach_the_template_and_tool_calls_train(tok):
+    """What Axolotl passes to the chat template: the row's `tools` (a list or its JSON text), every other key of a
+    message (tool_calls, name, ...), and the row's `system` first where the conversation has none. An assistant turn
+    that only calls a tool trains its call."""
+    call = [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]
+    row = {"system": "Be brief.", "tools": '[{"type": "function", "function": {"name": "weather"}}]',
+           "messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": call},
+                        {"role": "tool", "content": "sunny", "name": "weather"},
+                        {"role": "assistant", "content": "Sunny."}]}  # fmt: skip
+    [(ids, labels)] = run(tok, row, template=TOOLS_TEMPLATE, sequence_len=512, type="chat_template")
+    text = tok.decode(ids)
+    assert text.startswith('<|im_start|>system\nTOOLS [{"type": "function", "function": {"name": "weather"}}]')
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in text and "sunny (weather)<|im_end|>" in text
+    assert pieces(tok, ids, labels) == [f"CALL {__import__('json').dumps(call)}<|im_end|>", "Sunny.<|im_end|>"]
+    with pytest.raises(RowError, match="'tools' is text but not JSON"):
+        run(tok, {**row, "tools": "[{"}, template=TOOLS_TEMPLATE, sequence_len=512, type="chat_template")
+
+
+def test_message_training_flags_read_as_axolotl_reads_them_and_mapped_reasoning_trains(tok):
+    """message_field_training takes 0/1 as false/true (a parquet or pandas export); a key message_property_mappings
+    renames (thought -> reasoning_content) reaches the template and trains with its answer."""
+    messages = [{"from": "user", "value": "hi"}, {"from": "assistant", "value": "Bad", "train": 0},
+                {"from": "user", "value": "again"}, {"from": "assistant", "value": "Good", "train": 1}]  # fmt: skip
+    spec = {"type": "chat_template", "message_property_mappings": {"role": "from", "content": "value"},
+            "message_field_training": "train"}  # fmt: skip
+    [(ids, labels)] = run(tok, {"messages": messages}, template=tok.chat_template, sequence_len=256, **spec)
+    assert pieces(tok, ids, labels) == ["Good<|im_end|>"]
+    thinking = "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"  # noqa: E501
+    mapped = {"role": "from", "content": "value", "reasoning_content": "thought"}
+    row = {"messages": [{"from": "user", "value": "hi"}, {"from": "assistant", "value": "ok", "thought": "hmm"}]}
+    [(ids, labels)] = run(tok, row, template=thinking, sequence_len=256, type="chat_template",
+                          message_property_mappings=mapped)  # fmt: skip
+    assert pieces(tok, ids, labels) == ["<think>hmm</think>ok<|im_end|>"]
+
+
+@pytest.mark.parametrize(("kind", "instead"), [("sharegpt:chatml", "type: sharegpt with conversation: chatml"),
+                                               ("chat_template:llama3", "type: chat_template with chat_template: llama3"),
+                                               ("completion:chatml", "type: completion")])  # fmt: skip
+def test_a_prompt_style_suffix_on_a_type_that_has_none_is_refused_with_what_to_write(kind, instead):
+    """Axolotl read `:style` on alpaca-style types only (and `sharegpt:chat` as sharegpt); llmtune used to drop the
+    suffix silently (sharegpt:chatml trained in vicuna's format)."""
+    with pytest.raises(ValueError, match=instead):
+        DatasetSpec(path="x", type=kind)
+    assert DatasetSpec(path="x", type="sharegpt:chat").type == "sharegpt"
+
+
+def test_a_single_file_is_one_split_and_missing_builder_files_are_named(tmp_path):
+    """A single file (or path: json with data_files) is the one split 'train', as `datasets` reads it: another split
+    is refused (before, the whole file was read: test_datasets' split: test was the training data). A data_files
+    name that doesn't exist is named at validation, not reported later as a hub dataset that can't be loaded."""
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.data.sources import read_rows
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(4)])
+    for spec in (DatasetSpec(path=str(path), type="completion", split="test"),
+                 DatasetSpec(path="json", data_files=[str(path)], type="completion", split="test")):  # fmt: skip
+        with pytest.raises(UserError, match=r"datasets\[0\].split: 'test': .* is read as one split, 'train'"):
+            list(read_rows(spec, "datasets[0]"))
+    sliced = DatasetSpec(path=str(path), type="completion", split="train[50%:]")
+    assert [row["text"] for row, _ in read_rows(sliced, "datasets[0]")] == ["row 2", "row 3"]
+    mapping = {"base_model": str(tmp_path), "datasets": [{"path": "json", "data_files": str(tmp_path / "none.jsonl"),
+                                                          "type": "completion"}]}  # fmt: skip
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UserError, match=r"datasets\[0\].data_files: .*none.jsonl does not exist"):
+        recipe_from_mapping(mapping, tmp_path / "r.yaml")

@@ -88,9 +88,20 @@ def pretokenized(row: dict, ctx: FormatContext) -> list[Example]:
     return [([int(i) for i in ids], [int(x) for x in labels])]
 
 
+OWN_KEYS = ("training", "has_thinking")  # what llmtune itself puts on a message
+
+
 def _messages(row: dict, spec) -> list[dict]:
+    """The row's conversation as the chat template reads it: each message's role and content, every other key it
+    carries (tool_calls, name, tool_call_id, reasoning_content, ...: Axolotl passes them to the template), the keys
+    message_property_mappings renames, and the row's system field first where the conversation has no system
+    message."""
     raw = _field(row, spec.field_messages, list)
-    role_key, content_key = spec.message_property_mappings["role"], spec.message_property_mappings["content"]
+    mappings = spec.message_property_mappings
+    role_key, content_key = mappings["role"], mappings["content"]
+    renamed = {source: key for key, source in mappings.items() if key not in ("role", "content")}
+    thinking_key = spec.field_thinking or "reasoning_content"  # Axolotl's default from v0.12.0
+    thinking_from = next((source for source, key in renamed.items() if key == thinking_key), thinking_key)
     aliases = dict(ROLE_ALIASES)
     for role, names in (spec.roles or {}).items():
         aliases.update({name: role for name in names})
@@ -101,22 +112,50 @@ def _messages(row: dict, spec) -> list[dict]:
         content = message[content_key]
         if isinstance(content, list):  # [{"type": "text", "text": ...}]
             content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if content is None and message.get("tool_calls"):  # an assistant turn that only calls tools
+            content = ""
         if not isinstance(content, str):
             raise RowError(f"{spec.field_messages}[{index}].{content_key} must be text")
         role = aliases.get(message[role_key], message[role_key])
         if role == "system" and spec.drop_system_message:
             continue
         entry = {"role": role, "content": content}
-        if spec.message_field_training and isinstance(message.get(spec.message_field_training), bool):
-            entry["training"] = message[spec.message_field_training]
-        thinking = message.get(spec.field_thinking) if spec.field_thinking else None
+        for key, value in message.items():  # None: a key other rows have (a parquet or datasets column)
+            name = renamed.get(key, key)
+            if value is not None and key not in (role_key, content_key, spec.message_field_training, thinking_from) \
+                    and name not in entry and name not in OWN_KEYS:  # fmt: skip
+                entry[name] = value
+        training = message.get(spec.message_field_training) if spec.message_field_training else None
+        if training is not None:  # Axolotl's truth value: 0/1 as well as false/true
+            entry["training"] = bool(training)
+        thinking = message.get(thinking_from)
         if isinstance(thinking, str) and thinking:
-            entry[spec.template_thinking_key or spec.field_thinking] = thinking
+            entry[spec.template_thinking_key or thinking_key] = thinking
             entry["has_thinking"] = True
         messages.append(entry)
     if not messages:
         raise RowError(f"'{spec.field_messages}' is empty")
+    system = row.get(spec.field_system)
+    if isinstance(system, str) and system and messages[0]["role"] != "system" and not spec.drop_system_message:
+        messages.insert(0, {"role": "system", "content": system})
     return messages
+
+
+def _tools(row: dict, spec) -> list | None:
+    """The row's tool definitions for the chat template (a list, or its JSON text), or None."""
+    import json
+
+    tools = row.get(spec.field_tools)
+    if isinstance(tools, str) and tools.strip():
+        try:
+            tools = json.loads(tools)
+        except ValueError as err:
+            raise RowError(f"'{spec.field_tools}' is text but not JSON ({err})") from None
+    if tools in (None, "", []):
+        return None
+    if not isinstance(tools, list):
+        raise RowError(f"'{spec.field_tools}' must be a list of tool definitions")
+    return tools
 
 
 def _turn_ends(ids: list[int], offsets, content_end: int, end: int, markers) -> tuple[int, int] | None:
@@ -179,8 +218,8 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     from llmtune.train.data.templates import render
 
     spec, tokenizer, template = ctx.spec, ctx.tokenizer, ctx.template
-    messages = _messages(row, spec)
-    full = render(template, messages, tokenizer)
+    messages, tools = _messages(row, spec), _tools(row, spec)
+    full = render(template, messages, tokenizer, tools=tools)
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     train_roles = set(spec.roles_to_train)
@@ -192,22 +231,21 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     trained_chars: list[tuple[int, int]] = []
     eot_chars: list[tuple[int, int, bool]] = []  # end-of-turn token span, and whether its turn is trained
     eos_chars: list[tuple[int, int, bool]] = []
-    previous_end = 0
-    for index, message in enumerate(messages):
+    turns = _turns_by_prefix(template, messages, tokenizer, full, tools)
+    if turns is None:  # the template renders earlier turns differently once later ones follow (Qwen3's thinking)
+        turns = _turns_in_full(template, messages, tokenizer, full, tools, (ids, offsets, markers))
+    for message, (start, found, content_end, end) in zip(messages, turns, strict=True):
         # train_on_inputs makes every turn trainable (Axolotl's should_train); a message's own `training` wins
         trained = message.get("training", ctx.train_on_inputs or message["role"] in train_roles)
-        upto = render(template, messages[: index + 1], tokenizer)
-        if not full.startswith(upto):
-            raise RowError("the chat template renders earlier turns differently once later ones are added")
-        end = len(upto)
-        start = previous_end
-        if message["role"] == "assistant" and index:
-            # Skip the assistant header exactly as the model will see it at inference time.
-            start = len(render(template, messages[:index], tokenizer, add_generation_prompt=True))
         content = message["content"].strip()  # templates often trim the content
-        found = _content_start(template, messages, index, tokenizer, full, content, start, end)
-        content_end = found + len(content) if found >= 0 else end
-        trained = trained and bool(content or message.get("has_thinking"))  # an empty answer teaches nothing
+        calls = message["role"] == "assistant" and bool(message.get("tool_calls"))
+        if calls:  # the tool calls train with the answer: the turn after its header, up to its last end marker
+            last = [
+                a for (a, b), token in zip(offsets, ids, strict=True) if start <= a and b <= end and token in markers
+            ]
+            content_end = last[-1] if last else end
+            found = -1
+        trained = trained and bool(content or message.get("has_thinking") or calls)  # an empty answer teaches nothing
         if trained:
             # reasoning rendered before the answer trains with it
             begin = start if message.get("has_thinking") or found < 0 else found
@@ -218,7 +256,6 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
         eos_end = _turn_ends(ids, offsets, content_end, end, eos) if eos else None
         if eos_end:
             eos_chars.append((*eos_end, trained))
-        previous_end = end
     eot_mode = (spec.train_on_eot or spec.train_on_eos) if ctx.eot_ids else spec.train_on_eos
     spans = trained_chars + _chosen(eot_chars, eot_mode) + _chosen(eos_chars, spec.train_on_eos)
     labels = []
@@ -230,11 +267,96 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     return [(list(ids), labels)]
 
 
+def _turns_by_prefix(template: str, messages: list[dict], tokenizer, full: str, tools) -> list | None:
+    """Each message's (start, content start or -1, end) in `full`, from the conversation rendered turn by turn;
+    None where a turn renders differently once later turns follow."""
+    from llmtune.train.data.templates import render
+
+    turns, previous_end = [], 0
+    for index, message in enumerate(messages):
+        upto = render(template, messages[: index + 1], tokenizer, tools=tools)
+        if not full.startswith(upto):
+            return None
+        end, start = len(upto), previous_end
+        if message["role"] == "assistant" and index:
+            # Skip the assistant header exactly as the model will see it at inference time (as much of it as the
+            # turn has: Qwen3's opens an empty thinking block, which a turn with reasoning fills)
+            head, opened = _opening(full, _assistant_header(template, messages[:index], tokenizer, tools), start)
+            start = opened + len(head) if opened >= 0 else start
+        content = message["content"].strip()
+        found = _content_start(template, messages, index, tokenizer, full, content, start, end, tools)
+        turns.append((start, found, found + len(content) if found >= 0 else end, end))
+        previous_end = end
+    return turns
+
+
+def _turns_in_full(template: str, messages: list[dict], tokenizer, full: str, tools, tokens) -> list:
+    """Each message's (start, content start or -1, content end, end) in `full` when the template renders an earlier
+    turn differently once later turns follow (Qwen3 drops the reasoning of answers before the last question, writes
+    an empty thinking block only after it, and splits `<think>` out of a content). Axolotl finds its turns in the
+    full rendering too. A content is where the whole conversation, that content replaced by a stand-in, has the
+    stand-in; where the template rewrites the turn around it (the last answer's thinking block), the turn starts
+    after the assistant header. Either way the content runs to the turn's end token, as the template rendered it."""
+    from llmtune.train.data.templates import render
+
+    ids, offsets, markers = tokens
+    ends = [(a, b) for (a, b), token in zip(offsets, ids, strict=True) if token in markers and b > a]
+    turns, previous = [], 0
+    for index, message in enumerate(messages):
+        probe = [*messages[:index], {**message, "content": SENTINEL}, *messages[index + 1 :]]
+        try:
+            rendered = render(template, probe, tokenizer, tools=tools)
+        except UserError:
+            rendered = ""
+        at = rendered.find(SENTINEL)
+        rewritten = at < 0 or not full.startswith(rendered[:at]) or at < previous
+        if rewritten or message.get("has_thinking") or message.get("tool_calls"):
+            head, opened = _opening(full, _assistant_header(template, messages[:index], tokenizer, tools), previous)
+            opened = opened if message["role"] == "assistant" else -1
+            if opened < 0 and rewritten:
+                raise RowError(f"message {index} ({message['role']}) is not where this chat template renders it in "
+                               "the whole conversation, so its labels can't be placed")  # fmt: skip
+            start = opened + len(head) if opened >= 0 else at
+            at = at if not rewritten and not message.get("has_thinking") else start
+        else:
+            start = at
+        marker = next(((a, b) for a, b in ends if a >= at), (len(full), len(full)))
+        # the content as rendered, up to the turn's end token, where the template changed it or wrote reasoning
+        whole = rewritten or message.get("has_thinking") or not full.startswith(message["content"].strip(), at)
+        content_end = marker[0] if whole else at + len(message["content"].strip())
+        turns.append((start, -1 if whole else at, content_end, marker[1]))
+        previous = marker[1]
+    return turns
+
+
+def _opening(full: str, head: str, after: int) -> tuple[str, int]:
+    """The longest start of the assistant header, cut at a line end, that `full` has after `after`, and where it is
+    (Qwen3's generation prompt opens an empty thinking block that a turn with reasoning fills)."""
+    cuts = [i + 1 for i, char in enumerate(head) if char == "\n"] + [len(head)]
+    for cut in sorted(set(cuts), reverse=True):
+        at = full.find(head[:cut], after) if head[:cut] else -1
+        if at >= 0:
+            return head[:cut], at
+    return "", -1
+
+
+def _assistant_header(template: str, earlier: list[dict], tokenizer, tools) -> str:
+    """What the template writes to open an assistant turn after `earlier` (its generation prompt), or ''."""
+    from llmtune.train.data.templates import render
+
+    try:
+        base = render(template, earlier, tokenizer, tools=tools)
+        prompt = render(template, earlier, tokenizer, add_generation_prompt=True, tools=tools)
+    except UserError:
+        return ""
+    return prompt[len(base) :] if prompt.startswith(base) else ""
+
+
 SENTINEL = "\u2063llmtune\u2063"  # text no template produces (invisible separators around a word)
 
 
 def _content_start(template: str, messages: list[dict], index: int, tokenizer, full: str, content: str, start: int,
-                   end: int) -> int:  # fmt: skip
+                   end: int, tools=None) -> int:  # fmt: skip
     """Where message `index`'s content starts in `full`, or -1. An assistant turn's search starts after its header;
     any other turn's header can hold the content's text ("user" in "<|im_start|>user"): there the turn is rendered
     with a stand-in content, whose position is the content's (Axolotl compares with a dummy render the same way)."""
@@ -245,7 +367,7 @@ def _content_start(template: str, messages: list[dict], index: int, tokenizer, f
     if messages[index]["role"] != "assistant" or not index:
         probe = [*messages[:index], {**messages[index], "content": SENTINEL}]
         try:
-            rendered = render(template, probe, tokenizer)
+            rendered = render(template, probe, tokenizer, tools=tools)
         except UserError:
             rendered = ""
         at = rendered.find(SENTINEL)

@@ -192,6 +192,12 @@ def _hub_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict,
                 trust_remote_code=spec.trust_remote_code or None, streaming=streaming,
             )  # fmt: skip
         except Exception as err:
+            if spec.path in ("json", "jsonl", "csv", "parquet", "arrow", "text") and spec.data_files:
+                raise UserError(
+                    f"{label}: datasets' {spec.path} reader could not read data_files {spec.data_files} "
+                    f"({type(err).__name__}: {str(err).splitlines()[0][:200]})",
+                    "check that the files exist and share their columns (a glob reads them as one table)",
+                ) from None
             raise UserError(
                 f"{label}: could not load hub dataset '{spec.path}'{f' ({name})' if name else ''} "
                 f"({type(err).__name__}: {str(err).splitlines()[0][:200]})",
@@ -267,6 +273,11 @@ def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict,
 
     streaming: a hub dataset is read in datasets' streaming mode (rows arrive as they download)."""
     path = Path(spec.path)
+    if (path.is_file() or _builder_files(spec)) and split_name(spec.split) != "train":
+        raise UserError(f"{label}.split: '{spec.split}': {spec.data_files if _builder_files(spec) else path} is read "
+                        "as one split, 'train' (Axolotl's load_dataset raised for any other)",
+                        "remove split, take a slice (split: train[90%:]), or point path at a folder whose file "
+                        "names say the splits (train.jsonl, test.jsonl)")  # fmt: skip
     if path.is_file():
         rows = _file_rows(path, spec.ds_type, label)
     elif path.is_dir():

@@ -291,14 +291,17 @@ def resolve_chat_template(name: str | None, jinja: str | None, tokenizer) -> str
     )
 
 
-def render(template: str, messages: list[dict], tokenizer, add_generation_prompt: bool = False) -> str:
-    """Render `messages` as text with `template`, using the tokenizer's special tokens."""
+def render(template: str, messages: list[dict], tokenizer, add_generation_prompt: bool = False,
+           tools: list | None = None) -> str:  # fmt: skip
+    """Render `messages` as text with `template`, using the tokenizer's special tokens (and `tools`, the row's tool
+    definitions, where it has them)."""
     from jinja2.exceptions import TemplateError
 
     try:
         return tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+            messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools else {}),
+        )  # fmt: skip
     except TemplateError as error:
         raise UserError(
             f"the chat template failed on a conversation: {error}",
