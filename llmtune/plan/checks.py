@@ -37,6 +37,15 @@ def gptq_check(recipe, strategy: str) -> str:
     return "GPTQ base: loaded as quantized (its quantization_config), LoRA trains over its dequantized weights"
 
 
+def check_kto_batch(recipe: Recipe) -> None:
+    """TRL's KTO estimates its KL term from the other completions of a micro-batch: with one there is none (the term
+    is the reward itself), and TRL refuses it, but only once the model is loaded."""
+    if recipe.rl == "kto" and recipe.micro_batch_size < 2:
+        raise UserError("rl: kto needs micro_batch_size 2 or more: TRL's KTO estimates its KL term from the other "
+                        "completions of the same micro-batch (with one, it is the reward itself; TRL refuses it after "
+                        "loading the model)", "set micro_batch_size: 2 (Axolotl's KTO example does)")  # fmt: skip
+
+
 def check_chat_templates(recipe: Recipe) -> None:
     """A dataset rendered with the tokenizer's own chat template (chat_template: tokenizer_default, or none given)
     when the tokenizer, on this machine already, has none: one line now, not after the model has loaded."""

@@ -20,6 +20,7 @@ from llmtune.plan.checks import (
     _check_relora,
     _qat_notes,
     check_chat_templates,
+    check_kto_batch,
     check_wrap_class,
     fsdp2_notes,
     gptq_check,
@@ -257,8 +258,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
         if settings.activation_checkpointing and recipe.gradient_checkpointing:
             notes.append("gradient_checkpointing and fsdp_config.activation_checkpointing are both on: FSDP's "
                          "recomputes each wrapped layer (transformers refuses the two together)")  # fmt: skip
-
     check_chat_templates(recipe)
+    check_kto_batch(recipe)
     if recipe.gptq:
         notes.append(gptq_check(recipe, strategy))
     if recipe.activation_offloading:

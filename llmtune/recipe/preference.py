@@ -148,6 +148,8 @@ class PreferenceKeys(Section):
     def _loss_type(cls, value):
         value = empty_to_none(value)
         value = [value] if isinstance(value, str) else value
+        if value is not None and not (isinstance(value, list) and all(isinstance(name, str) for name in value)):
+            raise ValueError(f"dpo_loss_type is a loss name or a list of them (e.g. sigmoid), not {value!r}")
         for name in value or []:
             _one_of(name, DPO_LOSS_TYPES, f"'{name}' is not one of TRL's DPO loss types")
         return value

@@ -638,3 +638,12 @@ def test_gpu_queries_read_only_the_gpus_cuda_visible_devices_names_and_old_drive
     assert fit.capability_from_name("NVIDIA A100-SXM4-80GB") == 8.0 and fit.capability_from_name("NVIDIA A10G") == 8.6
     assert fit.capability_from_name("Tesla V100-SXM2-16GB") == 7.0 and fit.capability_from_name("Radeon") is None
     fit.gpu_compute_capability_of_this_machine.cache_clear()
+
+
+def test_kto_with_one_row_per_micro_batch_is_refused_before_launch():
+    """TRL's KTO refuses micro-batches of one (its KL term comes from the others), but only after the model is
+    loaded; the plan says it first, naming the key."""
+    kto = {"rl": "kto", "datasets": [{"path": "x", "type": "chatml.argilla"}]}
+    with pytest.raises(UserError, match="rl: kto needs micro_batch_size 2 or more"):
+        make_plan(recipe(**kto), make_cluster(1, device="cuda"))
+    assert make_plan(recipe(micro_batch_size=2, **kto), make_cluster(1, device="cuda")).global_batch_size == 2

@@ -22,6 +22,7 @@ from llmtune.train.data.base import (  # noqa: F401  (re-exported: formats.IGNOR
 from llmtune.train.data.instruct import INSTRUCT_FORMATS, custom
 from llmtune.train.data.model_formats import MODEL_FORMATS
 from llmtune.train.data.sharegpt import SHAREGPT_FORMATS
+from llmtune.train.data.turns import turns_by_prefix, turns_in_full
 
 ALPACA_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -219,7 +220,10 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
 
     spec, tokenizer, template = ctx.spec, ctx.tokenizer, ctx.template
     messages, tools = _messages(row, spec), _tools(row, spec)
-    full = render(template, messages, tokenizer, tools=tools)
+    try:
+        full = render(template, messages, tokenizer, tools=tools)
+    except UserError as err:  # this row's conversation: its file and line go with the message
+        raise RowError(f"{err.message} ({err.hint})") from None
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     train_roles = set(spec.roles_to_train)
@@ -231,9 +235,9 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     trained_chars: list[tuple[int, int]] = []
     eot_chars: list[tuple[int, int, bool]] = []  # end-of-turn token span, and whether its turn is trained
     eos_chars: list[tuple[int, int, bool]] = []
-    turns = _turns_by_prefix(template, messages, tokenizer, full, tools)
+    turns = turns_by_prefix(template, messages, tokenizer, full, tools)
     if turns is None:  # the template renders earlier turns differently once later ones follow (Qwen3's thinking)
-        turns = _turns_in_full(template, messages, tokenizer, full, tools, (ids, offsets, markers))
+        turns = turns_in_full(template, messages, tokenizer, full, tools, (ids, offsets, markers))
     for message, (start, found, content_end, end) in zip(messages, turns, strict=True):
         # train_on_inputs makes every turn trainable (Axolotl's should_train); a message's own `training` wins
         trained = message.get("training", ctx.train_on_inputs or message["role"] in train_roles)
@@ -265,115 +269,6 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
         keep = any((a < e and b > s) if b > a else s <= a < e for s, e in spans)
         labels.append(token if keep else IGNORE)
     return [(list(ids), labels)]
-
-
-def _turns_by_prefix(template: str, messages: list[dict], tokenizer, full: str, tools) -> list | None:
-    """Each message's (start, content start or -1, end) in `full`, from the conversation rendered turn by turn;
-    None where a turn renders differently once later turns follow."""
-    from llmtune.train.data.templates import render
-
-    turns, previous_end = [], 0
-    for index, message in enumerate(messages):
-        upto = render(template, messages[: index + 1], tokenizer, tools=tools)
-        if not full.startswith(upto):
-            return None
-        end, start = len(upto), previous_end
-        if message["role"] == "assistant" and index:
-            # Skip the assistant header exactly as the model will see it at inference time (as much of it as the
-            # turn has: Qwen3's opens an empty thinking block, which a turn with reasoning fills)
-            head, opened = _opening(full, _assistant_header(template, messages[:index], tokenizer, tools), start)
-            start = opened + len(head) if opened >= 0 else start
-        content = message["content"].strip()
-        found = _content_start(template, messages, index, tokenizer, full, content, start, end, tools)
-        turns.append((start, found, found + len(content) if found >= 0 else end, end))
-        previous_end = end
-    return turns
-
-
-def _turns_in_full(template: str, messages: list[dict], tokenizer, full: str, tools, tokens) -> list:
-    """Each message's (start, content start or -1, content end, end) in `full` when the template renders an earlier
-    turn differently once later turns follow (Qwen3 drops the reasoning of answers before the last question, writes
-    an empty thinking block only after it, and splits `<think>` out of a content). Axolotl finds its turns in the
-    full rendering too. A content is where the whole conversation, that content replaced by a stand-in, has the
-    stand-in; where the template rewrites the turn around it (the last answer's thinking block), the turn starts
-    after the assistant header. Either way the content runs to the turn's end token, as the template rendered it."""
-    from llmtune.train.data.templates import render
-
-    ids, offsets, markers = tokens
-    ends = [(a, b) for (a, b), token in zip(offsets, ids, strict=True) if token in markers and b > a]
-    turns, previous = [], 0
-    for index, message in enumerate(messages):
-        probe = [*messages[:index], {**message, "content": SENTINEL}, *messages[index + 1 :]]
-        try:
-            rendered = render(template, probe, tokenizer, tools=tools)
-        except UserError:
-            rendered = ""
-        at = rendered.find(SENTINEL)
-        rewritten = at < 0 or not full.startswith(rendered[:at]) or at < previous
-        if rewritten or message.get("has_thinking") or message.get("tool_calls"):
-            head, opened = _opening(full, _assistant_header(template, messages[:index], tokenizer, tools), previous)
-            opened = opened if message["role"] == "assistant" else -1
-            if opened < 0 and rewritten:
-                raise RowError(f"message {index} ({message['role']}) is not where this chat template renders it in "
-                               "the whole conversation, so its labels can't be placed")  # fmt: skip
-            start = opened + len(head) if opened >= 0 else at
-            at = at if not rewritten and not message.get("has_thinking") else start
-        else:
-            start = at
-        marker = next(((a, b) for a, b in ends if a >= at), (len(full), len(full)))
-        # the content as rendered, up to the turn's end token, where the template changed it or wrote reasoning
-        whole = rewritten or message.get("has_thinking") or not full.startswith(message["content"].strip(), at)
-        content_end = marker[0] if whole else at + len(message["content"].strip())
-        turns.append((start, -1 if whole else at, content_end, marker[1]))
-        previous = marker[1]
-    return turns
-
-
-def _opening(full: str, head: str, after: int) -> tuple[str, int]:
-    """The longest start of the assistant header, cut at a line end, that `full` has after `after`, and where it is
-    (Qwen3's generation prompt opens an empty thinking block that a turn with reasoning fills)."""
-    cuts = [i + 1 for i, char in enumerate(head) if char == "\n"] + [len(head)]
-    for cut in sorted(set(cuts), reverse=True):
-        at = full.find(head[:cut], after) if head[:cut] else -1
-        if at >= 0:
-            return head[:cut], at
-    return "", -1
-
-
-def _assistant_header(template: str, earlier: list[dict], tokenizer, tools) -> str:
-    """What the template writes to open an assistant turn after `earlier` (its generation prompt), or ''."""
-    from llmtune.train.data.templates import render
-
-    try:
-        base = render(template, earlier, tokenizer, tools=tools)
-        prompt = render(template, earlier, tokenizer, add_generation_prompt=True, tools=tools)
-    except UserError:
-        return ""
-    return prompt[len(base) :] if prompt.startswith(base) else ""
-
-
-SENTINEL = "\u2063llmtune\u2063"  # text no template produces (invisible separators around a word)
-
-
-def _content_start(template: str, messages: list[dict], index: int, tokenizer, full: str, content: str, start: int,
-                   end: int, tools=None) -> int:  # fmt: skip
-    """Where message `index`'s content starts in `full`, or -1. An assistant turn's search starts after its header;
-    any other turn's header can hold the content's text ("user" in "<|im_start|>user"): there the turn is rendered
-    with a stand-in content, whose position is the content's (Axolotl compares with a dummy render the same way)."""
-    from llmtune.train.data.templates import render
-
-    if not content:
-        return -1
-    if messages[index]["role"] != "assistant" or not index:
-        probe = [*messages[:index], {**messages[index], "content": SENTINEL}]
-        try:
-            rendered = render(template, probe, tokenizer, tools=tools)
-        except UserError:
-            rendered = ""
-        at = rendered.find(SENTINEL)
-        if at >= 0 and full.startswith(rendered[:at]) and full.startswith(content, at):
-            return at
-    return full.find(content, start, end)
 
 
 FORMATS: dict[str, Callable[[dict, FormatContext], list[Example]]] = {
