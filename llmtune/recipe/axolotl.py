@@ -15,6 +15,7 @@ from llmtune.recipe.axolotl_entries import (
     FORMAT_KEYS,
     PREFERENCE_KEYS,
     WANDB_LOG_MODEL,
+    chat_only_keys,
     format_key,
     path_from_data_files,
     shown,
@@ -303,6 +304,7 @@ def _datasets(data: dict, path: Path, notes: Notes) -> None:
                     spec[key] = value
             if "path" not in spec and spec.get("data_files"):
                 path_from_data_files(f"{group}[{index}]", spec, notes)
+            chat_only_keys(f"{group}[{index}]", spec, notes)
             screened.append(spec)
         data[group] = screened
 

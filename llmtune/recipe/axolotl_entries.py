@@ -65,3 +65,19 @@ def top_level_key_in_entry(where: str, key: str, value: Any, data: dict, notes, 
     raise UserError(f"{path}: {where}.{key}: {shown(value)}: {key} is a recipe key, read for the whole recipe "
                     f"only (Axolotl ignores it in a dataset entry too; the recipe's is {recipe_value!r})",
                     f"set {key} at the top level of the recipe, or remove it here")  # fmt: skip
+
+
+# Dataset-entry keys only type: chat_template reads (bradley_terry.chat_template: drop_system_message too)
+CHAT_TEMPLATE_KEYS = ("roles_to_train", "train_on_eos", "train_on_eot", "message_field_training", "field_thinking",
+                      "template_thinking_key", "field_tools")  # fmt: skip
+
+
+def chat_only_keys(where: str, spec: dict, notes) -> None:
+    """A chat_template key set to something other than its default beside another type: a note that it has no effect
+    there (Axolotl's other formats didn't read it either), rather than silence."""
+    kind = spec.get("type")
+    if not isinstance(kind, str) or "chat_template" in kind:
+        return
+    for key in CHAT_TEMPLATE_KEYS:
+        if key in spec and spec[key] not in (None, DatasetSpec.model_fields[key].default):
+            notes.unused(f"{where}.{key}", f"only type: chat_template reads it; Axolotl's type: {kind} didn't either")

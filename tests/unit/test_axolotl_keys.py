@@ -324,3 +324,16 @@ def test_what_public_recipes_carry_that_axolotl_ignored_is_a_note_or_one_line_sa
     # BitsAndBytesConfig's own default, written out (Axolotl v0.4.0 wrote it itself): nothing asked for
     assert "bnb_config_kwargs.llm_int8_has_fp16_weight" in notes(bnb_config_kwargs={"llm_int8_has_fp16_weight": False})
     assert "llm_int8_has_fp16_weight is not supported" in refusal(bnb_config_kwargs={"llm_int8_has_fp16_weight": True})
+
+
+def test_a_chat_template_key_beside_another_type_is_said_to_have_no_effect():
+    """roles_to_train on a sharegpt entry, train_on_eos on an alpaca one: Axolotl's formats ignored them and so does
+    llmtune, but says so once instead of silently; at their defaults nothing is said."""
+    entry = {"path": "x", "type": "alpaca", "train_on_eos": "none", "roles_to_train": ["human", "gpt"]}
+    notes = load(datasets=[entry]).notes
+    [note] = [n for n in notes if "chat_template reads it" in n]
+    assert "datasets[0].roles_to_train" in note and "datasets[0].train_on_eos" in note and "type: alpaca" in note
+    quiet = load(datasets=[{"path": "x", "type": "alpaca", "train_on_eos": "turn"}]).notes
+    assert not any("chat_template reads it" in n for n in quiet)
+    chat = load(datasets=[{"path": "x", "type": "chat_template", "train_on_eos": "none"}]).notes
+    assert not any("chat_template reads it" in n for n in chat)
