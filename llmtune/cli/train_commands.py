@@ -104,7 +104,7 @@ def train(
     mark("start")  # the command has parsed its flags (Python and the CLI's imports before this are not counted)
     from llmtune.launch.net import free_port
     from llmtune.launch.preflight import check_nvme_offload, check_trackers, finished_run, memory_check
-    from llmtune.launch.runner import run
+    from llmtune.launch.runner import check_launcher_flags, run
     from llmtune.plan import make_plan
     from llmtune.plan.files import plan_files, write_plan_files
     from llmtune.plan.render import summary_lines
@@ -124,15 +124,28 @@ def train(
     if overrides:
         loaded.recipe = loaded.recipe.model_copy(update=overrides)
     check_trackers(loaded.recipe)
+    ours = sorted({opt for param in ctx.command.params for opt in getattr(param, "opts", []) if opt.startswith("--")})
+    check_launcher_flags(list(ctx.args), ours)
+    if main_process_port is None and num_machines == 1 and hostfile is None:
+        main_process_port = free_port()  # one machine: any free port will do, and two runs never collide
+    cluster = cluster_from_flags(
+        num_processes,
+        num_machines,
+        machine_rank,
+        main_process_ip,
+        main_process_port,
+        device,
+        rehearse,
+        launcher,
+        hostfile,
+        no_ssh,
+    )  # fmt: skip (the flags checked before anything)
     finished = finished_run(loaded.recipe)
     if finished:
         typer.echo(finished, err=True)
         return
-    if main_process_port is None and num_machines == 1 and hostfile is None:
-        main_process_port = free_port()  # one machine: any free port will do, and two runs never collide
-    cluster = cluster_from_flags(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device,
-                                 rehearse, launcher, hostfile, no_ssh)  # fmt: skip
     the_plan = make_plan(loaded.recipe, cluster, resume=True)
+    check_launcher_flags(list(ctx.args), ours, the_plan.commands[cluster.machine_rank])
     check_nvme_offload(the_plan)
     fit = None if no_memory_check else memory_check(loaded.recipe, the_plan, gpu_memory)
     files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)

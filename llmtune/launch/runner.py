@@ -248,3 +248,46 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def check_launcher_flags(extra: list[str], ours: list[str], command: list[str] | None = None) -> None:
+    """Flags `llmtune train` doesn't know go to `accelerate launch`, and only there: a flag neither knows, one llmtune
+    sets itself from its own option, or any flag where the plan runs no accelerate launcher (one process runs python
+    directly; a hostfile, DeepSpeed's launcher) is refused in one line, instead of being dropped (a mistyped
+    `--num_processes 2` trained one process) or failing inside the launcher. `command`: the plan's, once known."""
+    import difflib
+
+    from llmtune.errors import UserError
+
+    flags = [arg.split("=", 1)[0] for arg in extra if arg.startswith("--")]
+    if not extra:
+        return
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    for flag in flags:
+        twin = "--" + flag[2:].replace("_", "-")
+        if twin in ours:
+            raise UserError(f"{flag} is llmtune's {twin} (llmtune sets accelerate's from it)", f"use {twin}")
+        if not _accelerate_takes(parser, flag):
+            close = difflib.get_close_matches(twin, ours, n=1)
+            raise UserError(f"{flag} is an option of neither llmtune train nor accelerate launch",
+                            f"did you mean {close[0]}?" if close else "see llmtune train --help")  # fmt: skip
+    if command is not None and command[:2] != ["accelerate", "launch"]:
+        shown = ", ".join(flags) or " ".join(extra)
+        raise UserError(f"{shown}: launcher flags, but this plan runs {command[0]} directly (no accelerate launch "
+                        "to pass them to)", "remove them")  # fmt: skip
+
+
+def _accelerate_takes(parser, flag: str) -> bool:
+    """Whether accelerate launch's own parser reads `flag` (asked by parsing it: its help hides options by what
+    sys.argv holds). A value it refuses (a choice) still means it knows the flag."""
+    import contextlib
+    import io
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            _, unknown = parser.parse_known_args([flag, "value", "script.py"])
+    except SystemExit:
+        return True
+    return flag not in unknown

@@ -99,6 +99,8 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
                 trust_remote_code = trust_remote_code or recipe.trust_remote_code
             else:
                 model_dir = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+            if not any((path / name).exists() for name in ("tokenizer_config.json", "tokenizer.json")):
+                tokenizer_dir = model_dir  # an adapter saved without its tokenizer: its base model's
             label = f"{target} (adapter on {model_dir})"
         elif not (path / "config.json").exists():
             raise UserError(f"{target} has no model (config.json) or adapter (adapter_config.json)",
@@ -112,7 +114,8 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
         model = linearize.from_pretrained(AutoModelForCausalLM, model_dir, recipe if adapter else None, dtype=dtype,
                                           trust_remote_code=trust_remote_code)  # fmt: skip
     except (OSError, ValueError) as err:
-        raise UserError(f"could not load '{model_dir}' ({str(err).splitlines()[0][:160]})",
+        failed = tokenizer_dir if "tokenizer" not in locals() else model_dir  # which of the two failed
+        raise UserError(f"could not load '{failed}' ({str(err).splitlines()[0][:160]})",
                         "check the path or hub id, your network or HF_TOKEN") from None  # fmt: skip
     if adapter is not None:
         from peft import PeftModel

@@ -14,6 +14,7 @@ place at the end, so an interrupted merge leaves nothing half-written under the 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -71,7 +72,11 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
     target = _target_dtype(plan, dtype)
     staging = output.with_name(f".{output.name}.merging-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    try:
+        staging.mkdir(parents=True)
+    except OSError as err:  # read-only, immutable or missing place: nothing was written
+        raise UserError(f"can't write the merged model next to {output} ({err.strerror or err})",
+                        "pass --output a folder on a writable disk") from None  # fmt: skip
     try:
         writer = ShardWriter(staging, max_bytes)
         config_dir, merged, source = _write_weights(recipe, weights, writer, target, progress)
@@ -95,9 +100,18 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
         output.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, output)
         return result
+    except OSError as err:  # the disk filled up, or the place turned read-only, midway: nothing half-written kept
+        shutil.rmtree(staging, ignore_errors=True)
+        if err.errno not in WRITE_ERRORS:
+            raise
+        raise UserError(f"writing the merged model to {output} failed ({err.strerror or err}); nothing was kept",
+                        "free space, or pass --output a folder on a writable disk with room for it") from None  # fmt: skip
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)  # a place that can't be written
 
 
 def _check_output(run: Path, output: Path, force: bool) -> None:

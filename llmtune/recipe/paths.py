@@ -116,6 +116,25 @@ def check_checkpoint_kind(folder: Path, adapter: str | None, recipe_path: Path |
                         "resume it without adapter:")  # fmt: skip
 
 
+def check_not_an_adapter(folder: Path, recipe_path: Path) -> None:
+    """base_model naming a LoRA adapter's folder (an SFT run's output): transformers would load the adapter's base
+    with it attached, and a new adapter would train from the base (the SFT weights dropped), or a full fine-tune find
+    nothing to train. Refused in one line with the two ways to go on from it."""
+    import json
+
+    config = folder / "adapter_config.json"
+    if not config.is_file() or (folder / "config.json").is_file():
+        return
+    try:
+        base = json.loads(config.read_text()).get("base_model_name_or_path") or "its base model"
+    except (OSError, ValueError):
+        base = "its base model"
+    raise UserError(f"{recipe_path}: base_model: {folder} is a LoRA adapter (adapter_config.json, trained on {base}), "
+                    "not a model", f"to go on training it: base_model: {base}, lora_model_dir: {folder} and adapter: "
+                    f"lora; to train from its weights: llmtune merge {folder} first, then base_model: the merged "
+                    "folder")  # fmt: skip
+
+
 # `datasets`' file readers, named as a dataset's path with data_files (path: json)
 BUILDERS = ("json", "jsonl", "csv", "parquet", "arrow", "text")
 
@@ -124,6 +143,7 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
     """Replace local names in the recipe by absolute paths, failing on ones that don't exist."""
     check_output_dir(recipe.output_dir, recipe_path)
     recipe.base_model = resolve(recipe.base_model, "base_model", recipe_path)
+    check_not_an_adapter(Path(recipe.base_model), recipe_path)
     for key in ("base_model_config", "tokenizer_config", "lora_model_dir"):
         value = getattr(recipe, key)
         if value:

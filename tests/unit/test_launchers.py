@@ -377,3 +377,24 @@ def test_the_advice_after_a_failure_names_the_checkpoint_a_rerun_resumes_from_or
     assert "checkpoint-2" in next_step(logs, 1, True) and "otherwise fix its cause first" in next_step(logs, 1, True)
     # several machines: machine 0 may hold the checkpoints, so none is named
     assert "if one was saved" in next_step(logs, -9, False) and "checkpoint-2" not in next_step(logs, -9, False)
+
+
+def test_flags_train_does_not_know_are_refused_unless_accelerate_launch_takes_them():
+    """`llmtune train` hands flags it doesn't know to accelerate launch. A flag neither knows, accelerate's spelling of
+    an llmtune option, or any launcher flag where the plan runs python directly was dropped (a mistyped
+    `--num_processes 2` trained one process): each is one line now."""
+    from llmtune.launch.runner import check_launcher_flags
+
+    ours = ["--num-processes", "--device", "--rehearse"]
+    with pytest.raises(UserError, match="--lr is an option of neither llmtune train nor accelerate launch"):
+        check_launcher_flags(["--lr", "1"], ours)
+    with pytest.raises(UserError, match=r"--num_processes is llmtune's --num-processes") as err:
+        check_launcher_flags(["--num_processes=2"], ours)
+    assert err.value.hint == "use --num-processes"
+    with pytest.raises(UserError, match="--num-proceses is an option of neither") as err:
+        check_launcher_flags(["--num-proceses", "2"], ours)
+    assert err.value.hint == "did you mean --num-processes?"
+    check_launcher_flags(["--tee", "3"], ours)  # accelerate's: passed on, where the plan launches with it
+    check_launcher_flags(["--tee", "3"], ours, ["accelerate", "launch", "--config_file", "c.yaml", "-m", "x"])
+    with pytest.raises(UserError, match="this plan runs python directly"):
+        check_launcher_flags(["--tee", "3"], ours, ["python", "-m", "llmtune.train", "plan.json"])

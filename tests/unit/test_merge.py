@@ -109,6 +109,8 @@ def test_dtype_and_errors(tmp_path):
         merge_run(run, tmp_path / "bf16")
     with pytest.raises(UserError, match="not an llmtune run folder"):
         merge_run(tmp_path / "base", tmp_path / "x")
+    with pytest.raises(UserError, match=r"can't write the merged model next to /proc/llmtune-x"):  # not a traceback
+        merge_run(run, Path("/proc/llmtune-x"))
     # the adapter belongs to another model: named, nothing written
     other = make_tiny_model(tmp_path / "other", hidden=32, heads=2, kv_heads=1, intermediate=64)
     plan = json.loads((run / "llmtune" / "plan.json").read_text())

@@ -125,3 +125,21 @@ def test_qlora_with_zero3_plans(run_cli, write_recipe, tmp_path):
     config = json.loads((tmp_path / "written" / "deepspeed.json").read_text())
     assert config["zero_optimization"]["stage"] == 3
     assert "QLoRA under ZeRO-3: each rank loads the 4-bit model whole" in result.out
+
+
+def test_base_model_naming_a_lora_adapter_folder_is_refused_with_the_two_ways_on(tmp_path):
+    """An SFT run's LoRA output as the next recipe's base_model: a new adapter trained from the raw base (the SFT
+    weights dropped, silently), or a full fine-tune crashed with nothing to train. One line now, with both fixes."""
+    from llmtune.errors import UserError
+    from llmtune.recipe.loader import recipe_from_mapping
+
+    adapter = tmp_path / "sft"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base", "r": 8}))
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+    mapping = {"base_model": str(adapter), "adapter": "lora", "datasets": [{"path": str(data), "type": "alpaca"}]}
+    with pytest.raises(UserError, match=r"base_model: .*sft is a LoRA adapter \(adapter_config.json, trained on "
+                                        r"org/base\), not a model") as err:  # fmt: skip
+        recipe_from_mapping(mapping, tmp_path / "r.yaml")
+    assert f"lora_model_dir: {adapter}" in err.value.hint and f"llmtune merge {adapter}" in err.value.hint
