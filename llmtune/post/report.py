@@ -145,6 +145,9 @@ def write_report(run: Path, metrics: dict | None = None) -> Path:
     """(Re)build run/report/ from the run's metrics.json and plan; returns the folder."""
     metrics_file, plan_file = run / "metrics.json", run / "llmtune" / "plan.json"
     if metrics is None:
+        if not run.is_dir():
+            raise UserError(f"{run} does not exist" if not run.exists() else f"{run} is not a folder",
+                            "pass the output_dir of a finished run")  # fmt: skip
         if not metrics_file.exists():
             raise UserError(f"{run} has no metrics.json", "pass the output_dir of a finished run")
         metrics = json.loads(metrics_file.read_text())

@@ -69,3 +69,16 @@ def test_summary_names_both_throughputs_and_the_gpu_peaks_beside_the_estimate():
     assert _throughput(metrics) == "900.0 tokens/s over the whole run, 1200.0 after the warm-up steps"
     assert _gpu_memory(metrics) == "38.1 GB allocated, 39.5 GB reserved (largest rank); estimate 40.0 GB"
     assert _gpu_memory({"ranks": [{"peak_rss_bytes": 1}]}) is None  # CPU runs have no CUDA peaks
+
+
+def test_report_on_a_missing_folder_says_it_does_not_exist(tmp_path):
+    """`llmtune report` on a mistyped path named a metrics.json it couldn't find; it says the folder isn't there."""
+    from llmtune.post.report import write_report
+
+    with pytest.raises(UserError, match=r"nope does not exist"):
+        write_report(tmp_path / "nope")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match=r"file is not a folder"):
+        write_report(tmp_path / "file")
+    with pytest.raises(UserError, match=r"has no metrics.json"):
+        write_report(tmp_path)
