@@ -130,6 +130,9 @@ def plan(
     if write:
         for path in write_plan_files(write, files):
             typer.echo(f"wrote {path}")
+        if cluster.rehearsal and device is None and not rehearse:  # chosen because this machine has no GPU
+            typer.echo("note: these files are the CPU rehearsal's (no GPU here: gloo, fp32); for the GPU machines' "
+                       "files add --device cuda", err=True)  # fmt: skip
 
 
 def estimate(

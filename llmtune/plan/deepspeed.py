@@ -1,4 +1,5 @@
-"""The DeepSpeed JSON, with every value resolved from the recipe (no "auto" is left).
+"""The DeepSpeed JSON, with every value resolved from the recipe (no "auto" is left, but train_batch_size under
+context parallelism: accelerate sets it when DeepSpeed starts, see build_deepspeed_config).
 
 The batch keys always satisfy train_batch_size = micro x accumulation x data-parallel size,
 so DeepSpeed's batch assertion can't fire. A user's own JSON may leave values "auto" (they

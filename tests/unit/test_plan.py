@@ -647,3 +647,17 @@ def test_kto_with_one_row_per_micro_batch_is_refused_before_launch():
     with pytest.raises(UserError, match="rl: kto needs micro_batch_size 2 or more"):
         make_plan(recipe(**kto), make_cluster(1, device="cuda"))
     assert make_plan(recipe(micro_batch_size=2, **kto), make_cluster(1, device="cuda")).global_batch_size == 2
+
+
+def test_plan_write_on_a_machine_without_gpus_says_the_files_are_the_rehearsals(run_cli, write_recipe, tmp_path):
+    """Without --device, a machine with no GPU plans the CPU rehearsal (gloo, fp32): --write's files say so, with the
+    flag that writes the GPU machines' files (a login node or a laptop gave fp32 configs without a word)."""
+    from llmtune.plan.memory.fit import gpu_memory_of_this_machine
+
+    if gpu_memory_of_this_machine() is not None:
+        pytest.skip("this machine has a GPU: plan's default device is cuda here")
+    path = write_recipe({})
+    rehearsal = run_cli("plan", path, "--num-processes", "2", "--write", str(tmp_path / "cpu"))
+    assert rehearsal.code == 0 and "for the GPU machines' files add --device cuda" in rehearsal.err
+    gpu = run_cli("plan", path, "--num-processes", "2", "--write", str(tmp_path / "gpu"), "--device", "cuda")
+    assert gpu.code == 0 and "add --device cuda" not in gpu.err
