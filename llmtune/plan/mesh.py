@@ -10,12 +10,16 @@ from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import CCE_PLUGIN, liger_requested
 
 
-def _data_parallel_sizes(recipe: Recipe, world: int, inner: int, key: str, shard_the_rest: bool) -> tuple[int, int]:
-    """(dp_shard, dp_replicate) with world = dp_replicate x dp_shard x inner (the ranks `key` groups together):
-    the recipe's own sizes, the unset one filling the rest (shards when `shard_the_rest`, else replicas)."""
+def _check_divides(world: int, inner: int, key: str) -> None:
     if world % inner:
         raise UserError(f"world size {world} is not divisible by {key} {inner}",
                         f"use --num-processes {inner * max(1, world // inner)}, or a {key} that divides {world}")  # fmt: skip
+
+
+def _data_parallel_sizes(recipe: Recipe, world: int, inner: int, key: str, shard_the_rest: bool) -> tuple[int, int]:
+    """(dp_shard, dp_replicate) with world = dp_replicate x dp_shard x inner (the ranks `key` groups together):
+    the recipe's own sizes, the unset one filling the rest (shards when `shard_the_rest`, else replicas)."""
+    _check_divides(world, inner, key)
     rest = world // inner
     for name, size in (("dp_shard_size", recipe.dp_shard_size), ("dp_replicate_size", recipe.dp_replicate_size)):
         if size and rest % size:
@@ -46,10 +50,7 @@ def hybrid_mesh(recipe: Recipe, world: int, version: int, notes: list[str],
         raise UserError("dp_replicate_size > 1 (HSDP) runs on FSDP2 here", "set fsdp_version: 2 (FSDP1: "
                         "sharding_strategy: HYBRID_SHARD)")  # fmt: skip
     if cp > 1:
-        if facts and facts.model_type in NOT_ATTENTION_ONLY:
-            raise UserError(f"context parallelism for {facts.model_type} models is not supported: their state-space / "
-                            "linear-attention layers would see each rank's chunk as a whole sequence (ring attention "
-                            "splits only attention)", "use tensor_parallel_size or FSDP2 alone")  # fmt: skip
+        _check_attention_only(facts, "ring attention", "use tensor_parallel_size or FSDP2 alone")
         if recipe.sequence_len < 2 * cp:
             raise UserError(f"sequence_len {recipe.sequence_len} is too short to split into 2 x "
                             f"context_parallel_size = {2 * cp} chunks")  # fmt: skip
@@ -87,15 +88,9 @@ def ulysses_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, notes: li
     the states over every rank; the C ranks of a group train on the same rows, so the data-parallel degree (and the
     global batch) is world / C."""
     cp = recipe.context_parallel_size
-    if world % cp:
-        raise UserError(f"world size {world} is not divisible by context_parallel_size {cp}",
-                        f"use --num-processes {cp * max(1, world // cp)}, or a context_parallel_size that divides "
-                        f"{world}")  # fmt: skip
+    _check_divides(world, cp, "context_parallel_size")
+    _check_attention_only(facts, "Ulysses", "remove context_parallel_size")
     if facts:
-        if facts.model_type in NOT_ATTENTION_ONLY:
-            raise UserError(f"context parallelism for {facts.model_type} models is not supported: their state-space / "
-                            "linear-attention layers would see each rank's chunk as a whole sequence (Ulysses splits "
-                            "only attention)", "remove context_parallel_size")  # fmt: skip
         if facts.num_heads % cp:
             raise UserError(f"context_parallel_size {cp} does not divide the model's {facts.num_heads} attention heads "
                             "(DeepSpeed's Ulysses gives each rank whole heads)",
@@ -112,6 +107,21 @@ def ulysses_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, notes: li
                  f"shards the states over all {world} ranks")  # fmt: skip
     return {"tensor_parallel": 1, "context_parallel": cp, "dp_shard": world // cp, "dp_replicate": 1,
             "sequence_parallel": "ulysses"}  # fmt: skip
+
+
+def _check_attention_only(facts: ModelFacts | None, splitter: str, hint: str) -> None:
+    """Context parallelism splits attention only: state-space and linear-attention layers would take each rank's
+    chunk as a whole sequence."""
+    if facts and facts.model_type in NOT_ATTENTION_ONLY:
+        raise UserError(f"context parallelism for {facts.model_type} models is not supported: their state-space / "
+                        f"linear-attention layers would see each rank's chunk as a whole sequence ({splitter} splits "
+                        "only attention)", hint)  # fmt: skip
+
+
+def ranks_per_batch(mesh: dict | None) -> int:
+    """The consecutive ranks that split one batch: a tensor- or context-parallel group (1 without a mesh)."""
+    mesh = mesh or {}
+    return mesh.get("tensor_parallel", 1) * mesh.get("context_parallel", 1)
 
 
 def tensor_parallel_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, notes: list[str]) -> dict[str, int]:

@@ -85,7 +85,9 @@ def distinct_data(metrics: dict, mesh: dict | None = None) -> dict:
     batches = [r.get("first_batch") for r in metrics.get("ranks", []) if r.get("first_batch")]
     if not batches:
         return {"checked": False, "why": "this strategy's loop does not fingerprint first batches (pipeline)"}
-    group = (mesh or {}).get("tensor_parallel", 1) * (mesh or {}).get("context_parallel", 1)
+    from llmtune.plan.mesh import ranks_per_batch
+
+    group = ranks_per_batch(mesh)
     return {"checked": True, "ranks": len(batches), "distinct_first_batches": len(set(batches)),
             "ranks_per_batch": group, "ok": len(set(batches)) == len(batches) // group}  # fmt: skip
 

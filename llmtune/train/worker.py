@@ -176,7 +176,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         collator = FlatCollator(tokenizer.pad_token_id, pad_to)
     elif batches.layout == SEQUENCE_SPLIT:  # DeepSpeed's Ulysses: its data adapter splits each row into cp chunks
         # and gathers a group's batches first, which gloo does only for batches of one shape: there, full rows
-        gloo = (plan["cluster"].get("backend") or ("gloo" if plan["cluster"]["device"] == "cpu" else "nccl")) == "gloo"
+        gloo = distributed.backend_of(plan) == "gloo"
         collator = Collator(tokenizer.pad_token_id, recipe.sequence_len if gloo else pad_to, multiple_of=cp,
                             mask=False, positions=True)  # fmt: skip
         # the attention the model now runs (accelerate's name check at construction doesn't list llmtune_varlen)
@@ -279,7 +279,9 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     steady_tokens, steady_seconds = step_stats.steady()
     # the ranks of a tensor- or context-parallel group each count the rows they split (Ulysses: every row of the
     # group passes through every rank, a chunk at a time), so the sums count each row once per rank of a group
-    group = (plan.get("mesh") or {}).get("tensor_parallel", 1) * cp
+    from llmtune.plan.mesh import ranks_per_batch
+
+    group = ranks_per_batch(plan.get("mesh"))
     tokens, rows, steady_tokens, steady_seconds = collectives.sum_values(
         [trainer.tokens_seen / group, trainer.rows_seen / group, steady_tokens / group, steady_seconds]
     )

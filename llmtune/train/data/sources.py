@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from llmtune.errors import UserError
+from llmtune.recipe.paths import BUILDERS as BUILDER_NAMES
 from llmtune.recipe.paths import is_glob
 
 BUILDERS = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
@@ -192,7 +193,7 @@ def _hub_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict,
                 trust_remote_code=spec.trust_remote_code or None, streaming=streaming,
             )  # fmt: skip
         except Exception as err:
-            if spec.path in ("json", "jsonl", "csv", "parquet", "arrow", "text") and spec.data_files:
+            if spec.path in BUILDER_NAMES and spec.data_files:
                 raise UserError(
                     f"{label}: datasets' {spec.path} reader could not read data_files {spec.data_files} "
                     f"({type(err).__name__}: {str(err).splitlines()[0][:200]})",
@@ -210,7 +211,7 @@ def _hub_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict,
 
 def _builder_files(spec) -> list[Path]:
     """`path: json` (a `datasets` builder name) with `data_files` that are all local: those files, read here."""
-    if spec.path not in ("json", "jsonl", "csv", "parquet", "arrow", "text") or Path(spec.path).exists():
+    if spec.path not in BUILDER_NAMES or Path(spec.path).exists():
         return []
     names = [spec.data_files] if isinstance(spec.data_files, str) else spec.data_files or []
     files = [Path(name) for name in names]
@@ -272,9 +273,9 @@ def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict,
     """Rows of one dataset entry; `label` names the entry (e.g. 'datasets[0]') in errors.
 
     streaming: a hub dataset is read in datasets' streaming mode (rows arrive as they download)."""
-    path = Path(spec.path)
-    if (path.is_file() or _builder_files(spec)) and split_name(spec.split) != "train":
-        raise UserError(f"{label}.split: '{spec.split}': {spec.data_files if _builder_files(spec) else path} is read "
+    path, builder = Path(spec.path), _builder_files(spec)  # (builder: path: json with local data_files)
+    if (path.is_file() or builder) and split_name(spec.split) != "train":
+        raise UserError(f"{label}.split: '{spec.split}': {spec.data_files if builder else path} is read "
                         "as one split, 'train' (Axolotl's load_dataset raised for any other)",
                         "remove split, take a slice (split: train[90%:]), or point path at a folder whose file "
                         "names say the splits (train.jsonl, test.jsonl)")  # fmt: skip
@@ -288,11 +289,11 @@ def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict,
             if not files:
                 raise UserError(f"{label}: no data files in {path}", f"put {', '.join(READABLE)} files there")
             rows = (item for f in files for item in _file_rows(f, spec.ds_type, label))
-    elif _builder_files(spec):
-        rows = (item for f in _builder_files(spec) for item in _file_rows(f, spec.path, label))
+    elif builder:
+        rows = (item for f in builder for item in _file_rows(f, spec.path, label))
     else:
         rows = _hub_rows(spec, label, streaming)
-    if "[" in (spec.split or "") and (path.exists() or _builder_files(spec)):  # the hub reads its own slices
+    if "[" in (spec.split or "") and (path.exists() or builder):  # the hub reads its own slices
         rows = iter(split_slice(list(rows), spec.split, label))
     if spec.skip:
         rows = itertools.islice(rows, spec.skip, None)

@@ -9,25 +9,26 @@ from llmtune.train.data.base import RowError
 
 
 def turns_by_prefix(template: str, messages: list[dict], tokenizer, full: str, tools) -> list | None:
-    """Each message's (start, content start or -1, end) in `full`, from the conversation rendered turn by turn;
-    None where a turn renders differently once later turns follow."""
+    """Each message's (start, content start or -1, content end, end) in `full`, from the conversation rendered turn
+    by turn; None where a turn renders differently once later turns follow."""
     from llmtune.train.data.templates import render
 
-    turns, previous_end = [], 0
+    turns, earlier = [], ""  # `earlier`: the turns before this one, rendered (the previous turn's `upto`)
     for index, message in enumerate(messages):
         upto = render(template, messages[: index + 1], tokenizer, tools=tools)
         if not full.startswith(upto):
             return None
-        end, start = len(upto), previous_end
+        end, start = len(upto), len(earlier)
         if message["role"] == "assistant" and index:
             # Skip the assistant header exactly as the model will see it at inference time (as much of it as the
             # turn has: Qwen3's opens an empty thinking block, which a turn with reasoning fills)
-            head, opened = _opening(full, _assistant_header(template, messages[:index], tokenizer, tools), start)
+            head, opened = _opening(full, _assistant_header(template, messages[:index], tokenizer, tools, earlier),
+                                    start)  # fmt: skip
             start = opened + len(head) if opened >= 0 else start
         content = message["content"].strip()
         found = _content_start(template, messages, index, tokenizer, full, content, start, end, tools)
         turns.append((start, found, found + len(content) if found >= 0 else end, end))
-        previous_end = end
+        earlier = upto
     return turns
 
 
@@ -52,8 +53,8 @@ def turns_in_full(template: str, messages: list[dict], tokenizer, full: str, too
         at = rendered.find(SENTINEL)
         rewritten = at < 0 or not full.startswith(rendered[:at]) or at < previous
         if rewritten or message.get("has_thinking") or message.get("tool_calls"):
-            head, opened = _opening(full, _assistant_header(template, messages[:index], tokenizer, tools), previous)
-            opened = opened if message["role"] == "assistant" else -1
+            head, opened = ("", -1) if message["role"] != "assistant" else _opening(
+                full, _assistant_header(template, messages[:index], tokenizer, tools), previous)  # fmt: skip
             if opened < 0 and rewritten:
                 raise RowError(f"message {index} ({message['role']}) is not where this chat template renders it in "
                                "the whole conversation, so its labels can't be placed")  # fmt: skip
@@ -81,12 +82,13 @@ def _opening(full: str, head: str, after: int) -> tuple[str, int]:
     return "", -1
 
 
-def _assistant_header(template: str, earlier: list[dict], tokenizer, tools) -> str:
-    """What the template writes to open an assistant turn after `earlier` (its generation prompt), or ''."""
+def _assistant_header(template: str, earlier: list[dict], tokenizer, tools, base: str | None = None) -> str:
+    """What the template writes to open an assistant turn after `earlier` (its generation prompt), or ''. `base`:
+    `earlier` rendered already, where the caller has it."""
     from llmtune.train.data.templates import render
 
     try:
-        base = render(template, earlier, tokenizer, tools=tools)
+        base = render(template, earlier, tokenizer, tools=tools) if base is None else base
         prompt = render(template, earlier, tokenizer, add_generation_prompt=True, tools=tools)
     except UserError:
         return ""

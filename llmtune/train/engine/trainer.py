@@ -217,9 +217,10 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
         world = self.accelerator.num_processes
         data_parallel = self.plan["data_parallel_size"] * world // self.plan["world_size"]  # an elastic world too
         micro, accumulation = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
-        mesh = self.plan.get("mesh") or {}  # a tensor- or context-parallel group's ranks each count its rows
-        group = mesh.get("tensor_parallel", 1) * mesh.get("context_parallel", 1)
-        (rows,) = collectives.sum_values([self.rows_seen / group])  # every rank saves, so every rank sums
+        from llmtune.plan.mesh import ranks_per_batch
+
+        # every rank saves, so every rank sums; a tensor- or context-parallel group's ranks each count its rows
+        (rows,) = collectives.sum_values([self.rows_seen / ranks_per_batch(self.plan.get("mesh"))])
         return {"strategy": self.plan["strategy"], "data_parallel_size": data_parallel,
                 "global_batch_size": micro * accumulation * data_parallel, "mesh": self.plan.get("mesh"),
                 # the rows trained up to here, the resumed checkpoint's included (unknown when its marker is older)

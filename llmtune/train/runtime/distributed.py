@@ -36,7 +36,7 @@ def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
     from llmtune.train.runtime import collectives
 
     collectives.configure(plan["cluster"]["device"], local_rank)
-    backend = plan["cluster"].get("backend") or ("gloo" if plan["cluster"]["device"] == "cpu" else "nccl")
+    backend = backend_of(plan)
     if world > 1:
         _join_restarted_group(plan, rank, world, collective_timeout, backend)
     strategy = plan["strategy"]
@@ -76,6 +76,11 @@ def setup(plan: dict, collective_timeout: int = 1800) -> RankInfo:
 
                 rehearsal.context_parallel_on_cpu()
     return RankInfo(rank, local_rank, world, kwargs)
+
+
+def backend_of(plan: dict) -> str:
+    """The process group's backend: the plan's, else gloo on CPU and NCCL on GPUs."""
+    return plan["cluster"].get("backend") or ("gloo" if plan["cluster"]["device"] == "cpu" else "nccl")
 
 
 def ulysses_config(size: int):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 
 from llmtune.errors import UserError
+from llmtune.plan.mesh import ranks_per_batch
 from llmtune.train.data.collate import fingerprint
 from llmtune.train.runtime import collectives
 
@@ -53,7 +54,7 @@ def check_first_batch(input_ids, plan: dict, accelerate_world: int, dataset, who
     # between data-parallel groups, and are the same within a tensor- or context-parallel group (consecutive
     # ranks, which split one forward pass by layer slices or by sequence chunks).
     mesh = plan.get("mesh") or {}
-    group = mesh.get("tensor_parallel", 1) * mesh.get("context_parallel", 1)  # consecutive ranks that share rows
+    group = ranks_per_batch(mesh)  # consecutive ranks that share rows
     groups: dict[int, set] = {}
     for seen in reports:
         groups.setdefault(seen["rank"] // group, set()).add(seen["first_batch"])
