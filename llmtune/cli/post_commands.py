@@ -12,19 +12,35 @@ from llmtune.errors import UserError
 
 
 def eval_command(
-    target: Annotated[Path, typer.Argument(help="A run's output_dir, or a recipe (evaluates its base model).")],
+    target: Annotated[
+        Path,
+        typer.Argument(
+            help="A run's output_dir, one of its checkpoint-N folders, a merged "
+            "folder, or a recipe (its base model, or --model)."
+        ),
+    ],
     data: Annotated[Optional[Path], typer.Option("--data", help="Eval file in the recipe's dataset format.")] = None,
     batch_size: BatchSize = 8,
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1)] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N examples.")] = None,
     show: Annotated[int, typer.Option("--show", min=0, help="Print N generations.")] = 0,
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model",
+            help="With a recipe: measure this model folder, adapter "
+            "folder (on the recipe's base) or hub id on the recipe's eval data.",
+        ),
+    ] = None,
 ) -> None:
     """Eval loss, perplexity and exact-match accuracy (a preference run: rewards, margins, accuracy); writes eval.json."""
     from llmtune.post.evaluate import evaluate
 
     if data is not None and not data.exists():
         raise UserError(f"--data {data} does not exist")
-    results = evaluate(target, data, batch_size, max_new_tokens, limit, show)
+    results = evaluate(target, data, batch_size, max_new_tokens, limit, show, model)
+    if results.get("note"):
+        typer.echo(f"note: {results['note']}", err=True)
     if "method" in results:  # a preference run: its rewards over the eval pairs
         shown = [f"{name.split('/')[-1]} {results[name]:.4f}" for name in ("rewards/margins", "rewards/accuracies",
                  "rewards/chosen", "rewards/rejected") if results.get(name) is not None]  # fmt: skip

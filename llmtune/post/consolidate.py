@@ -67,6 +67,27 @@ def find_weights(run: Path, chosen: Path | None = None) -> RunWeights:
                     "train it first (llmtune train), or resume it so it saves")  # fmt: skip
 
 
+PLAN = Path("llmtune") / "plan.json"
+
+
+def loadable_weights(folder: Path, command: str) -> tuple[RunWeights | None, Path]:
+    """For the commands that load a model as it is (eval, infer, chat): the weights of a run folder (its final save,
+    else its newest complete checkpoint) or of one checkpoint-N of a run, and the run; sharded states send the user to
+    a merge. (None, folder) where `folder` is no llmtune run (a model or adapter folder)."""
+    run, chosen = folder, None
+    if folder.name.startswith("checkpoint-") and not (folder / PLAN).exists() and (folder.parent / PLAN).exists():
+        run, chosen = folder.parent, folder  # one checkpoint: its weights, the run's recipe and base
+    if not (run / PLAN).exists():
+        return None, folder
+    weights = find_weights(run, chosen)
+    if weights.kind in ("deepspeed", "fsdp"):
+        engine = "DeepSpeed ZeRO" if weights.kind == "deepspeed" else "FSDP"
+        raise UserError(f"{weights.folder} holds sharded {engine} states, which only a merge turns into a model",
+                        f"llmtune merge {weights.folder}, then llmtune {command} "
+                        f"{run / f'merged-{weights.folder.name}'}")  # fmt: skip
+    return weights, run
+
+
 def consolidate(weights: RunWeights) -> dict:
     """A sharded DeepSpeed/FSDP checkpoint as one full state dict (fp32)."""
     if weights.kind == "deepspeed":

@@ -24,29 +24,80 @@ class Target:
     result_file: Path
     label: str
     is_run: bool = False  # a trained run's folder (not the recipe's base model)
+    note: str | None = None  # something the user should know about what was measured
 
 
-def resolve_target(target: Path) -> Target:
-    from llmtune.recipe import Recipe, load_recipe
+def resolve_target(target: Path, model: str | None = None) -> Target:
+    """What `llmtune eval` measures: a run (its final save, else its newest complete checkpoint), one checkpoint-N of
+    a run, a merged folder, the recipe's base model, or (with a recipe) any model folder, adapter or hub id."""
+    from llmtune.recipe import load_recipe
     from llmtune.train.model.load import model_source
 
     if target.is_dir():
-        from llmtune.post.generate import refuse_reward_model
-
-        refuse_reward_model(target, "eval")
-        plan_file = target / "llmtune" / "plan.json"
-        if not plan_file.exists():
-            raise UserError(f"{target} is not an llmtune run folder (no llmtune/plan.json)", "pass a run's output_dir")
-        recipe = Recipe.model_validate(json.loads(plan_file.read_text())["recipe"])
-        adapter = str(target) if (target / "adapter_config.json").exists() else None
-        base = model_source(recipe)[0] if adapter else str(target)
-        return Target(recipe, base, adapter, target / "eval.json", f"run {target}", is_run=True)
+        if model is not None:
+            raise UserError(f"--model goes with a recipe, and {target} is a folder",
+                            f"llmtune eval RECIPE.yaml --model {model}")  # fmt: skip
+        return _run_target(target)
     recipe = load_recipe(target).recipe
     if recipe.num_labels:
         raise UserError(f"{target} trains a reward model: `llmtune eval` measures a causal LM's answers",
                         "the run's own eval (val_set_size) reports eval_accuracy")  # fmt: skip
+    if model is not None:
+        return _model_target(recipe, model)
     return Target(recipe, model_source(recipe)[0], None, Path(recipe.output_dir) / "eval_base.json",
                   f"base model {recipe.base_model}")  # fmt: skip
+
+
+def _run_target(folder: Path) -> Target:
+    from llmtune.post.consolidate import PLAN, loadable_weights
+    from llmtune.post.generate import refuse_reward_model
+    from llmtune.recipe import Recipe
+    from llmtune.train.model.load import model_source
+
+    weights, run = loadable_weights(folder, "eval")
+    refuse_reward_model(run, "eval")
+    if weights is None:
+        if (folder / "adapter_config.json").exists() or (folder / "config.json").exists():
+            what = "an adapter" if (folder / "adapter_config.json").exists() else "a model"
+            raise UserError(f"{folder} is {what} without an llmtune run (no {PLAN}): there is no recipe to take "
+                            "the eval data and the prompt format from",
+                            f"pass the recipe and the model: llmtune eval RECIPE.yaml --model {folder}")  # fmt: skip
+        raise UserError(f"{folder} is not an llmtune run folder (no {PLAN})",
+                        "pass a run's output_dir, one of its checkpoint-N folders, or a recipe")  # fmt: skip
+    recipe = Recipe.model_validate(json.loads((run / PLAN).read_text())["recipe"])
+    adapter = str(weights.folder) if weights.kind == "adapter" else None
+    base = model_source(recipe)[0] if adapter else str(weights.folder)
+    if weights.folder == run:
+        return Target(recipe, base, adapter, run / "eval.json", f"run {run}", is_run=True)
+    # a checkpoint (asked for, or the newest of a run that never saved its final model): its own result file
+    return Target(recipe, base, adapter, run / f"eval-{weights.folder.name}.json", f"{weights.folder.name} of run {run}",
+                  is_run=True)  # fmt: skip
+
+
+def _model_target(recipe, model: str) -> Target:
+    """Any model measured on the recipe's eval data: an adapter folder (on the recipe's base model), a model folder,
+    or a hub id."""
+    from llmtune.train.model.load import model_source
+
+    folder = Path(model)
+    if folder.is_dir():
+        if (folder / "adapter_config.json").exists():
+            base = model_source(recipe)[0]
+            named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+            note = None
+            if named and Path(named).name != Path(str(recipe.base_model)).name:  # a moved folder, or another base
+                note = (f"the adapter says it was trained on {named}; it is measured on the recipe's base_model "
+                        f"{recipe.base_model}")  # fmt: skip
+            return Target(recipe, base, str(folder), folder / "eval.json", f"adapter {model} on {recipe.base_model}",
+                          note=note)  # fmt: skip
+        if not (folder / "config.json").exists():
+            raise UserError(f"--model {model} has no model (config.json) or adapter (adapter_config.json)",
+                            "pass a model folder, an adapter folder or a hub id")  # fmt: skip
+        return Target(recipe, str(folder), None, folder / "eval.json", f"model {model}")
+    if folder.exists() or folder.suffix in (".yaml", ".yml", ".json"):
+        raise UserError(f"--model {model} is not a model folder", "pass a model folder, an adapter folder or a hub id")
+    name = model.replace("/", "--")
+    return Target(recipe, model, None, Path(recipe.output_dir) / f"eval_{name}.json", f"model {model}")
 
 
 def eval_examples(recipe, tokenizer, data: Path | None) -> list[dict]:
@@ -73,7 +124,7 @@ def split_prompt(example: dict, eos_id: int | None) -> tuple[list[int], list[int
 
 
 def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_new_tokens: int | None = None,
-             limit: int | None = None, show: int = 0) -> dict:  # fmt: skip
+             limit: int | None = None, show: int = 0, model: str | None = None) -> dict:  # fmt: skip
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -81,16 +132,20 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
     from llmtune.train.model.load import load_tokenizer
     from llmtune.train.runtime.progress import track
 
-    info = resolve_target(target)
+    info = resolve_target(target, model)
     recipe = info.recipe
-    tokenizer = load_tokenizer(recipe, info.adapter_dir or info.model_dir)
+    tokenizer = load_tokenizer(recipe, _tokenizer_source(info))
     from llmtune.post.generate import inference_device
 
     device, dtype = inference_device()
     from llmtune.train.model import linearize
 
-    model = linearize.from_pretrained(AutoModelForCausalLM, info.model_dir, recipe if info.adapter_dir else None,
-                                      dtype=dtype)  # fmt: skip
+    try:
+        model = linearize.from_pretrained(AutoModelForCausalLM, info.model_dir, recipe if info.adapter_dir else None,
+                                          dtype=dtype, trust_remote_code=recipe.trust_remote_code)  # fmt: skip
+    except (OSError, ValueError) as err:
+        raise UserError(f"could not load the model '{info.model_dir}' ({str(err).splitlines()[0][:160]})",
+                        "check the path or hub id, your network or HF_TOKEN") from None  # fmt: skip
     if info.adapter_dir:
         from peft import PeftModel
 
@@ -124,7 +179,19 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
     return _write(info, results)
 
 
+def _tokenizer_source(info: Target) -> str:
+    """The tokenizer saved beside the weights (an adapter's or a checkpoint's), else the base model's."""
+    from llmtune.train.model.load import model_source
+
+    for folder in (info.adapter_dir, info.model_dir):
+        if folder and any((Path(folder) / name).exists() for name in ("tokenizer_config.json", "tokenizer.json")):
+            return folder
+    return info.model_dir if not Path(info.model_dir).is_dir() else model_source(info.recipe)[0]
+
+
 def _write(info: Target, results: dict) -> dict:
+    if info.note:
+        results["note"] = info.note
     info.result_file.parent.mkdir(parents=True, exist_ok=True)
     info.result_file.write_text(json.dumps(results, indent=2) + "\n")
     results["written_to"] = str(info.result_file)

@@ -85,26 +85,36 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
     device, dtype = inference_device()
     adapter, recipe = None, None
     model_dir, tokenizer_dir, label = target, target, target
+    prompt_folder = None
     if path.is_dir():
-        refuse_reward_model(path, command)
-        plan_file = path / "llmtune" / "plan.json"
+        from llmtune.post.consolidate import loadable_weights
+
+        weights, prompt_folder = loadable_weights(path, command)
+        refuse_reward_model(prompt_folder, command)
+        plan_file = prompt_folder / "llmtune" / "plan.json"
+        if weights is not None and weights.folder != path:  # a checkpoint: the one asked for, or the newest one
+            path, label = weights.folder, f"{weights.folder.name} of run {prompt_folder}"
+            model_dir = tokenizer_dir = str(path)
+        if plan_file.exists():
+            from llmtune.recipe import Recipe
+
+            recipe = Recipe.model_validate(json.loads(plan_file.read_text())["recipe"])
+            trust_remote_code = trust_remote_code or recipe.trust_remote_code
         if (path / "adapter_config.json").exists():
             adapter = str(path)
-            if plan_file.exists():
-                from llmtune.recipe import Recipe
+            if recipe is not None:
                 from llmtune.train.model.load import model_source
 
-                recipe = Recipe.model_validate(json.loads(plan_file.read_text())["recipe"])
                 model_dir = model_source(recipe)[0]
-                trust_remote_code = trust_remote_code or recipe.trust_remote_code
             else:
                 model_dir = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
-            if not any((path / name).exists() for name in ("tokenizer_config.json", "tokenizer.json")):
-                tokenizer_dir = model_dir  # an adapter saved without its tokenizer: its base model's
-            label = f"{target} (adapter on {model_dir})"
+            label = f"{label} (adapter on {model_dir})"
         elif not (path / "config.json").exists():
             raise UserError(f"{target} has no model (config.json) or adapter (adapter_config.json)",
                             "pass a run's output_dir, a merged folder, or a hub id")  # fmt: skip
+        if not any((path / name).exists() for name in ("tokenizer_config.json", "tokenizer.json")):
+            # saved without its tokenizer (an adapter, a checkpoint): the base model's
+            tokenizer_dir = model_dir if adapter else base_of(recipe, model_dir)
     elif path.suffix in (".yaml", ".yml", ".json") or path.exists():
         raise UserError(f"{target} is not a model folder", "pass a run's output_dir, a merged folder, or a hub id")
     try:
@@ -125,7 +135,14 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return Loaded(model, tokenizer, label, trained_prompt_format(path) if path.is_dir() else None)
+    return Loaded(model, tokenizer, label, trained_prompt_format(prompt_folder) if prompt_folder else None)
+
+
+def base_of(recipe, fallback: str) -> str:
+    """The base model a run trained from (for its tokenizer), else `fallback`."""
+    from llmtune.train.model.load import model_source
+
+    return model_source(recipe)[0] if recipe is not None else fallback
 
 
 @dataclass

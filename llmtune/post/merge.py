@@ -61,6 +61,9 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
     if not plan_file.exists():
         raise UserError(f"{run} is not an llmtune run folder (no llmtune/plan.json)",
                         "pass a run's output_dir, or one of its checkpoint-N folders")  # fmt: skip
+    if is_merged(run):
+        raise UserError(f"{run} is already a merged model (written by llmtune merge): there is nothing to fold in",
+                        f"use it as it is (llmtune infer {run}, llmtune eval {run}, or base_model: {run})")  # fmt: skip
     payload = json.loads(plan_file.read_text())
     recipe, plan = Recipe.model_validate(payload["recipe"]), payload["plan"]
     output = output or run / ("merged" if chosen is None else f"merged-{chosen.name}")
@@ -93,6 +96,7 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
         # provenance, and what lets `llmtune eval/infer MERGED` read the recipe (its eval split, its template)
         (staging / "llmtune").mkdir()
         shutil.copy2(plan_file, staging / "llmtune" / "plan.json")
+        (staging / MERGED).write_text(json.dumps({"run": str(run.resolve()), "weights": weights.note}) + "\n")
         result = MergeResult(output, shards, writer.total_bytes, merged["modules"], source, str(target).split(".")[-1])
         (staging / "README.md").write_text(_card(recipe, plan, weights, result))
         if output.exists():
@@ -109,6 +113,17 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+MERGED = Path("llmtune") / "merged.json"  # what a merged folder says of itself
+
+
+def is_merged(folder: Path) -> bool:
+    """A folder llmtune merge wrote (its marker; before the marker existed, its model card's tag)."""
+    if (folder / MERGED).is_file():
+        return True
+    card = folder / "README.md"
+    return card.is_file() and "tags: [llmtune, merged]" in card.read_text(errors="replace")[:400]
 
 
 WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)  # a place that can't be written

@@ -17,6 +17,7 @@ from llmtune.recipe.axolotl_entries import (
     WANDB_LOG_MODEL,
     chat_only_keys,
     format_key,
+    hand_written_template,
     path_from_data_files,
     shown,
     top_level_key_in_entry,
@@ -305,6 +306,7 @@ def _datasets(data: dict, path: Path, notes: Notes) -> None:
             if "path" not in spec and spec.get("data_files"):
                 path_from_data_files(f"{group}[{index}]", spec, notes)
             chat_only_keys(f"{group}[{index}]", spec, notes)
+            hand_written_template(f"{group}[{index}]", spec, data, notes)
             screened.append(spec)
         data[group] = screened
 

@@ -81,3 +81,18 @@ def chat_only_keys(where: str, spec: dict, notes) -> None:
     for key in CHAT_TEMPLATE_KEYS:
         if key in spec and spec[key] not in (None, DatasetSpec.model_fields[key].default):
             notes.unused(f"{where}.{key}", f"only type: chat_template reads it; Axolotl's type: {kind} didn't either")
+
+
+HAND_WRITTEN = {"chatml": "ChatML", "llama3": "Llama-3"}  # preference type families Axolotl writes by hand
+
+
+def hand_written_template(where: str, spec: dict, data: dict, notes) -> None:
+    """Axolotl's chatml.* / llama3.* preference types write ChatML / Llama-3 strings by hand, whatever the model;
+    llmtune renders them with the model's chat template: a note, since a model with another template trains on other
+    prompt strings than under Axolotl."""
+    kind = spec.get("type")
+    family = kind.split(".")[0] if isinstance(kind, str) and data.get("rl") else None
+    if family in HAND_WRITTEN:
+        notes.add(f"{where}.type: {kind}: rendered with the model's chat template (the recipe's chat_template, else "
+                  f"the tokenizer's), {HAND_WRITTEN[family]} only where there is none; Axolotl writes "
+                  f"{HAND_WRITTEN[family]} by hand whatever the model")  # fmt: skip

@@ -32,7 +32,8 @@ def workspace(tmp_path_factory):
 def lora_runs(workspace) -> dict[str, Path]:
     runs = {}
     for name, (processes, changes) in STRATEGIES.items():
-        _, runs[name] = train_run(workspace, f"lora-{name}", processes, **LORA, **changes, val_set_size=0.25,
+        saves = {"save_strategy": "steps", "save_steps": 2} if name == "single" else {}  # a checkpoint to eval
+        _, runs[name] = train_run(workspace, f"lora-{name}", processes, **LORA, **changes, **saves, val_set_size=0.25,
                                   eval_strategy="steps", eval_steps=1, logging_steps=1)  # fmt: skip
     _, runs["pipeline"] = train_run(workspace, "lora-pipeline", PIPELINE[0], **LORA, **PIPELINE[1])
     return runs
@@ -221,13 +222,32 @@ def test_chat_in_a_terminal_answers_and_exits(lora_runs):
     assert child.exitstatus == 0
 
 
-def test_eval_matches_the_trainers_eval_loss(lora_runs):
-    metrics = json.loads((lora_runs["single"] / "metrics.json").read_text())
-    result = llmtune("eval", lora_runs["single"], timeout=300)
+def test_eval_matches_the_trainers_eval_loss(lora_runs, tmp_path):
+    run = lora_runs["single"]
+    metrics = json.loads((run / "metrics.json").read_text())
+    result = llmtune("eval", run, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    written = json.loads((lora_runs["single"] / "eval.json").read_text())
+    written = json.loads((run / "eval.json").read_text())
     assert written["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-3)
     assert written["perplexity"] == pytest.approx(2.718281828 ** written["eval_loss"], rel=1e-6)
+    # one checkpoint of the run: its own weights, measured as the trainer measured them at that step
+    checkpoint = run / "checkpoint-2"
+    at_step = {entry["step"]: entry["eval_loss"] for entry in metrics["log_history"] if "eval_loss" in entry}
+    assert at_step[2] != pytest.approx(metrics["eval_loss"], rel=1e-3)  # the checkpoint is another model
+    result = llmtune("eval", checkpoint, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((run / "eval-checkpoint-2.json").read_text())["eval_loss"] == pytest.approx(at_step[2], rel=1e-3)
+    # the adapter alone, as another tool leaves it (no recipe beside it, no tokenizer): the recipe says the data
+    bare = tmp_path / "adapter"
+    bare.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy2(run / name, bare / name)
+    refused = llmtune("eval", bare, timeout=120)
+    assert refused.returncode == 2 and f"llmtune eval RECIPE.yaml --model {bare}" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and not (bare / "eval.json").exists()
+    result = llmtune("eval", run.with_suffix(".yaml"), "--model", bare, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((bare / "eval.json").read_text())["eval_loss"] == pytest.approx(written["eval_loss"], rel=1e-5)
 
 
 def test_report_has_a_loss_curve_with_train_and_eval(lora_runs):

@@ -320,6 +320,12 @@ def test_what_public_recipes_carry_that_axolotl_ignored_is_a_note_or_one_line_sa
     # v0.4.0's documented rl: data entry: data_files and ds_type, no path
     loaded = load(rl="dpo", datasets=[{"ds_type": "json", "data_files": ["pairs.jsonl"], "type": "chatml.intel"}])
     assert loaded.recipe.datasets[0].path == "json" and "no path, read as path: json" in " | ".join(loaded.notes)
+    # Axolotl's hand-written ChatML / Llama-3 preference types: said to follow the model's template here
+    said = " | ".join(loaded.notes)
+    assert "datasets[0].type: chatml.intel: rendered with the model's chat template" in said and "ChatML by hand" in said
+    said = notes(rl="kto", datasets=[{"path": "org/data", "type": "llama3.ultra"}])
+    assert "datasets[0].type: llama3.ultra" in said and "Llama-3 by hand" in said
+    assert "by hand" not in notes(rl="dpo", datasets=[{"path": "org/data", "type": "chat_template.default"}])
     assert load(datasets=[{"data_files": "rows.parquet", "type": "alpaca"}]).recipe.datasets[0].path == "parquet"
     # BitsAndBytesConfig's own default, written out (Axolotl v0.4.0 wrote it itself): nothing asked for
     assert "bnb_config_kwargs.llm_int8_has_fp16_weight" in notes(bnb_config_kwargs={"llm_int8_has_fp16_weight": False})

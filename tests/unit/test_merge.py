@@ -161,6 +161,54 @@ def test_one_chosen_checkpoint_merges_its_own_weights(tmp_path):
     with pytest.raises(UserError, match="checkpoint-3 is not a complete checkpoint"):
         merge_run(run / "checkpoint-3")
     assert not (run / "merged-checkpoint-3").exists()
+    # a merged folder is a model, not a run: merging it again is refused (it wrote merged/merged), nothing written
+    before = sorted(p.name for p in result.output.iterdir())
+    with pytest.raises(UserError, match="already a merged model"):
+        merge_run(result.output)
+    assert sorted(p.name for p in result.output.iterdir()) == before
+
+
+def test_eval_measures_a_checkpoint_or_names_the_merge_or_recipe_it_needs(tmp_path):
+    from llmtune.plan.checkpoint_layout import MARKER
+    from llmtune.post.evaluate import resolve_target
+
+    base = make_tiny_model(tmp_path / "base")
+    run, model = fake_run(tmp_path, base, r=4, lora_alpha=8, target_modules=["q_proj"])
+    model.save_pretrained(run / "checkpoint-2")
+    (run / "checkpoint-2" / MARKER).write_text(json.dumps({"step": 2, "world_size": 1}))
+    target = resolve_target(run / "checkpoint-2")
+    assert (target.adapter_dir, target.model_dir) == (str(run / "checkpoint-2"), str(base))
+    assert target.result_file == run / "eval-checkpoint-2.json"  # the run's own eval.json is the final save's
+    assert resolve_target(run).result_file == run / "eval.json"
+    (run / "checkpoint-4" / "global_step4").mkdir(parents=True)  # a ZeRO-3 checkpoint: partitions only
+    (run / "checkpoint-4" / MARKER).write_text(json.dumps({"step": 4, "world_size": 2}))
+    with pytest.raises(UserError, match="sharded DeepSpeed ZeRO states") as err:
+        resolve_target(run / "checkpoint-4")
+    assert err.value.hint == f"llmtune merge {run / 'checkpoint-4'}, then llmtune eval {run / 'merged-checkpoint-4'}"
+    bare = tmp_path / "bare"
+    model.save_pretrained(bare)  # an adapter without an llmtune run: the recipe must come with it
+    with pytest.raises(UserError, match="adapter without an llmtune run") as err:
+        resolve_target(bare)
+    assert err.value.hint == f"pass the recipe and the model: llmtune eval RECIPE.yaml --model {bare}"
+    with pytest.raises(UserError, match="--model goes with a recipe"):
+        resolve_target(run, str(bare))
+    # infer and chat load the same weights: a checkpoint's adapter on the run's base, with the base's tokenizer
+    from llmtune.post.generate import load_for_generation
+
+    loaded = load_for_generation(str(run / "checkpoint-2"))
+    assert loaded.label == f"{run / 'checkpoint-2'} (adapter on {base})"
+    assert logits(loaded.model).equal(logits(model))
+    with pytest.raises(UserError, match="sharded DeepSpeed ZeRO states") as err:
+        load_for_generation(str(run / "checkpoint-4"), command="chat")
+    assert err.value.hint.endswith(f"then llmtune chat {run / 'merged-checkpoint-4'}")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):  # a run that never saved its final model
+        (run / name).unlink()
+    (run / "checkpoint-4" / "global_step4").rmdir()
+    (run / "checkpoint-4" / MARKER).unlink()
+    target = resolve_target(run)  # its newest complete checkpoint, said so, in a file of its own
+    assert (target.adapter_dir, target.result_file) == (str(run / "checkpoint-2"), run / "eval-checkpoint-2.json")
+    assert target.label == f"checkpoint-2 of run {run}"
+    assert load_for_generation(str(run)).label == f"checkpoint-2 of run {run} (adapter on {base})"
 
 
 def test_a_changed_eos_token_reaches_the_merged_configs(tmp_path):
