@@ -80,6 +80,9 @@ def validate(
                                        launcher, None, no_ssh)  # fmt: skip
         cluster, cluster_notes = smallest_cluster(loaded.recipe, described)
     plan = make_plan(loaded.recipe, cluster)
+    from llmtune.launch.preflight import check_deepspeed_schema
+
+    check_deepspeed_schema(loaded.recipe, plan)
     for note in [*loaded.notes, *cluster_notes]:
         typer.echo(f"note: {note}")
     typer.echo(f"{recipe}: valid ({plan.title}, world size {plan.world_size}, global batch {plan.global_batch_size})")

@@ -103,7 +103,13 @@ def train(
 
     mark("start")  # the command has parsed its flags (Python and the CLI's imports before this are not counted)
     from llmtune.launch.net import free_port
-    from llmtune.launch.preflight import check_nvme_offload, check_trackers, finished_run, memory_check
+    from llmtune.launch.preflight import (
+        check_deepspeed_schema,
+        check_nvme_offload,
+        check_trackers,
+        finished_run,
+        memory_check,
+    )
     from llmtune.launch.runner import check_launcher_flags, run
     from llmtune.plan import make_plan
     from llmtune.plan.files import plan_files, write_plan_files
@@ -147,6 +153,7 @@ def train(
     the_plan = make_plan(loaded.recipe, cluster, resume=True)
     check_launcher_flags(list(ctx.args), ours, the_plan.commands[cluster.machine_rank])
     check_nvme_offload(the_plan)
+    check_deepspeed_schema(loaded.recipe, the_plan)
     fit = None if no_memory_check else memory_check(loaded.recipe, the_plan, gpu_memory)
     files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
     for key, value in summary_lines(the_plan, loaded.recipe):
@@ -169,7 +176,8 @@ def train(
         if run_doctor(loaded, cluster, loaded.recipe.rdzv_timeout, json_output=False, quick=True):
             raise UserError("the preflight found a problem (above); nothing was trained",
                             "fix it, then run the same command again (llmtune doctor gives the full checks)")  # fmt: skip
-    if cluster.num_machines == 1 and the_plan.world_size > 1:  # refused before anything is written to output_dir
+    if cluster.machine_rank == 0 and the_plan.world_size > 1 and the_plan.rdzv_backend != "etcd":
+        # machine 0 hosts the rendezvous on this port: refused before anything is written to output_dir
         from llmtune.launch.net import check_port_free
 
         check_port_free(cluster.main_process_port)

@@ -82,7 +82,18 @@ def _resume_report(plan) -> dict | None:
 
 def _identity(plan) -> dict:
     return {"world_size": plan.world_size, "num_machines": plan.cluster.num_machines, "strategy": plan.strategy,
-            "global_batch_size": plan.global_batch_size}  # fmt: skip
+            "global_batch_size": plan.global_batch_size, "recipe": plan.recipe_digest}  # fmt: skip
+
+
+def _differences(theirs: dict | None, mine: dict) -> str:
+    """What a machine plans that machine 0 doesn't, said in words: the sizes, or that the recipe itself differs."""
+    theirs = theirs if isinstance(theirs, dict) else {}
+    sizes = [f"{key} {theirs.get(key)} (machine 0: {value})" for key, value in mine.items()
+             if key != "recipe" and theirs.get(key) != value]  # fmt: skip
+    if theirs.get("recipe") != mine.get("recipe"):
+        sizes.append("another recipe than machine 0's (a different file, or the same file with other values: "
+                     "learning rate, steps, data...)")  # fmt: skip
+    return ", ".join(sizes)
 
 
 def _send(conn: socket.socket, message: dict) -> None:
@@ -135,10 +146,11 @@ def gather(plan, timeout: float, log=print) -> dict[str, str]:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(expected - set(joined))
-                raise UserError(f"machine rank(s) {', '.join(map(str, missing))} of {cluster.num_machines} did not join "
-                                f"within {timeout:.0f} s (rdzv_timeout) at port {cluster.main_process_port}",
-                                f"{HINT_JOIN}; check they reach {cluster.main_process_ip}:{cluster.main_process_port} "
-                                "(address, firewall)")  # fmt: skip
+                _refuse_joined(joined, UserError(
+                    f"machine rank(s) {', '.join(map(str, missing))} of {cluster.num_machines} did not join within "
+                    f"{timeout:.0f} s (rdzv_timeout) at port {cluster.main_process_port}",
+                    f"{HINT_JOIN}; check they reach {cluster.main_process_ip}:{cluster.main_process_port} "
+                    "(address, firewall)"))  # fmt: skip
             server.settimeout(remaining)
             try:
                 conn, address = server.accept()
@@ -153,15 +165,16 @@ def gather(plan, timeout: float, log=print) -> dict[str, str]:
             elif hello["machine_rank"] in joined:
                 problem = f"two machines say they are machine rank {hello['machine_rank']}"
             elif hello.get("plan") != me:
-                problem = (f"machine rank {hello['machine_rank']} ({address[0]}) plans {hello.get('plan')} but machine 0 "
-                           f"plans {me}")  # fmt: skip
+                problem = (f"machine rank {hello['machine_rank']} ({address[0]}) plans "
+                           f"{_differences(hello.get('plan'), me)}")  # fmt: skip
             if problem:
                 try:
                     _send(conn, {"error": problem})
                 finally:
                     conn.close()
                 if hello and "machine_rank" in hello and "plan" in hello and hello.get("plan") != me:
-                    raise UserError(problem, "start every machine with the same recipe and cluster flags")
+                    _refuse_joined(joined, UserError(problem, "start every machine with the same recipe and cluster "
+                                                              "flags"))  # fmt: skip
                 log(f"ignored: {problem}")
                 continue
             joined[hello["machine_rank"]] = conn
@@ -187,6 +200,17 @@ def gather(plan, timeout: float, log=print) -> dict[str, str]:
     if refusal:
         raise UserError(*refusal)
     return {manifest.MACHINE_RANK_ENV: "0", manifest.ADDRESS_ENV: str(cluster.main_process_ip)}
+
+
+def _refuse_joined(joined: dict, error: UserError) -> None:
+    """Machine 0 stops the launch: the machines that did join hear why (else each would wait out its own timeout and
+    blame machine 0), then machine 0 raises it."""
+    for conn in joined.values():
+        try:
+            _send(conn, {"error": error.message, "hint": error.hint})
+        except OSError:
+            pass
+    raise error
 
 
 def _storage_refusal(plan, own_disk: list[int]) -> tuple[str, str] | None:
@@ -225,7 +249,7 @@ def join(plan, timeout: float, log=print) -> dict[str, str]:
                 last_error = "machine 0 did not answer"
                 continue
             if "error" in reply:
-                raise UserError(f"machine rank 0 refused this machine: {reply['error']}", reply.get("hint", HINT_JOIN))
+                raise UserError(f"machine rank 0 stopped the launch: {reply['error']}", reply.get("hint", HINT_JOIN))
             env = {manifest.MACHINE_RANK_ENV: str(cluster.machine_rank)}
             if reply.get("address"):
                 env[manifest.ADDRESS_ENV] = reply["address"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmtune.errors import UserError
+from llmtune.errors import UserError, did_you_mean
 
 TRACKER_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 
@@ -63,6 +63,35 @@ def check_nvme_offload(plan, compatible=async_io_builds) -> None:
         raise UserError("NVMe offload needs DeepSpeed's async_io op, which can't build on this machine (libaio and "
                         "its headers not found)", "install libaio-dev (apt) or libaio-devel (dnf), or offload to "
                         "cpu (deepspeed: zero3_offload)")  # fmt: skip
+
+
+def check_deepspeed_schema(recipe, plan) -> None:
+    """A user's DeepSpeed JSON checked against DeepSpeed's own ZeRO config model, which forbids unknown keys and
+    wrong values: a typo (stage3_prefetch_bucket_sizes) or device "gpu" otherwise stops every rank at start-up.
+    llmtune's presets are left alone (they are written from that model's keys)."""
+    from llmtune.plan.deepspeed import PRESETS, preset_for_axolotl_file
+
+    config = plan.deepspeed_config
+    named = recipe.deepspeed
+    if not config or (isinstance(named, str) and (named in PRESETS or preset_for_axolotl_file(named))):
+        return
+    try:
+        import pydantic
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except Exception:  # no deepspeed here: the ranks' own import names it
+        return
+    try:
+        DeepSpeedZeroConfig(**config.get("zero_optimization", {}))
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(part) for part in ("zero_optimization", *first["loc"]))
+        where = "the inline deepspeed mapping" if isinstance(named, dict) else f"deepspeed file {named}"
+        fields = DeepSpeedZeroConfig.model_fields
+        allowed = [f.alias or name for name, f in fields.items()] if first["type"] == "extra_forbidden" else []
+        guess = did_you_mean(str(first["loc"][-1]), allowed) if allowed else None
+        raise UserError(f"{where}: {key}: {first['msg']} (DeepSpeed would stop every rank at start-up)",
+                        f"did you mean {guess}?" if guess else "fix or remove it; DeepSpeed's ZeRO keys are in its "
+                        "config docs") from None  # fmt: skip
 
 
 def memory_check(recipe, plan, gpu_memory: str | None) -> str | None:

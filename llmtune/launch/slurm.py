@@ -61,6 +61,9 @@ class SlurmJob:
         return self.nodes * self.gpus_per_node - self.vllm_gpus
 
     def check(self) -> None:
+        if self.device not in (None, "cpu", "cuda", "cuda:gloo"):
+            raise UserError(f"--device must be cuda or cpu, not {self.device!r}",
+                            "the nodes' GPUs are the default; --device cpu rehearses on their CPUs")  # fmt: skip
         if self.nodes < 1:
             raise UserError(f"--nodes {self.nodes} must be at least 1")
         if self.gpus_per_node < 1:
@@ -221,6 +224,9 @@ def submit(script: Path) -> tuple[str, str]:
     done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         first = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise UserError(f"sbatch refused the job: {first}", "check --partition, --account and --time")
+        about_job = any(word in first.lower() for word in ("partition", "account", "time", "qos", "node", "gres"))
+        raise UserError(f"sbatch refused the job: {first}", "check --partition, --account and --time" if about_job
+                        else "sbatch itself failed on this machine: check its Slurm setup (sinfo should answer), or "
+                        "submit the written script from a login node")  # fmt: skip
     job_id = done.stdout.strip().split(";")[0]
     return job_id, done.stdout.strip()

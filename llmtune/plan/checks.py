@@ -172,7 +172,8 @@ def _check_elastic_sizes(recipe: Recipe, cluster: Cluster, strategy: str, global
     if recipe.rdzv_backend not in ELASTIC:
         raise UserError("min_machines needs rdzv_backend: c10d or etcd (torchrun's elastic rendezvous)")
     if least > cluster.num_machines:
-        raise UserError(f"min_machines {least} is more than --num-machines {cluster.num_machines}")
+        raise UserError(f"min_machines {least} is more than the {cluster.num_machines} machines of the launch "
+                        "(--num-machines; llmtune slurm's --nodes)", "lower min_machines, or ask for more machines")  # fmt: skip
     if least == cluster.num_machines:
         return
     if strategy != "ddp":

@@ -74,6 +74,7 @@ def make_cluster(
     """
     if launcher not in ("accelerate", "deepspeed"):
         raise UserError(f"--launcher must be accelerate or deepspeed, not {launcher!r}")
+    _check_address(main_process_ip)
     hosts: tuple[str, ...] = ()
     if hostfile is not None and launcher != "deepspeed":
         raise UserError("--hostfile is DeepSpeed's", "add --launcher deepspeed")
@@ -91,6 +92,10 @@ def make_cluster(
                             "drop --num-processes, or change the slots")  # fmt: skip
         num_machines, num_processes = machines, processes
         hosts = tuple(host for host, _ in listed)
+        if main_process_ip in hosts[1:]:  # DeepSpeed runs machine rank 0 on the first line: the store is there
+            raise UserError(f"--main-process-ip {main_process_ip} is line {hosts.index(main_process_ip) + 1} of "
+                            f"{hostfile}, and machine rank 0 runs on its first line ({hosts[0]})",
+                            f"drop --main-process-ip, or pass {hosts[0]}'s address")  # fmt: skip
         main_process_ip = main_process_ip or hosts[0]
         if not no_ssh and machine_rank != 0:
             raise UserError("--machine-rank is only for --no-ssh: over ssh, machine 0 starts every machine",
@@ -131,3 +136,16 @@ def make_cluster(
         )
     return Cluster(num_processes, num_machines, machine_rank, main_process_ip or "127.0.0.1", port, device,
                    launcher, hostfile, not no_ssh, hosts, backend)  # fmt: skip
+
+
+def _check_address(address: str | None) -> None:
+    """--main-process-ip: a host name or address, without the port (accelerate and torchrun take it apart)."""
+    if address is None:
+        return
+    host, _, tail = address.rpartition(":")
+    if address.count(":") == 1 and tail.isdigit():
+        raise UserError(f"--main-process-ip {address} carries a port",
+                        f"pass --main-process-ip {host} --main-process-port {tail}")  # fmt: skip
+    if not address.strip() or any(c.isspace() or c in "/@" for c in address):
+        raise UserError(f"--main-process-ip {address!r} is not a host name or address",
+                        "give machine rank 0's IP address or host name")  # fmt: skip

@@ -63,7 +63,7 @@ def _offload(device: str, nvme_path: str | None, buffer_count: int) -> dict:
     return {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True, "buffer_count": buffer_count}
 
 
-def _preset_zero(preset: ZeroPreset, recipe, facts: ModelFacts | None) -> dict:
+def _preset_zero(preset: ZeroPreset, recipe, facts: ModelFacts | None, data_parallel: int = 1) -> dict:
     hidden = facts.hidden_size if facts else None
     bucket = hidden * hidden if hidden else DEFAULT_BUCKET
     zero: dict[str, Any] = {
@@ -90,7 +90,15 @@ def _preset_zero(preset: ZeroPreset, recipe, facts: ModelFacts | None) -> dict:
         zero["offload_optimizer"] = _offload(preset.offload_optimizer, nvme, 4)
     if preset.offload_param:
         zero["offload_param"] = _offload(preset.offload_param, nvme, 5)
+        if preset.offload_param == "nvme" and facts is not None:
+            # each swap buffer must hold one parameter's partition (DeepSpeed asserts it at model init): its
+            # default, 1e8 elements, is less than the embedding's share of a 70B model on 8 GPUs (1.3e8)
+            largest = -(-facts.largest_tensor_params() // max(1, data_parallel))
+            zero["offload_param"]["buffer_size"] = max(NVME_BUFFER, largest)
     return zero
+
+
+NVME_BUFFER = 100_000_000  # DeepSpeed's offload_param.buffer_size default (elements)
 
 
 def build_deepspeed_config(
@@ -98,6 +106,7 @@ def build_deepspeed_config(
 ) -> tuple[dict, list[str]]:
     """The resolved DeepSpeed config and notes about what was filled or replaced."""
     user, preset_name = load_user_config(recipe.deepspeed)
+    _check_sections(user, recipe)
     notes: list[str] = []
     if rehearsal:  # CPU processes run fp32: a file's own bf16/fp16 (Axolotl's zero3_bf16*.json) as the recipe's
         for key in ("bf16", "fp16"):
@@ -118,14 +127,12 @@ def build_deepspeed_config(
     for key, value in resolved.items():
         config[key] = _merge(key, config.get(key), value, recipe.deepspeed)
     if preset_name:
-        config["zero_optimization"] = _preset_zero(PRESETS[preset_name], recipe, facts)
+        config["zero_optimization"] = _preset_zero(PRESETS[preset_name], recipe, facts, data_parallel_size)
         if preset_name != recipe.deepspeed:  # Axolotl's shipped file, named by its path in Axolotl's repository
             notes.append(f"deepspeed: {recipe.deepspeed} is Axolotl's own file, not on disk here: llmtune's "
                          f"{preset_name} preset stands for it (a file at that path would be read instead)")  # fmt: skip
     else:
-        zero = dict(config.get("zero_optimization") or {"stage": 0})
-        if isinstance(zero.get("stage"), str) and zero["stage"].strip().isdigit():
-            zero["stage"] = int(zero["stage"])  # DeepSpeed reads "3" as 3, transformers' is_zero3() doesn't
+        zero = _user_zero(config, recipe)
         if int(zero.get("stage") or 0) < 3 and (zero.get("offload_param") or {}).get("device", "none") != "none":
             del zero["offload_param"]
             notes.append(f"deepspeed: offload_param works at ZeRO stage 3 only (DeepSpeed ignores it at stage "
@@ -161,6 +168,44 @@ def build_deepspeed_config(
                      f"{resolved['train_batch_size']} (micro x accumulation x the {data_parallel_size} data-parallel "
                      "groups) when DeepSpeed starts")  # fmt: skip
     return config, notes
+
+
+def _where(recipe) -> str:
+    return (
+        "the inline deepspeed mapping" if isinstance(recipe.deepspeed, dict) else f"deepspeed file {recipe.deepspeed}"
+    )
+
+
+def _check_sections(config: dict, recipe) -> None:
+    """The sections DeepSpeed reads as JSON objects: a bare value there is one line naming it, not a traceback."""
+    for key in ("zero_optimization", "optimizer", "bf16", "fp16"):
+        if key in config and not isinstance(config[key], dict):
+            shown = "{enabled: " + json.dumps(config[key]) + "}" if key in ("bf16", "fp16") else "a JSON object"
+            raise UserError(f"{_where(recipe)}: {key} is {json.dumps(config[key])}, and DeepSpeed reads it as a JSON "
+                            "object", f"write it as {shown}")  # fmt: skip
+
+
+def _user_zero(config: dict, recipe) -> dict:
+    """A user's zero_optimization, checked for the shapes DeepSpeed reads (one line naming the key, not a traceback
+    here or an error on every rank at start-up); NVMe offload gets the recipe's offload_nvme_path where it has none."""
+    where, zero = _where(recipe), dict(config.get("zero_optimization") or {"stage": 0})
+    if isinstance(zero.get("stage"), str) and zero["stage"].strip().isdigit():
+        zero["stage"] = int(zero["stage"])  # DeepSpeed reads "3" as 3, transformers' is_zero3() doesn't
+    if zero.get("stage", 0) not in (0, 1, 2, 3):
+        raise UserError(f"{where}: zero_optimization.stage is {json.dumps(zero['stage'])}", "use 0, 1, 2 or 3")
+    for key in ("offload_optimizer", "offload_param"):
+        offload = zero.get(key)
+        if offload is None:
+            continue
+        if not isinstance(offload, dict) or offload.get("device", "none") not in ("none", "cpu", "nvme"):
+            raise UserError(f"{where}: zero_optimization.{key} is {json.dumps(offload)}",
+                            'write it as {"device": "cpu"} (or "nvme" with "nvme_path", or "none")')  # fmt: skip
+        if offload.get("device") == "nvme" and not offload.get("nvme_path"):
+            if not recipe.offload_nvme_path:
+                raise UserError(f"{where}: zero_optimization.{key} offloads to NVMe without an nvme_path",
+                                "set offload_nvme_path in the recipe, or nvme_path in the JSON")  # fmt: skip
+            zero[key] = {**offload, "nvme_path": recipe.offload_nvme_path}
+    return zero
 
 
 def _merge(key: str, user_value: Any, recipe_value: Any, source: Any) -> Any:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from llmtune.errors import UserError
 
-# exactly what DeepSpeed's launcher accepts (`^(\S+)\s+slots=(\d+)`): anything looser would pass here and fail there
-LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\d+)$")
+# what DeepSpeed's launcher accepts (`^(\S+)\s+slots=(\d+)`, read from the line's start: OpenMPI's
+# `max_slots=N` after it is ignored there too); anything looser would pass here and fail there
+LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\d+)")
 HINT = "write one machine per line as `hostname slots=N`, as DeepSpeed's launcher reads it"
 
 

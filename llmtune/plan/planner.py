@@ -35,6 +35,7 @@ from llmtune.plan.resume import length_line, resumed_accumulation
 from llmtune.plan.resume_checks import check_resume
 from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, resolve_kernels
+from llmtune.recipe.loader import recipe_fingerprint
 from llmtune.recipe.preference import ONLINE_METHODS
 
 
@@ -72,6 +73,7 @@ class Plan:
     kernels: dict[str, Any] = field(default_factory=dict)  # on GPUs: liger kernels, attention, torch.compile
     mesh: dict[str, int] | None = None  # tp: {tensor_parallel, dp_shard, dp_replicate}; ranks = their product
     shared_output_dir: str | None = None  # what needs every machine to see one output_dir (the check-in tests it)
+    recipe_digest: str = ""  # the resolved recipe's hash: every machine of a launch must run the same one
 
     @property
     def title(self) -> str:
@@ -290,7 +292,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
     if recipe.rdzv_backend == "etcd":
         if not recipe.rdzv_endpoint:
             raise UserError("rdzv_backend: etcd needs rdzv_endpoint: host:port of the etcd server",
-                            "set rdzv_endpoint in the recipe or pass --rdzv-endpoint, e.g. 10.0.0.5:2379")  # fmt: skip
+                            "set rdzv_endpoint in the recipe, e.g. 10.0.0.5:2379")  # fmt: skip
         if strategy != "ddp":
             raise UserError(f"rdzv_backend: etcd with {STRATEGY_TITLES[strategy]} is not supported: llmtune runs "
                             "torchrun's elastic agent directly for it, with DDP ranks only",
@@ -348,7 +350,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
         strategy, offload, world, data_parallel, recipe.micro_batch_size, accumulation, global_batch, precision,
         cluster, config_dir, accelerate, deepspeed_config, env, commands, pipeline, notes, recipe.rdzv_backend,
         recipe.min_machines if recipe.min_machines and recipe.min_machines < cluster.num_machines else None,
-        kernels.to_dict(), mesh, shared_output,
+        kernels.to_dict(), mesh, shared_output, recipe_fingerprint(recipe, {"output_dir"}),
     )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from llmtune.errors import UserError
 from llmtune.plan.memory.facts import KNOWN_MODELS, ModelFacts, fetch_hub_config, find_config_json
+from llmtune.plan.memory.facts import facts_from_config as _read_facts
 
 MIN_LAYERS = 2  # more than one decoder layer: several FSDP units, ZeRO-3 fetching layer after layer
 MIN_HEADS = 2  # more than one head: the attention's reshapes across heads are exercised
@@ -67,18 +68,9 @@ def text_config(config: dict) -> dict:
 
 def facts_from_config(config: dict) -> ModelFacts:
     """ModelFacts of a decoder-only LM's config.json mapping (as model_facts.read_model_facts reads a file)."""
-    text = text_config(config)
     try:
-        heads = text["num_attention_heads"]
-        return ModelFacts(
-            model_type=text.get("model_type", config.get("model_type", "unknown")),
-            hidden_size=text["hidden_size"], num_layers=text["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=text.get("num_key_value_heads") or heads,
-            intermediate_size=text.get("intermediate_size") or 4 * text["hidden_size"],
-            vocab_size=text["vocab_size"],
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-        )  # fmt: skip
-    except (KeyError, TypeError) as err:
+        return _read_facts(config)
+    except (KeyError, TypeError, ZeroDivisionError) as err:
         raise UserError(f"the model's config.json has no {err} (not a decoder-only language model?)",
                         "point base_model_config at the config.json of a causal LM") from None  # fmt: skip
 

@@ -174,9 +174,11 @@ def schema_errors(err: ValidationError, raw: dict, shown: int = 5) -> str:
     return "; ".join(lines[:shown]) + (f" (and {more} more key{'s' if more > 1 else ''})" if more > 0 else "")
 
 
-def recipe_fingerprint(recipe) -> str:
-    """Identifies a recipe's resolved values: a finished run with the same fingerprint has nothing left to do."""
+def recipe_fingerprint(recipe, exclude: set[str] | None = None) -> str:
+    """Identifies a recipe's resolved values: a finished run with the same fingerprint has nothing left to do, and the
+    machines of one launch must all run the same one (there without output_dir: machines with their own disks)."""
     import hashlib
     import json
 
-    return hashlib.sha256(json.dumps(recipe.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+    values = recipe.model_dump(mode="json", exclude=exclude)
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]

@@ -143,6 +143,48 @@ def test_fit_check_passes_what_the_estimate_allows():
         check_fits(lora, plan, 4e9)
 
 
+def test_the_fit_check_counts_the_offload_and_sharding_the_plan_really_runs(monkeypatch):
+    """Offloads and shardings the table has no row for were checked as another row: parameter-only offload as full
+    offload (the optimizer's 106 GB per GPU left out for 70B), HSDP as sharding over every GPU, FSDP's CPU offload
+    as none (refusing runs that fit); and no row's CPU memory was checked at all."""
+    from llmtune.plan import make_cluster, make_plan
+    from llmtune.plan.memory import fit
+
+    def planned(world=8, machines=1, **changes):
+        recipe_ = recipe(base_model="meta-llama/Llama-3.1-70B", bf16=True, gradient_checkpointing=True, **changes)
+        cluster = make_cluster(world, num_machines=machines, main_process_ip="10.0.0.1" if machines > 1 else None,
+                               device="cuda")  # fmt: skip
+        plan = make_plan(recipe_, cluster)
+        report = fit.estimate_recipe(recipe_, world // machines, machines, 80e9)
+        return fit.planned_row(report, plan), report
+
+    def zero3(**offload):
+        return {"zero_optimization": {"stage": 3, **{k: {"device": "cpu"} for k in offload}}}
+
+    params_out, report = planned(deepspeed=zero3(offload_param=1))
+    both, optimizer_out = report.row("ZeRO-3 + CPU offload"), planned(deepspeed=zero3(offload_optimizer=1))[0]
+    assert params_out.params == both.params and params_out.optimizer == report.row("ZeRO-3").optimizer > 100e9 / 8
+    assert optimizer_out.params == report.row("ZeRO-3").params and optimizer_out.optimizer == 0
+    assert planned(deepspeed=zero3(offload_param=1, offload_optimizer=1))[0] == both  # the table's own row
+    zero1 = planned(deepspeed={"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})[0]
+    assert zero1.grads == report.row("ZeRO-1").grads and zero1.optimizer == 0 and zero1.cpu > 0
+    fsdp = planned(fsdp_version=2, fsdp_config={"offload_params": True})[0]
+    assert fsdp.model_states == 0 and fsdp.cpu == pytest.approx(8 * sum(
+        getattr(report.row("FSDP full shard"), k) for k in ("params", "grads", "optimizer")))  # fmt: skip
+    hybrid, report = planned(16, 2, fsdp_version=2, dp_replicate_size=2, dp_shard_size=8)
+    assert hybrid.params == pytest.approx(2 * report.row("FSDP full shard").params)
+    # the CPU side: a row that fits the GPUs but not this machine's memory is refused, naming both
+    offloaded = recipe(base_model="meta-llama/Llama-3.1-70B", bf16=True, gradient_checkpointing=True,
+                       deepspeed="zero3_offload")  # fmt: skip
+    plan = make_plan(offloaded, make_cluster(8, device="cuda"))
+    monkeypatch.setattr(fit, "cpu_memory_of_this_machine", lambda: 256e9)
+    with pytest.raises(Exception, match=r"ZeRO-3 \+ CPU offload offloads about 1411 GB to this machine's CPU memory, "
+                                        "which has 256 GB"):  # fmt: skip
+        fit.check_fits(offloaded, plan, 80e9)
+    monkeypatch.setattr(fit, "cpu_memory_of_this_machine", lambda: 2048e9)
+    assert "under ZeRO-3 + CPU offload" in fit.check_fits(offloaded, plan, 80e9)
+
+
 def test_recommendation_follows_the_interconnect():
     from llmtune.plan.memory.fit import estimate_recipe
 

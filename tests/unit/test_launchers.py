@@ -30,6 +30,8 @@ def hostfile(tmp_path, text: str) -> Path:
 def test_hostfile_lines_comments_and_default_slots(tmp_path):
     path = hostfile(tmp_path, "# cluster\nnode-a slots=4  # head\n\n  node-b\tslots=4\n")
     assert read_hostfile(path) == [("node-a", 4), ("node-b", 4)]
+    # OpenMPI's form: DeepSpeed reads the slots and ignores what follows, and so does llmtune
+    assert read_hostfile(hostfile(tmp_path, "node1 slots=8 max_slots=8\n")) == [("node1", 8)]
 
 
 @pytest.mark.parametrize(
@@ -70,6 +72,22 @@ def test_the_hostfile_is_the_cluster(tmp_path):
         make_cluster(device="cpu", hostfile=str(path))
     with pytest.raises(UserError, match="needs --hostfile"):
         make_cluster(4, 2, 0, "10.0.0.1", None, "cpu", launcher="deepspeed")
+    # rank 0 runs on the first line: another machine's address for the store would leave every rank waiting
+    with pytest.raises(UserError, match="--main-process-ip node-b is line 2 of .*first line \\(node-a\\)"):
+        make_cluster(device="cpu", launcher="deepspeed", hostfile=str(path), main_process_ip="node-b")
+
+
+@pytest.mark.parametrize(("address", "message"), [
+    ("10.0.0.1:29500", "carries a port (hint: pass --main-process-ip 10.0.0.1 --main-process-port 29500)"),
+    ("node 1", "'node 1' is not a host name or address"),
+    ("", "'' is not a host name or address"),
+])  # fmt: skip
+def test_a_main_process_ip_that_can_t_be_one_is_refused_before_any_wait(address, message):
+    """With a port in it, every machine waited out rdzv_timeout (600 s) and then blamed name resolution."""
+    with pytest.raises(UserError) as err:
+        make_cluster(4, 2, 1, address, 29500, "cpu")
+    assert message in err.value.one_line()
+    assert make_cluster(4, 2, 1, "fe80::1", 29500, "cpu").main_process_ip == "fe80::1"  # IPv6 stays an address
 
 
 def test_deepspeed_over_ssh_runs_on_machine_0_only(tmp_path):
@@ -186,7 +204,7 @@ def test_min_machines_runs_torchrun_with_a_range_and_keeps_the_global_batch():
     ("changes", "message"),
     [
         ({"min_machines": 1}, "min_machines needs rdzv_backend: c10d"),
-        ({"rdzv_backend": "c10d", "min_machines": 3}, "min_machines 3 is more than --num-machines 2"),
+        ({"rdzv_backend": "c10d", "min_machines": 3}, "min_machines 3 is more than the 2 machines of the launch"),
         (
             {"rdzv_backend": "c10d", "min_machines": 1, "deepspeed": "zero2"},
             "DeepSpeed ZeRO-2 checkpoints can't follow",

@@ -187,7 +187,7 @@ def test_swapped_copies_are_refused_at_check_in_in_one_line(tmp_path):
         line = err.one_line()
         assert "\n" not in line and "machine rank 0 lacks 1 file(s) of checkpoint-2 (rng_state_0.pth)" in line, line
         assert "machine rank 1 lacks 1 file(s) of checkpoint-2 (rng_state_1.pth)" in line
-    assert second.one_line().startswith("machine rank 0 refused this machine: can't resume from")
+    assert second.one_line().startswith("machine rank 0 stopped the launch: can't resume from")
 
 
 def test_shared_storage_is_not_checked(tmp_path):

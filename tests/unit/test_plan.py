@@ -661,3 +661,48 @@ def test_plan_write_on_a_machine_without_gpus_says_the_files_are_the_rehearsals(
     assert rehearsal.code == 0 and "for the GPU machines' files add --device cuda" in rehearsal.err
     gpu = run_cli("plan", path, "--num-processes", "2", "--write", str(tmp_path / "gpu"), "--device", "cuda")
     assert gpu.code == 0 and "add --device cuda" not in gpu.err
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"zero_optimization": "3"}, 'zero_optimization is "3", and DeepSpeed reads it as a JSON object'),
+    ({"zero_optimization": {"stage": "three"}}, 'zero_optimization.stage is "three" (hint: use 0, 1, 2 or 3)'),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": "cpu"}}, 'zero_optimization.offload_optimizer is "cpu"'),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}, "offload_param is {\"device\": \"gpu\"}"),
+    ({"zero_optimization": {"stage": 2}, "optimizer": "AdamW"}, 'optimizer is "AdamW", and DeepSpeed reads it as'),
+    ({"zero_optimization": {"stage": 2}, "bf16": True}, "bf16 is true, and DeepSpeed reads it as a JSON object "
+                                                        "(hint: write it as {enabled: true})"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     "offload_param offloads to NVMe without an nvme_path (hint: set offload_nvme_path in the recipe"),
+])  # fmt: skip
+def test_a_deepspeed_json_of_the_wrong_shape_is_one_line_naming_the_key(config, message):
+    """Each was a traceback (ValueError, AttributeError), or DeepSpeed's error on every rank at start-up."""
+    with pytest.raises(UserError) as err:
+        make_plan(recipe(deepspeed=config), make_cluster(8, device="cuda"))
+    assert message in err.value.one_line() and "inline deepspeed mapping" in err.value.one_line()
+
+
+def test_nvme_offload_takes_the_recipe_s_path_and_buffers_that_hold_the_largest_partition():
+    nvme = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
+    plan = make_plan(recipe(deepspeed=nvme, offload_nvme_path="/local_nvme"), make_cluster(8, device="cuda"))
+    assert plan.deepspeed_config["zero_optimization"]["offload_param"]["nvme_path"] == "/local_nvme"
+    # Llama-3.1-70B on 8 GPUs: a rank's share of the embedding is 1.3e8 elements, over DeepSpeed's 1e8 buffer
+    preset = make_plan(recipe(base_model="meta-llama/Llama-3.1-70B", deepspeed="zero3_nvme", offload_nvme_path="/nv"),
+                       make_cluster(8, device="cuda")).deepspeed_config["zero_optimization"]["offload_param"]  # fmt: skip
+    assert preset["buffer_size"] == -(-128256 * 8192 // 8) > 100_000_000
+
+
+def test_a_deepspeed_json_key_deepspeed_doesn_t_know_is_refused_before_launch(tmp_path):
+    from llmtune.launch.preflight import check_deepspeed_schema
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sizes": 5e8}}))
+    typo = recipe(deepspeed=str(path))
+    with pytest.raises(UserError) as err:
+        check_deepspeed_schema(typo, make_plan(typo, make_cluster(8, device="cuda")))
+    line = err.value.one_line()
+    assert f"deepspeed file {path}: zero_optimization.stage3_prefetch_bucket_sizes: Extra inputs" in line
+    assert "did you mean stage3_prefetch_bucket_size?" in line
+    good = recipe(deepspeed={"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e8}})
+    check_deepspeed_schema(good, make_plan(good, make_cluster(8, device="cuda")))  # DeepSpeed's model takes it
+    preset = recipe(deepspeed="zero3_offload")
+    check_deepspeed_schema(preset, make_plan(preset, make_cluster(8, device="cuda")))

@@ -58,6 +58,7 @@ def test_gpu_and_cpu_directives():
     (SlurmJob(2, 8, time="four hours"), "not a Slurm time"),
     (SlurmJob(2, 8, job_name="bad name"), "can't hold"),
     (SlurmJob(0, 8), "--nodes 0"),
+    (SlurmJob(2, 8, device="gpu"), "--device must be cuda or cpu, not 'gpu'"),  # found on the nodes, after the queue
 ])  # fmt: skip
 def test_bad_job_settings(job, message):
     with pytest.raises(UserError, match=message):

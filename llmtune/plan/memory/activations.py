@@ -27,7 +27,7 @@ def _linear_inputs(facts: ModelFacts, w: Widths, t: Trains, k: Kernels) -> float
 
     Autocast casts an fp32 input afresh for every linear that reads it (a 16-bit copy each); peft casts a LoRA
     input to the adapter's fp32 and autocast back, again a copy per adapted layer."""
-    h, i, c = facts.hidden_size, facts.intermediate_size, w.compute
+    h, i, c = facts.hidden_size, facts.active_intermediate_size, w.compute
     total = 0.0
     for names, features, reads in ((("q_proj", "k_proj", "v_proj"), h, "norm"), (("o_proj",), h, "attention"),
                                    (("gate_proj", "up_proj"), h, "norm"), (("down_proj",), i, "mlp")):  # fmt: skip
@@ -63,7 +63,7 @@ def _attention(facts: ModelFacts, seq: int, w: Widths, k: Kernels) -> float:
 
 def _mlp(facts: ModelFacts, w: Widths, k: Kernels) -> float:
     """SwiGLU: SiLU saves its input (gate), the product saves SiLU's output and up; Liger recomputes SiLU."""
-    return (2 if k.liger_glu else 3) * w.compute * facts.intermediate_size
+    return (2 if k.liger_glu else 3) * w.compute * facts.active_intermediate_size
 
 
 def layer_bytes(facts: ModelFacts, seq: int, w: Widths, t: Trains, k: Kernels) -> float:

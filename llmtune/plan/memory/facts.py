@@ -25,30 +25,134 @@ class ModelFacts:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    intermediate_size: int
+    intermediate_size: int  # a dense layer's MLP width
     vocab_size: int
     tie_word_embeddings: bool
+    explicit_head_dim: int = 0  # config head_dim where it isn't hidden / heads (Qwen3, Gemma): 0 when it is
+    num_experts: int = 0  # routed experts of a mixture-of-experts layer (0: dense)
+    expert_intermediate_size: int = 0  # one expert's MLP width
+    experts_per_token: int = 0
+    shared_intermediate_size: int = 0  # the always-on shared experts' MLP width, summed
+    moe_layers: int = 0  # how many of the layers are mixture-of-experts ones
+    latent_attention_params: int = 0  # one layer's attention under multi-head latent attention (DeepSeek), else 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_heads
+
+    def _attention_params(self) -> int:
+        if self.latent_attention_params:
+            return self.latent_attention_params
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return 2 * h * q + 2 * h * kv
+
+    def _moe_mlp_params(self) -> int:
+        h = self.hidden_size
+        return (
+            3 * h * (self.num_experts * self.expert_intermediate_size + self.shared_intermediate_size)
+            + h * self.num_experts
+        )
 
     def layer_params(self) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attention = h * h * 2 + h * kv * 2
-        mlp = 3 * h * self.intermediate_size
-        return attention + mlp + 2 * h
+        """One layer's parameters on average (mixture-of-experts and dense layers alike)."""
+        return self.layers_params() // self.num_layers
+
+    def largest_layer_params(self) -> int:
+        mlp = self._moe_mlp_params() if self.moe_layers else 3 * self.hidden_size * self.intermediate_size
+        return self._attention_params() + mlp + 2 * self.hidden_size
+
+    def largest_tensor_params(self) -> int:
+        """The largest single weight: the embedding, a dense MLP projection, or a fused experts tensor (gate and up
+        of every expert in one, as transformers stores mixture-of-experts weights)."""
+        h = self.hidden_size
+        return max(
+            self.embedding_params(),
+            h * self.intermediate_size,
+            2 * h * self.expert_intermediate_size * self.num_experts,
+        )
+
+    def layers_params(self) -> int:
+        dense = self.num_layers - self.moe_layers
+        mlp = dense * 3 * self.hidden_size * self.intermediate_size + self.moe_layers * self._moe_mlp_params()
+        return self.num_layers * (self._attention_params() + 2 * self.hidden_size) + mlp
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """The MLP width one token goes through: its chosen experts' and the shared ones' in a mixture of experts."""
+        if not self.moe_layers:
+            return self.intermediate_size
+        return self.experts_per_token * self.expert_intermediate_size + self.shared_intermediate_size
 
     def linear_params(self) -> int:
         """The decoder layers' linear weights: what bitsandbytes quantizes (embeddings, lm_head, norms are not)."""
-        return self.num_layers * (self.layer_params() - 2 * self.hidden_size)
+        return self.layers_params() - self.num_layers * 2 * self.hidden_size
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
     def total_params(self) -> int:
         head = 0 if self.tie_word_embeddings else self.embedding_params()
-        return self.embedding_params() + self.num_layers * self.layer_params() + self.hidden_size + head
+        return self.embedding_params() + self.layers_params() + self.hidden_size + head
+
+
+# Decoder families whose config class ties the output layer to the embeddings when config.json doesn't say
+# (transformers' own defaults; Gemma 3's text_config leaves it out)
+TIED_BY_DEFAULT = frozenset({
+    "bloom", "cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "falcon", "falcon_mamba", "gemma",
+    "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gpt2", "gpt_bigcode",
+    "gpt_neo", "jetmoe", "lfm2", "lfm2_moe", "mamba", "minicpm3", "mpt", "opt", "recurrent_gemma", "smollm3",
+    "starcoder2", "vaultgemma", "xglm", "zamba", "zamba2",
+})  # fmt: skip
+
+
+def facts_from_config(config: dict) -> ModelFacts:
+    """ModelFacts of a decoder-only LM's config.json mapping (a multimodal one's text_config); KeyError/TypeError
+    when it has no decoder's shape."""
+    text = config.get("text_config") or config
+    heads, hidden, layers = text["num_attention_heads"], text["hidden_size"], text["num_hidden_layers"]
+    model_type = text.get("model_type") or config.get("model_type") or "unknown"
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT))
+    head_dim = text.get("head_dim") if isinstance(text.get("head_dim"), int) else 0
+    dense = text.get("intermediate_size") or 4 * hidden
+    experts = next((text[k] for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+                    if isinstance(text.get(k), int) and text[k] > 1), 0)  # fmt: skip
+    expert = text.get("moe_intermediate_size") or dense
+    shared = (text.get("shared_expert_intermediate_size") or 0) + (text.get("n_shared_experts") or 0) * expert
+    if model_type.startswith("llama4"):  # its dense layers are intermediate_size_mlp wide, its experts + 1 shared
+        dense, shared = text.get("intermediate_size_mlp") or dense, expert
+    return ModelFacts(
+        model_type=model_type, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=text.get("num_key_value_heads") or heads, intermediate_size=dense,
+        vocab_size=text["vocab_size"], tie_word_embeddings=bool(tied),
+        explicit_head_dim=0 if head_dim == hidden // heads else head_dim, num_experts=experts,
+        expert_intermediate_size=expert if experts else 0,
+        experts_per_token=(text.get("num_experts_per_tok") or 2) if experts else 0,
+        shared_intermediate_size=shared if experts else 0,
+        moe_layers=sum(_is_moe_layer(text, i) for i in range(layers)) if experts else 0,
+        latent_attention_params=_latent_attention(text, hidden, heads),
+    )  # fmt: skip
+
+
+def _latent_attention(config: dict, hidden: int, heads: int) -> int:
+    """Multi-head latent attention's weights (DeepSeek V2/V3, Kimi): queries through an optional low-rank step, keys
+    and values through a shared latent; 0 for other attention."""
+    latent = config.get("kv_lora_rank")
+    if not isinstance(latent, int):
+        return 0
+    rope, nope = config.get("qk_rope_head_dim") or 0, config.get("qk_nope_head_dim") or 0
+    value, q_rank = config.get("v_head_dim") or nope, config.get("q_lora_rank")
+    query = heads * (nope + rope)
+    queries = hidden * query if not q_rank else hidden * q_rank + q_rank + q_rank * query
+    keys_values = hidden * (latent + rope) + latent + latent * heads * (nope + value)
+    return queries + keys_values + heads * value * hidden
+
+
+def _is_moe_layer(config: dict, index: int) -> bool:
+    """Whether layer `index` is a mixture-of-experts one, by the keys each family uses to keep some layers dense."""
+    if index in (config.get("mlp_only_layers") or []) or index < (config.get("first_k_dense_replace") or 0):
+        return False
+    step = config.get("decoder_sparse_step") or config.get("interleave_moe_layer_step") or config.get("moe_layer_freq")
+    return not isinstance(step, int) or step <= 1 or (index + 1) % step == 0
 
 
 def model_file(name: str, filename: str) -> Path | None:
@@ -142,20 +246,7 @@ def read_model_facts(name: str, fetch: bool = False) -> ModelFacts | None:
         config_path = fetch_hub_config(name)
     if config_path is None:
         return known_model_facts(name) if not Path(name).expanduser().exists() else None
-    config = json.loads(config_path.read_text())
-    config = config.get("text_config", config)
     try:
-        hidden = config["hidden_size"]
-        heads = config["num_attention_heads"]
-        return ModelFacts(
-            model_type=config.get("model_type", "unknown"),
-            hidden_size=hidden,
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            intermediate_size=config.get("intermediate_size") or 4 * hidden,
-            vocab_size=config["vocab_size"],
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
-    except (KeyError, TypeError, ZeroDivisionError):
+        return facts_from_config(json.loads(config_path.read_text()))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None

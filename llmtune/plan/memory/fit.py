@@ -156,6 +156,41 @@ def row_for_plan(plan) -> str:
     return "pipeline" if plan.strategy == "pipeline" else "single / DDP"
 
 
+def planned_row(report: Report, plan) -> Estimate:
+    """The row of what the plan runs, adjusted where its offload or sharding is one the table has no row for:
+    ZeRO-3 offloading parameters only or the optimizer only, ZeRO-1 offloading its optimizer, FSDP offloading
+    parameters (with their gradients and optimizer states), FSDP2 sharding over fewer GPUs than the world (HSDP)."""
+    row = report.row(row_for_plan(plan))
+    zero = (plan.deepspeed_config or {}).get("zero_optimization") or {}
+
+    def device(key: str) -> str:
+        return str((zero.get(key) or {}).get("device", "none")) if isinstance(zero.get(key), dict) else "none"
+
+    params_out, optimizer_out = device("offload_param") != "none", device("offload_optimizer") != "none"
+    if plan.zero_stage == 3 and params_out != optimizer_out:
+        sharded, offloaded = report.row("ZeRO-3"), report.row("ZeRO-3 + CPU offload")
+        if params_out:  # the parameters on the CPU (gathered onto the GPU layer by layer), the rest on the GPU
+            return replace(sharded, strategy="ZeRO-3 + CPU parameter offload", params=offloaded.params,
+                           gathered=offloaded.gathered)  # fmt: skip
+        return replace(sharded, strategy="ZeRO-3 + CPU optimizer offload", optimizer=0.0, step_copy=0.0,
+                       temporaries=0.0, cpu=offloaded.cpu)  # fmt: skip
+    if plan.zero_stage == 1 and optimizer_out:  # ZeRO-2's offload, with ZeRO-1's whole gradients on every GPU
+        whole = report.row("ZeRO-1")
+        return replace(report.row("ZeRO-2 + CPU offload"), strategy="ZeRO-1 + CPU offload", grads=whole.grads,
+                       held_grads=whole.held_grads)  # fmt: skip
+    if plan.strategy.startswith("fsdp") and plan.offload == "cpu":  # parameters, gradients, optimizer on the CPU
+        states = row.params + row.grads + row.optimizer
+        return replace(row, strategy=f"{row.strategy} + CPU offload", params=0.0, grads=0.0, optimizer=0.0,
+                       held_grads=0.0, temporaries=0.0, cpu=states * report.gpus_per_machine)  # fmt: skip
+    shard = (plan.mesh or {}).get("dp_shard", 0)
+    world = report.gpus_per_machine * report.num_machines
+    if plan.strategy == "fsdp2" and (plan.mesh or {}).get("dp_replicate", 1) > 1 and 0 < shard < world:
+        grow = world / shard  # the states shard over dp_shard ranks, not over every rank
+        return replace(row, strategy=f"FSDP2 hybrid shard ({shard}-way)", params=row.params * grow,
+                       grads=row.grads * grow, optimizer=row.optimizer * grow, held_grads=row.held_grads * grow)  # fmt: skip
+    return row
+
+
 def _nvidia_smi(fields: str) -> list[list[str]] | None:
     """One row per GPU this process may use (CUDA_VISIBLE_DEVICES by index or UUID, as CUDA reads it): the fields
     asked for, from nvidia-smi (no torch import); None where nvidia-smi is absent or fails (an old driver that
@@ -254,13 +289,18 @@ def fits_line(recipe, plan, gpu_memory: float, facts: ModelFacts) -> str:
     cluster = plan.cluster
     report = report_for(recipe, facts, cluster.processes_per_machine, cluster.num_machines, gpu_memory,
                         cpu_memory_of_this_machine())  # fmt: skip
-    name = row_for_plan(plan)
-    row = report.row(name)
+    row = planned_row(report, plan)
+    name = row.name
     limit = FIT_FRACTION * gpu_memory
     sizes = (f"{row.total / GB:.1f} GB per GPU under {name} (llmtune estimate: peak allocated "
              f"{row.allocated / GB:.1f} + allocator reserve {row.reserve / GB:.1f} + CUDA context "
              f"{row.overhead / GB:.1f}); the GPUs have {gpu_memory / GB:.0f} GB and llmtune refuses above "
              f"{FIT_FRACTION:.0%} of that, {limit / GB:.1f} GB")  # fmt: skip
+    cpu = report.cpu_memory
+    if row.fits(gpu_memory) and cpu is not None and row.cpu > cpu:
+        raise UserError(f"{name} offloads about {row.cpu / GB:.0f} GB to this machine's CPU memory, which has "
+                        f"{cpu / GB:.0f} GB", "use more machines, NVMe offload (deepspeed: zero3_nvme), LoRA, or "
+                        "pass --no-memory-check")  # fmt: skip
     if row.fits(gpu_memory):
         return sizes
     better = (

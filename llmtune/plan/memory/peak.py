@@ -181,7 +181,7 @@ def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: i
     per_machine = max(1, min(n, gpus_per_machine))
     width = 2.0 if mixed else 4.0
     # gathered while a layer runs: its params, and their grads unless the base is frozen
-    largest = width * (1 if recipe.adapter else 2) * max(facts.layer_params(), facts.embedding_params())
+    largest = width * (1 if recipe.adapter else 2) * max(facts.largest_layer_params(), facts.embedding_params())
     # ZeRO-3 keeps gathered parameters alive up to stage3_max_live_parameters (llmtune's presets: 1e9, with a
     # reuse distance as long): a 1B model stays gathered through forward and backward. Offloaded, every live
     # parameter is a GPU copy (measured on an H100: 1B full fine-tune, ZeRO-3 + CPU offload, 1.7 GB above the
@@ -280,7 +280,7 @@ def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: i
         # balanced stages, but a stage holds at least one whole layer (or the embeddings); its micro-batches'
         # gradients accumulate through the step. The first stage's in-flight activations and the last stage's
         # logits are both counted: the row is the worst stage, or a little more
-        share = max(1 / stages, max(facts.layer_params(), facts.embedding_params()) / facts.total_params())
+        share = max(1 / stages, max(facts.largest_layer_params(), facts.embedding_params()) / facts.total_params())
         stage = _layout(recipe, facts, mixed, False, trainable, stages)
         base = Estimate(f"pipeline ({stages} stages, per stage)", params * share, grads * share, optimizer * share,
                         0.0, CUDA_CONTEXT, 0.0, 0.0)  # fmt: skip

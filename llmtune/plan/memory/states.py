@@ -35,13 +35,20 @@ def state_bytes(optimizer: str, mixed: bool, master: bool | None = None) -> Byte
 
 
 def lora_parameters(facts: ModelFacts, rank: int, targets: list[str] | str | None) -> int:
-    """Adapter parameters: r·(in + out) per adapted linear layer."""
-    h, kv, inter = facts.hidden_size, facts.num_kv_heads * facts.head_dim, facts.intermediate_size
-    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}  # fmt: skip
-    chosen = list(shapes) if targets in (None, "all-linear") or isinstance(targets, str) else targets
-    per_layer = sum(rank * (a + b) for name, (a, b) in shapes.items() if name in chosen)
-    return per_layer * facts.num_layers
+    """Adapter parameters: r·(in + out) per adapted linear layer (each expert's, in a mixture-of-experts layer)."""
+    h, kv, q = facts.hidden_size, facts.num_kv_heads * facts.head_dim, facts.num_heads * facts.head_dim
+    chosen = None if targets in (None, "all-linear") or isinstance(targets, str) else set(targets)
+
+    def adapted(shapes: dict, copies: int = 1) -> int:
+        return copies * sum(rank * (a + b) for name, (a, b) in shapes.items() if chosen is None or name in chosen)
+
+    def mlp(width: int) -> dict:
+        return {"gate_proj": (h, width), "up_proj": (h, width), "down_proj": (width, h)}
+
+    attention = adapted({"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)})
+    dense = facts.num_layers - facts.moe_layers
+    moe = adapted(mlp(facts.expert_intermediate_size), facts.num_experts) + adapted(mlp(facts.shared_intermediate_size))
+    return facts.num_layers * attention + dense * adapted(mlp(facts.intermediate_size)) + facts.moe_layers * moe
 
 
 def trainable_parameters(recipe, facts: ModelFacts) -> int:
