@@ -281,9 +281,11 @@ def _choose_strategy(answers: Answers, ask: Asker, asking: bool, keep_default: C
         choices = [(key, STRATEGIES[key][0] + ("  [recommended]" if key == recommended else "")) for key in offered]
         answers.strategy = ask.select("Distributed strategy:", choices, recommended)
     if estimate_line and answers.strategy != recommended:
-        estimate_line = (
-            f"Chosen instead of the recommended {STRATEGIES[recommended][0]}. " + estimate_line.split(";")[0] + "."
-        )
+        chosen = next((r for r in report.rows if r.name == STRATEGIES[answers.strategy][1]), None)
+        verdict = ("unknown (the estimate has no row for it)" if chosen is None else
+                   f"{chosen.total / GB:.1f} GB per GPU of {report.gpu_memory / GB:.0f} GB, which "
+                   + ("fits" if report.fits(chosen) else "does NOT fit: expect an out-of-memory error"))  # fmt: skip
+        estimate_line = f"Chosen instead of the recommended {STRATEGIES[recommended][0]}; estimated {verdict}."
     return estimate_line
 
 

@@ -251,6 +251,10 @@ def slurm(
     loaded = load_recipe(recipe)
     job = SlurmJob(nodes, gpus_per_node, partition, time, account, job_name, cpus_per_task, signal_seconds, device)
     script = write_job(recipe, loaded.recipe, job, output)
+    if cpus_per_task is None and device != "cpu":
+        typer.echo(f"note: no --cpus-per-task: on a cluster that binds tasks to CPUs without a per-GPU default, the "
+                   f"launcher and its {gpus_per_node} ranks (and their data loaders) share one core; pass the cores "
+                   "each node gives the job, e.g. --cpus-per-task 64", err=True)  # fmt: skip
     output_dir = Path(loaded.recipe.output_dir).resolve()
     typer.echo(f"wrote {script}")
     if submit:

@@ -190,6 +190,9 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
     precision = _precision(recipe, cluster, notes)
     strategy = choose_strategy(recipe, world)
     pipeline = _pipeline_plan(recipe, world, facts) if strategy == "pipeline" else None
+    if pipeline and not recipe.pipeline_microbatches and pipeline.microbatches != recipe.gradient_accumulation_steps:
+        notes.append(f"pipeline: {pipeline.microbatches} micro-batches per step, not gradient_accumulation_steps "
+                     f"{recipe.gradient_accumulation_steps}: a pipeline of {pipeline.stages} stages needs at least as many (set pipeline_microbatches to choose)")  # fmt: skip
     if recipe.optimizer == "muon" and strategy not in ("single", "ddp", "fsdp2"):
         what = {"zero": "DeepSpeed", "tp": "tensor parallelism"}.get(strategy, strategy)
         raise UserError(f"optimizer: muon under {what} is not supported (it orthogonalizes whole weight matrices: "
@@ -244,7 +247,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
             # torch 2.13 segfaults gathering an FSDP1 full state dict on CPU (the final save): a rehearsal that can't
             # save proves nothing. (Its sharded resume: tests/integration/test_fsdp1_resume.py.)
             raise UserError("fsdp_version: 1 can't be rehearsed on CPU (its state dict can't be saved there)",
-                            "rehearse with fsdp_version: 2 (FSDP1 is deprecated in transformers), or run on GPUs")  # fmt: skip
+                            "rehearse with fsdp_version: 2 (FSDP1 is deprecated in transformers); to check the plan for GPU "
+                            "machines from this one, add --device cuda")  # fmt: skip
         if recipe.model_recomputes_for_fsdp:
             settings = settings.model_copy(update={"activation_checkpointing": False})
             notes.append("fsdp_config.activation_checkpointing with an adapter: the model's own activation "

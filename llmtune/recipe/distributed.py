@@ -194,6 +194,10 @@ class DistributedKeys(Section):
         config = self.fsdp_config
         if config and config.version and self.fsdp_version and config.version != self.fsdp_version:
             raise ValueError(f"fsdp_version is {self.fsdp_version} but fsdp_config.version is {config.version}")
+        resolved = self.resolved_fsdp()
+        if resolved and resolved[0] == 2 and resolved[1].sharding_strategy == "NO_SHARD":  # was a full shard, silently
+            raise ValueError("sharding_strategy NO_SHARD has no FSDP2 form (FSDP2 always shards its parameters): for "
+                             "no sharding, remove fsdp/fsdp_config (plain DDP), or use fsdp_version: 1")  # fmt: skip
         return self
 
     @property

@@ -148,6 +148,19 @@ def test_yes_takes_defaults_and_flags_answer_questions(run_cli, tmp_path, chat_f
     assert yaml.safe_load(fp32.read_text())["bf16"] is False and load_recipe(fp32).recipe.precision == "no"
 
 
+
+def test_a_strategy_chosen_over_the_recommended_one_gets_its_own_estimate(run_cli, tmp_path, chat_file):
+    """It printed the recommended strategy's figure: a 70B full fine-tune under DDP read "Estimated 19.9 GB"."""
+    output = tmp_path / "r.yaml"
+    result = run_cli("config", "--yes", "-o", output, "--base-model", "meta-llama/Llama-3.1-70B", "--method", "full",
+                     "--dataset", chat_file, "--gpus-per-machine", "8", "--gpu-memory", "80GB",
+                     "--strategy", "ddp")  # fmt: skip
+    assert result.code == 0, result.err
+    header = output.read_text()
+    assert "Chosen instead of the recommended" in header and "does NOT fit: expect an out-of-memory error" in header
+    assert "19.9 GB" not in header
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

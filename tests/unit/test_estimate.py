@@ -183,6 +183,11 @@ def test_the_fit_check_counts_the_offload_and_sharding_the_plan_really_runs(monk
         fit.check_fits(offloaded, plan, 80e9)
     monkeypatch.setattr(fit, "cpu_memory_of_this_machine", lambda: 2048e9)
     assert "under ZeRO-3 + CPU offload" in fit.check_fits(offloaded, plan, 80e9)
+    # what would help, of what the recipe doesn't do already (it advised checkpointing and LoRA where both were on)
+    lora = recipe(adapter="lora", gradient_checkpointing=True, micro_batch_size=1, sequence_len=32768)
+    assert fit.remedy(lora) == "add GPUs, shorten sequence_len, or use QLoRA (adapter: qlora)"
+    assert fit.remedy(recipe(micro_batch_size=4)) == ("add GPUs, lower micro_batch_size, turn on "
+                                                      "gradient_checkpointing, or use LoRA")  # fmt: skip
 
 
 def test_recommendation_follows_the_interconnect():

@@ -161,6 +161,12 @@ def test_pipeline_split_and_bubble(tmp_path):
     with pytest.raises(UserError, match="needs at least 8 layers"):
         make_plan(recipe(base_model=str(tmp_path), pipeline_parallel_size=8, pipeline_microbatches=8),
                   make_cluster(8, device="cuda"))  # fmt: skip
+    # the recipe's accumulation, raised to the stage count, changes the global batch: said, not silent
+    raised = make_plan(recipe(base_model=str(tmp_path), pipeline_parallel_size=4, gradient_accumulation_steps=2),
+                       make_cluster(4, device="cuda"))  # fmt: skip
+    assert raised.pipeline.microbatches == 4 and raised.global_batch_size == 4 * raised.micro_batch_size
+    assert any("4 micro-batches per step, not gradient_accumulation_steps 2" in note for note in raised.notes)
+    assert not any("micro-batches per step" in note for note in plan.notes)  # pipeline_microbatches says it
 
 
 def test_split_layers_balances_parameters():
@@ -311,6 +317,10 @@ def test_hsdp_plans_a_replicated_fsdp2_mesh(tmp_path):
     }
     assert plan.data_parallel_size == 8 and any("HSDP" in n for n in plan.notes)
     assert make_plan(recipe(fsdp_version=2, dp_shard_size=8), make_cluster(8, device="cuda")).mesh is None
+    # NO_SHARD has no FSDP2 form: it planned a full shard without a word
+    with pytest.raises(UserError, match="sharding_strategy NO_SHARD has no FSDP2 form"):
+        recipe(fsdp_version=2, fsdp_config={"sharding_strategy": "NO_SHARD"})
+    assert recipe(fsdp=["no_shard"]).resolved_fsdp()[0] == 1  # Axolotl's word list is FSDP1, which has it
 
 
 @pytest.mark.parametrize(

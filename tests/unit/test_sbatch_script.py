@@ -80,6 +80,9 @@ def test_cli_writes_the_script_or_refuses_an_impossible_plan(tmp_path):
     assert done.returncode == 0, done.stderr
     written = tmp_path / "out" / "slurm" / "job.sbatch"
     assert written.exists() and os.access(written, os.X_OK) and "sbatch" in done.stdout
+    assert "--cpus-per-task" not in done.stderr  # CPU processes: nothing to warn of
+    gpus = run("--nodes", "2", "--gpus-per-node", "8", "-o", str(tmp_path / "gpu.sbatch"))
+    assert gpus.returncode == 0 and "note: no --cpus-per-task" in gpus.stderr and "8 ranks" in gpus.stderr
     if shutil.which("sbatch") is None:
         no_slurm = run("--nodes", "1", "--submit", "--device", "cpu")
         assert no_slurm.returncode == 2 and "sbatch is not on PATH" in no_slurm.stderr

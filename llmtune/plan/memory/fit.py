@@ -78,6 +78,7 @@ class Report:
     rows: list[Estimate] = field(default_factory=list)
     choice: tuple[Estimate, str] | None = None
     preference: str = ""  # what a preference step runs through the model (estimate_preference.batch_note)
+    remedy: str = "add GPUs"  # what would lower the figures, of what the recipe doesn't do already
 
     def fits(self, row: Estimate) -> bool:
         return row.fits(self.gpu_memory, self.cpu_memory)
@@ -126,7 +127,20 @@ def report_for(recipe, facts: ModelFacts, gpus_per_machine: int, num_machines: i
     choice = recommend(rows, gpu_memory, num_machines, interconnect, cpu_memory)
     return Report(recipe.base_model, facts.total_params(), trainable_parameters(recipe, facts), gpus_per_machine,
                   num_machines, gpu_memory, cpu_memory, interconnect, rows, choice,
-                  preference.batch_note(recipe))  # fmt: skip
+                  preference.batch_note(recipe), remedy(recipe))  # fmt: skip
+
+
+def remedy(recipe) -> str:
+    """What would make a recipe need less GPU memory, leaving out what it does already."""
+    ways = ["add GPUs"]
+    if recipe.micro_batch_size > 1:
+        ways.append("lower micro_batch_size")
+    if not recipe.gradient_checkpointing:
+        ways.append("turn on gradient_checkpointing")
+    if recipe.sequence_len > 2048:
+        ways.append("shorten sequence_len")
+    ways.append({None: "use LoRA", "lora": "use QLoRA (adapter: qlora)"}.get(recipe.adapter, "use fewer LoRA targets"))
+    return ", ".join(ways[:-1]) + f", or {ways[-1]}"
 
 
 def labelled(row: Estimate, recipe, world_size: int, model_type: str) -> Estimate:
@@ -306,8 +320,6 @@ def fits_line(recipe, plan, gpu_memory: float, facts: ModelFacts) -> str:
     better = (
         f"{report.choice[0].strategy} would fit ({report.choice[1]})"
         if report.choice
-        else (
-            "nothing fits on these GPUs: add GPUs, lower micro_batch_size, turn on gradient_checkpointing, or use LoRA"
-        )
+        else (f"nothing fits on these GPUs: {report.remedy}")
     )
     raise UserError(f"the plan needs about {sizes}", f"{better}; see `llmtune estimate`, or pass --no-memory-check")

@@ -105,8 +105,6 @@ def print_estimate(report) -> None:
     console.print(f"fits: total under {FIT_FRACTION:.0%} of the GPU's {report.gpu_memory / GB:.0f} GB "
                   f"({FIT_FRACTION * report.gpu_memory / GB:.1f} GB)", highlight=False)  # fmt: skip
     if report.choice is None:
-        console.print(
-            "[red]nothing fits[/]: use more GPUs, a smaller micro_batch_size, gradient_checkpointing, or LoRA"
-        )
+        console.print(f"[red]nothing fits[/]: {report.remedy}")
     else:
         console.print(f"[bold]recommended:[/] {report.choice[0].strategy} ({report.choice[1]})")
