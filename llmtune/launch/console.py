@@ -71,6 +71,20 @@ NOISE = (
            r"setting tp size to 1 in checkpoint loading\.$",
            "DeepSpeed's universal-checkpoint loader (a ZeRO resume on another world size) warns on every rank of a "
            "run without tensor parallelism, which is every llmtune ZeRO run"),
+    _noise(r"^(Exception raised from \S+ at \S+ \(most recent call first\):|frame #\d+: .*\)|"
+           r"<omitting python frames>)$",
+           "torch's C++ stack under a c10d error (a socket timeout while a rendezvous waits, a store closing at the "
+           "end): the error's own line is kept and llmtune's last line names the cause; the logs keep the frames"),
+    _noise(r"(socket\.cpp:\d+\] \[c10d\] The client socket has timed out after|TCPStore\.cpp:\d+\] \[c10d\] TCP "
+           r"client failed to connect/validate to host \S+ - (retrying|timed out))",
+           "torch's c10d retries reaching the rendezvous store while the other machines start: llmtune says what it "
+           "waits for, and names the machine if the wait runs out"),
+    _noise(r"torch/distributed/run\.py:\d+\] node_rank is only used for static rdzv_backend",
+           "accelerate launch hands torchrun its --machine_rank as node_rank whatever the rendezvous; under c10d "
+           "torchrun assigns ranks itself and says it ignores it"),
+    _noise(r"agent/server/api\.py:\d+\] Error waiting on exit barrier",
+           "torchrun's exit barrier on a machine whose training finished, when machine 0's store closed first (the "
+           "job succeeded; the exit code says so)"),
     _noise(r"torch/distributed/c10d_logger\.py:\d+: FutureWarning: `torch\.distributed\.(all_gather_into_tensor|"
            r"reduce_scatter_tensor)` is deprecated",
            "DeepSpeed 0.19's ZeRO calls torch's old collective names; llmtune's own collectives use today's"),
@@ -129,8 +143,8 @@ class Console:
         # per rank: another rank's line may come between a dropped warning and its source line
         rank = RANK_PREFIX.match(text)
         source = rank.group(1) if rank else None
-        if source in self._dropping and CONTINUATION.match(RANK_PREFIX.sub("", text, count=1)):
-            return False
+        if source in self._dropping and (CONTINUATION.match(RANK_PREFIX.sub("", text, count=1)) or not text.strip()):
+            return False  # a dropped line's continuation, or the blank line that ends a dropped C++ stack
         if noise(text) is not None:
             self._dropping.add(source)
             return False

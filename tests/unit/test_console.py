@@ -36,6 +36,22 @@ NOISY = [
     "DeepSpeed's value.",
     "[2026-11-25 14:28:54,717] [WARNING] [base_optimizer.py:343:load_hp_checkpoint_state_from_checkpoint_dir] MPU is "
     "not provided, setting tp size to 1 in checkpoint loading.",
+    # torch's c10d while machine 1 waits for machine 0's store, and its C++ stack (torch 2.13, a c10d rendezvous)
+    "[W1127 17:24:39.928650113 TCPStore.cpp:340] [c10d] TCP client failed to connect/validate to host "
+    "127.0.0.1:29731 - retrying (try=0, timeout=15000ms, delay=6260ms): The client socket has timed out",
+    "[E1127 17:24:39.928262516 socket.cpp:1028] [c10d] The client socket has timed out after 15000ms while trying "
+    "to connect to (127.0.0.1, 29731).",
+    "[E1127 17:24:45.194387087 TCPStore.cpp:328] [c10d] TCP client failed to connect/validate to host "
+    "127.0.0.1:29731 - timed out (try=1, timeout=15000ms):",
+    "Exception raised from throwTimeoutError at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/socket.cpp:1030 "
+    "(most recent call first):",
+    "frame #8: c10d::TCPStore::TCPStore(std::__cxx11::basic_string<char, std::char_traits<char>, "
+    "std::allocator<char> >, c10d::TCPStoreOptions const&) + 0x41d (0x7f871ff4534d in /x/torch/lib/libtorch_cpu.so)",
+    "<omitting python frames>",
+    "W1127 17:24:29.709000 30239 site-packages/torch/distributed/run.py:865] node_rank is only used for static "
+    "rdzv_backend. It will be ignored for rdzv_backend=c10d.",
+    "E1127 10:01:02.000000 4242 site-packages/torch/distributed/elastic/agent/server/api.py:950] Error waiting on "
+    "exit barrier. Elapsed: 0.5 seconds",
 ]
 KEPT = [
     "[llmtune] data: 32 train / 0 eval examples",
@@ -45,6 +61,8 @@ KEPT = [
     # accelerate's mismatch is noise only as the Trainer causes it for DeepSpeed (its plugin at 1)
     "[RANK 0] Gradient accumulation steps mismatch: GradientAccumulationPlugin has 4, DeepSpeed config has 2. Using "
     "DeepSpeed's value.",
+    "torch.distributed.DistNetworkError: The client socket has timed out after 15000ms",  # the error itself stays
+    "frame #0 of the story",  # only a C++ frame's whole line is
 ]
 
 
@@ -143,3 +161,16 @@ def test_a_dropped_warnings_source_line_goes_with_it_when_another_rank_prints_be
                  "[rank2]:  its own source line stays"]:  # fmt: skip
         console.feed(line)
     assert out.getvalue().splitlines() == ["[rank2]:UserWarning: kept", "[rank2]:  its own source line stays"]
+
+
+def test_a_c10d_wait_that_runs_out_shows_llmtune_s_lines_not_torch_s_c_plus_plus_stack():
+    """Machine 1 alone under c10d printed ~50 lines of TCPStore frames before llmtune's one line."""
+    out = io.StringIO()
+    console = Console(out, live=False)
+    stack = [NOISY[-5], *[f"frame #{i}: <unknown function> + 0x{i:x} (0x7f in /x/libtorch_cpu.so)" for i in range(9)],
+             NOISY[-3], "frame #36: _start + 0x21 (0x5 in /x/bin/python)", ""]  # fmt: skip
+    for line in ["[llmtune] c10d rendezvous at 127.0.0.1:29731: waiting up to 15 s for 2 machines", NOISY[-7],
+                 *stack, NOISY[-6], *stack, "[llmtune] after"]:  # fmt: skip
+        console.feed(line)
+    assert out.getvalue().splitlines() == ["[llmtune] c10d rendezvous at 127.0.0.1:29731: waiting up to 15 s for 2 "
+                                           "machines", "[llmtune] after"]  # fmt: skip
