@@ -75,9 +75,15 @@ def check_deepspeed_schema(recipe, plan) -> None:
     named = recipe.deepspeed
     if not config or (isinstance(named, str) and (named in PRESETS or preset_for_axolotl_file(named))):
         return
+    import contextlib
+    import io
+
     try:
         import pydantic
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            import deepspeed  # it announces its accelerator at import: not this command's output
+            from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     except Exception:  # no deepspeed here: the ranks' own import names it
         return
     try:
@@ -89,7 +95,8 @@ def check_deepspeed_schema(recipe, plan) -> None:
         fields = DeepSpeedZeroConfig.model_fields
         allowed = [f.alias or name for name, f in fields.items()] if first["type"] == "extra_forbidden" else []
         guess = did_you_mean(str(first["loc"][-1]), allowed) if allowed else None
-        raise UserError(f"{where}: {key}: {first['msg']} (DeepSpeed would stop every rank at start-up)",
+        raise UserError(f"{where}: {key}: {first['msg']} (DeepSpeed {deepspeed.__version__}, installed here, would "
+                        "stop every rank at start-up)",
                         f"did you mean {guess}?" if guess else "fix or remove it; DeepSpeed's ZeRO keys are in its "
                         "config docs") from None  # fmt: skip
 

@@ -224,7 +224,8 @@ def submit(script: Path) -> tuple[str, str]:
     done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         first = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        about_job = any(word in first.lower() for word in ("partition", "account", "time", "qos", "node", "gres"))
+        about_job = any(word in first.lower() for word in ("partition", "account", "time limit", "qos", "gres",
+                                                            "node configuration", "invalid"))  # fmt: skip
         raise UserError(f"sbatch refused the job: {first}", "check --partition, --account and --time" if about_job
                         else "sbatch itself failed on this machine: check its Slurm setup (sinfo should answer), or "
                         "submit the written script from a login node")  # fmt: skip

@@ -143,7 +143,7 @@ def _check_address(address: str | None) -> None:
     if address is None:
         return
     host, _, tail = address.rpartition(":")
-    if address.count(":") == 1 and tail.isdigit():
+    if (address.count(":") == 1 or (address.startswith("[") and host.endswith("]"))) and tail.isdigit():
         raise UserError(f"--main-process-ip {address} carries a port",
                         f"pass --main-process-ip {host} --main-process-port {tail}")  # fmt: skip
     if not address.strip() or any(c.isspace() or c in "/@" for c in address):

@@ -106,7 +106,7 @@ def build_deepspeed_config(
 ) -> tuple[dict, list[str]]:
     """The resolved DeepSpeed config and notes about what was filled or replaced."""
     user, preset_name = load_user_config(recipe.deepspeed)
-    _check_sections(user, recipe)
+    user = _check_sections(user, recipe)
     notes: list[str] = []
     if rehearsal:  # CPU processes run fp32: a file's own bf16/fp16 (Axolotl's zero3_bf16*.json) as the recipe's
         for key in ("bf16", "fp16"):
@@ -176,13 +176,18 @@ def _where(recipe) -> str:
     )
 
 
-def _check_sections(config: dict, recipe) -> None:
-    """The sections DeepSpeed reads as JSON objects: a bare value there is one line naming it, not a traceback."""
+def _check_sections(config: dict, recipe) -> dict:
+    """The sections DeepSpeed reads as JSON objects: a bare value there is one line naming it, not a traceback.
+    null is a section left out, and "auto" for bf16/fp16 the recipe's precision (both filled from the recipe)."""
+    config = {k: v for k, v in config.items() if not (k in ("zero_optimization", "optimizer") and v is None)}
     for key in ("zero_optimization", "optimizer", "bf16", "fp16"):
+        if key in ("bf16", "fp16") and config.get(key) in (None, "auto"):
+            continue
         if key in config and not isinstance(config[key], dict):
             shown = "{enabled: " + json.dumps(config[key]) + "}" if key in ("bf16", "fp16") else "a JSON object"
             raise UserError(f"{_where(recipe)}: {key} is {json.dumps(config[key])}, and DeepSpeed reads it as a JSON "
                             "object", f"write it as {shown}")  # fmt: skip
+    return config
 
 
 def _user_zero(config: dict, recipe) -> dict:
@@ -200,7 +205,8 @@ def _user_zero(config: dict, recipe) -> dict:
         if not isinstance(offload, dict) or offload.get("device", "none") not in ("none", "cpu", "nvme"):
             raise UserError(f"{where}: zero_optimization.{key} is {json.dumps(offload)}",
                             'write it as {"device": "cpu"} (or "nvme" with "nvme_path", or "none")')  # fmt: skip
-        if offload.get("device") == "nvme" and not offload.get("nvme_path"):
+        ignored = key == "offload_param" and zero.get("stage", 0) < 3  # left out below, as DeepSpeed ignores it
+        if offload.get("device") == "nvme" and not offload.get("nvme_path") and not ignored:
             if not recipe.offload_nvme_path:
                 raise UserError(f"{where}: zero_optimization.{key} offloads to NVMe without an nvme_path",
                                 "set offload_nvme_path in the recipe, or nvme_path in the JSON")  # fmt: skip

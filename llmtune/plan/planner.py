@@ -35,7 +35,7 @@ from llmtune.plan.resume import length_line, resumed_accumulation
 from llmtune.plan.resume_checks import check_resume
 from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, resolve_kernels
-from llmtune.recipe.loader import recipe_fingerprint
+from llmtune.recipe.loader import PER_MACHINE_KEYS, recipe_fingerprint
 from llmtune.recipe.preference import ONLINE_METHODS
 
 
@@ -354,7 +354,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
         strategy, offload, world, data_parallel, recipe.micro_batch_size, accumulation, global_batch, precision,
         cluster, config_dir, accelerate, deepspeed_config, env, commands, pipeline, notes, recipe.rdzv_backend,
         recipe.min_machines if recipe.min_machines and recipe.min_machines < cluster.num_machines else None,
-        kernels.to_dict(), mesh, shared_output, recipe_fingerprint(recipe, {"output_dir"}),
+        kernels.to_dict(), mesh, shared_output, recipe_fingerprint(recipe, PER_MACHINE_KEYS),
     )  # fmt: skip
 
 

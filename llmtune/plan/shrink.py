@@ -152,15 +152,17 @@ def shrink_config(config: dict, min_layers: int = MIN_LAYERS, hidden: int | None
                         f"{full.num_layers}", "use fewer pipeline stages")  # fmt: skip
     new_layers = min(new_layers, full.num_layers)
     new_hidden = heads * head_dim
-    width = full.intermediate_size / full.hidden_size
     text = dict(text_config(config))
+    width = (text.get("intermediate_size") or full.intermediate_size) / full.hidden_size  # the config's own key
+    # (ModelFacts' dense width is Llama 4's intermediate_size_mlp, which the loop below keeps in ratio)
     values = {"num_hidden_layers": new_layers, "hidden_size": new_hidden, "num_attention_heads": heads,
               "num_key_value_heads": kv_heads,
               "intermediate_size": _round_up(width * new_hidden, math.lcm(8, multiple))}  # fmt: skip
     if "head_dim" in text or head_dim != full.head_dim:
         values["head_dim"] = head_dim
     for key, value in text.items():  # MoE experts and the like keep their width ratio too
-        if key.endswith("intermediate_size") and key != "intermediate_size" and isinstance(value, int):
+        if (key.endswith("intermediate_size") or key == "intermediate_size_mlp") and key != "intermediate_size" \
+                and isinstance(value, int):  # fmt: skip
             values[key] = _round_up(value / full.hidden_size * new_hidden, math.lcm(8, multiple))
         elif isinstance(value, list) and len(value) == full.num_layers:  # per-layer settings (layer_types, ...)
             values[key] = value[:new_layers]

@@ -6,6 +6,7 @@ DeepSpeed's zero_to_fp32, FSDP sharded state dicts with torch.distributed.checkp
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ def loadable_weights(folder: Path, command: str) -> tuple[RunWeights | None, Pat
     """For the commands that load a model as it is (eval, infer, chat): the weights of a run folder (its final save,
     else its newest complete checkpoint) or of one checkpoint-N of a run, and the run; sharded states send the user to
     a merge. (None, folder) where `folder` is no llmtune run (a model or adapter folder)."""
+    folder = folder.absolute()  # `llmtune eval .` from inside a checkpoint: its name, and its run above it
     run, chosen = folder, None
     if folder.name.startswith("checkpoint-") and not (folder / PLAN).exists() and (folder.parent / PLAN).exists():
         run, chosen = folder.parent, folder  # one checkpoint: its weights, the run's recipe and base
@@ -86,6 +88,23 @@ def loadable_weights(folder: Path, command: str) -> tuple[RunWeights | None, Pat
                         f"llmtune merge {weights.folder}, then llmtune {command} "
                         f"{run / f'merged-{weights.folder.name}'}")  # fmt: skip
     return weights, run
+
+
+def run_recipe(run: Path, needed: bool = True):
+    """The recipe a run saved in its plan; one that this llmtune's schema no longer takes (a run of an older or newer
+    llmtune) is one line when it is needed (an adapter's base, eval's data), else None."""
+    import pydantic
+
+    from llmtune.recipe import Recipe
+
+    try:
+        return Recipe.model_validate(json.loads((run / PLAN).read_text())["recipe"])
+    except (OSError, ValueError, KeyError, pydantic.ValidationError) as err:
+        if not needed:
+            return None
+        first = str(err).splitlines()[0][:160]
+        raise UserError(f"{run / PLAN}: its recipe can't be read by this llmtune ({first})",
+                        f"pass the recipe with the model: llmtune eval RECIPE.yaml --model {run}") from None  # fmt: skip
 
 
 def consolidate(weights: RunWeights) -> dict:

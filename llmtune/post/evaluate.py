@@ -23,7 +23,7 @@ class Target:
     adapter_dir: str | None
     result_file: Path
     label: str
-    is_run: bool = False  # a trained run's folder (not the recipe's base model)
+    is_run: bool = False  # a trained model (a run, a checkpoint, --model), not the recipe's base model itself
     note: str | None = None  # something the user should know about what was measured
 
 
@@ -49,9 +49,8 @@ def resolve_target(target: Path, model: str | None = None) -> Target:
 
 
 def _run_target(folder: Path) -> Target:
-    from llmtune.post.consolidate import PLAN, loadable_weights
+    from llmtune.post.consolidate import PLAN, loadable_weights, run_recipe
     from llmtune.post.generate import refuse_reward_model
-    from llmtune.recipe import Recipe
     from llmtune.train.model.load import model_source
 
     weights, run = loadable_weights(folder, "eval")
@@ -64,7 +63,7 @@ def _run_target(folder: Path) -> Target:
                             f"pass the recipe and the model: llmtune eval RECIPE.yaml --model {folder}")  # fmt: skip
         raise UserError(f"{folder} is not an llmtune run folder (no {PLAN})",
                         "pass a run's output_dir, one of its checkpoint-N folders, or a recipe")  # fmt: skip
-    recipe = Recipe.model_validate(json.loads((run / PLAN).read_text())["recipe"])
+    recipe = run_recipe(run)
     adapter = str(weights.folder) if weights.kind == "adapter" else None
     base = model_source(recipe)[0] if adapter else str(weights.folder)
     if weights.folder == run:
@@ -89,15 +88,15 @@ def _model_target(recipe, model: str) -> Target:
                 note = (f"the adapter says it was trained on {named}; it is measured on the recipe's base_model "
                         f"{recipe.base_model}")  # fmt: skip
             return Target(recipe, base, str(folder), folder / "eval.json", f"adapter {model} on {recipe.base_model}",
-                          note=note)  # fmt: skip
+                          is_run=True, note=note)  # fmt: skip
         if not (folder / "config.json").exists():
             raise UserError(f"--model {model} has no model (config.json) or adapter (adapter_config.json)",
                             "pass a model folder, an adapter folder or a hub id")  # fmt: skip
-        return Target(recipe, str(folder), None, folder / "eval.json", f"model {model}")
+        return Target(recipe, str(folder), None, folder / "eval.json", f"model {model}", is_run=True)
     if folder.exists() or folder.suffix in (".yaml", ".yml", ".json"):
         raise UserError(f"--model {model} is not a model folder", "pass a model folder, an adapter folder or a hub id")
     name = model.replace("/", "--")
-    return Target(recipe, model, None, Path(recipe.output_dir) / f"eval_{name}.json", f"model {model}")
+    return Target(recipe, model, None, Path(recipe.output_dir) / f"eval_{name}.json", f"model {model}", is_run=True)
 
 
 def eval_examples(recipe, tokenizer, data: Path | None) -> list[dict]:

@@ -95,11 +95,11 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
         if weights is not None and weights.folder != path:  # a checkpoint: the one asked for, or the newest one
             path, label = weights.folder, f"{weights.folder.name} of run {prompt_folder}"
             model_dir = tokenizer_dir = str(path)
-        if plan_file.exists():
-            from llmtune.recipe import Recipe
+        if plan_file.exists():  # a full model loads without it; an adapter needs its base from it
+            from llmtune.post.consolidate import run_recipe
 
-            recipe = Recipe.model_validate(json.loads(plan_file.read_text())["recipe"])
-            trust_remote_code = trust_remote_code or recipe.trust_remote_code
+            recipe = run_recipe(prompt_folder, needed=(path / "adapter_config.json").exists())
+            trust_remote_code = trust_remote_code or bool(recipe and recipe.trust_remote_code)
         if (path / "adapter_config.json").exists():
             adapter = str(path)
             if recipe is not None:

@@ -54,7 +54,7 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
     from llmtune.plan.memory.table import parse_size_option
     from llmtune.recipe import Recipe
 
-    chosen = None
+    chosen, run = None, run.absolute()  # `llmtune merge .` from inside a checkpoint: its name, its run above it
     if run.name.startswith("checkpoint-") and not (run / "llmtune" / "plan.json").exists():
         chosen, run = run, run.parent  # one checkpoint of the run: its weights, the run's recipe and base
     plan_file = run / "llmtune" / "plan.json"

@@ -174,11 +174,16 @@ def schema_errors(err: ValidationError, raw: dict, shown: int = 5) -> str:
     return "; ".join(lines[:shown]) + (f" (and {more} more key{'s' if more > 1 else ''})" if more > 0 else "")
 
 
-def recipe_fingerprint(recipe, exclude: set[str] | None = None) -> str:
+# keys one machine of a launch may hold differently from the others: its own disk's output_dir, and what its
+# launcher's flags set (--rdzv-timeout, --max-restarts, --rdzv-endpoint, --profile)
+PER_MACHINE_KEYS = frozenset({"output_dir", "rdzv_timeout", "max_restarts", "rdzv_endpoint", "profiler_steps"})
+
+
+def recipe_fingerprint(recipe, exclude: set[str] | frozenset[str] | None = None) -> str:
     """Identifies a recipe's resolved values: a finished run with the same fingerprint has nothing left to do, and the
     machines of one launch must all run the same one (there without output_dir: machines with their own disks)."""
     import hashlib
     import json
 
-    values = recipe.model_dump(mode="json", exclude=exclude)
+    values = recipe.model_dump(mode="json", exclude=set(exclude or ()))
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]

@@ -165,6 +165,13 @@ def test_the_fit_check_counts_the_offload_and_sharding_the_plan_really_runs(monk
     both, optimizer_out = report.row("ZeRO-3 + CPU offload"), planned(deepspeed=zero3(offload_optimizer=1))[0]
     assert params_out.params == both.params and params_out.optimizer == report.row("ZeRO-3").optimizer > 100e9 / 8
     assert optimizer_out.params == report.row("ZeRO-3").params and optimizer_out.optimizer == 0
+    # what leaves the GPU is counted where it goes: the parameters' share on the CPU, NVMe states off the CPU
+    assert params_out.cpu == pytest.approx((report.row("ZeRO-3").params - both.params) * 8) and params_out.nvme == 0
+    nvme = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nv"}}}
+    to_nvme = planned(deepspeed=nvme)[0]
+    assert to_nvme.nvme == pytest.approx(report.row("ZeRO-3").optimizer * 8) and to_nvme.optimizer == 0
+    assert to_nvme.cpu == report.row("ZeRO-3 + NVMe offload").cpu < optimizer_out.cpu
+    assert to_nvme.strategy == "ZeRO-3 + offload (optimizer to NVMe)"
     assert planned(deepspeed=zero3(offload_param=1, offload_optimizer=1))[0] == both  # the table's own row
     zero1 = planned(deepspeed={"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})[0]
     assert zero1.grads == report.row("ZeRO-1").grads and zero1.optimizer == 0 and zero1.cpu > 0

@@ -79,6 +79,7 @@ def test_the_hostfile_is_the_cluster(tmp_path):
 
 @pytest.mark.parametrize(("address", "message"), [
     ("10.0.0.1:29500", "carries a port (hint: pass --main-process-ip 10.0.0.1 --main-process-port 29500)"),
+    ("[fe80::1]:29500", "carries a port (hint: pass --main-process-ip [fe80::1] --main-process-port 29500)"),
     ("node 1", "'node 1' is not a host name or address"),
     ("", "'' is not a host name or address"),
 ])  # fmt: skip

@@ -101,7 +101,10 @@ def test_a_machine_started_with_another_recipe_is_refused_on_both_sides(tmp_path
     assert isinstance(gathered, UserError) and isinstance(joined, UserError)
     assert "machine rank 1 (127.0.0.1) plans another recipe than machine 0's" in gathered.one_line()
     assert "another recipe" in joined.one_line() and joined.one_line().startswith("machine rank 0 stopped the launch")
-    assert _plans(tmp_path / "own", shared=False)[0].recipe_digest == _plans(tmp_path / "own", shared=False)[1].recipe_digest
+    own = _plans(tmp_path / "own", shared=False)  # output_dir on each machine's own disk: another path, same recipe
+    assert own[0].recipe_digest == own[1].recipe_digest
+    longer = _plans(tmp_path / "flags", shared=True, second={"rdzv_timeout": 3600, "max_restarts": 2})
+    assert longer[0].recipe_digest == longer[1].recipe_digest  # what one machine's launcher flags set
 
 
 def test_the_machines_that_joined_hear_which_one_did_not(tmp_path):

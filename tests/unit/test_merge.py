@@ -168,7 +168,7 @@ def test_one_chosen_checkpoint_merges_its_own_weights(tmp_path):
     assert sorted(p.name for p in result.output.iterdir()) == before
 
 
-def test_eval_measures_a_checkpoint_or_names_the_merge_or_recipe_it_needs(tmp_path):
+def test_eval_measures_a_checkpoint_or_names_the_merge_or_recipe_it_needs(tmp_path, monkeypatch):
     from llmtune.plan.checkpoint_layout import MARKER
     from llmtune.post.evaluate import resolve_target
 
@@ -209,6 +209,30 @@ def test_eval_measures_a_checkpoint_or_names_the_merge_or_recipe_it_needs(tmp_pa
     assert (target.adapter_dir, target.result_file) == (str(run / "checkpoint-2"), run / "eval-checkpoint-2.json")
     assert target.label == f"checkpoint-2 of run {run}"
     assert load_for_generation(str(run)).label == f"checkpoint-2 of run {run} (adapter on {base})"
+    monkeypatch.chdir(run / "checkpoint-2")  # `llmtune eval .` from inside the checkpoint is that checkpoint
+    assert resolve_target(Path(".")).result_file == run / "eval-checkpoint-2.json"
+    # another tool's adapter measured with a recipe is a trained model: a preference recipe's reference is its base
+    (tmp_path / "rows.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    (tmp_path / "r.yaml").write_text(json.dumps({"base_model": str(base), "output_dir": str(tmp_path / "o"),
+                                                 "datasets": [{"path": str(tmp_path / "rows.jsonl"),
+                                                               "type": "alpaca"}]}))  # fmt: skip
+    assert resolve_target(tmp_path / "r.yaml", str(bare)).is_run and not resolve_target(tmp_path / "r.yaml").is_run
+
+
+def test_a_run_whose_saved_recipe_this_llmtune_can_t_read_still_loads_its_full_model(tmp_path):
+    """A recipe key of another llmtune version in plan.json: infer/chat of a merged or full run loaded before the
+    recipe was read for every run folder, and must still; an adapter, which needs the recipe's base, is one line."""
+    from llmtune.post.generate import load_for_generation
+
+    folder = make_tiny_model(tmp_path / "merged")
+    (folder / "llmtune").mkdir()
+    recipe = {"base_model": "x", "datasets": [{"path": "x.jsonl", "type": "alpaca"}], "key_of_a_later_llmtune": 1}
+    (folder / "llmtune" / "plan.json").write_text(json.dumps({"recipe": recipe, "plan": {}}))
+    assert load_for_generation(str(folder)).model is not None
+    run, _ = fake_run(tmp_path, make_tiny_model(tmp_path / "base"), r=4, lora_alpha=8, target_modules=["q_proj"])
+    (run / "llmtune" / "plan.json").write_text(json.dumps({"recipe": recipe, "plan": {}}))
+    with pytest.raises(UserError, match="its recipe can't be read by this llmtune"):
+        load_for_generation(str(run))
 
 
 def test_a_changed_eos_token_reaches_the_merged_configs(tmp_path):

@@ -57,3 +57,12 @@ def test_a_mixture_of_experts_model_is_counted_whole_for_its_states_and_not_for_
     facts = facts_from_config(config)
     assert facts.total_params() / 1e9 == pytest.approx(30.53, abs=0.01)
     assert facts.active_intermediate_size == 8 * 768
+
+
+def test_which_layers_are_mixture_of_experts_ones_follows_each_family_s_key():
+    shape = {**SHAPE, "num_hidden_layers": 6, "num_experts": 4}
+    assert facts_from_config({**shape, "decoder_sparse_step": 2}).moe_layers == 3  # Qwen-MoE: layers 1, 3, 5
+    assert facts_from_config({**shape, "interleave_moe_layer_step": 3}).moe_layers == 2  # Llama 4: 2, 5
+    # DeepSeek: from first_k_dense_replace on, every moe_layer_freq-th layer counting from layer 0: 2 and 4
+    assert facts_from_config({**shape, "first_k_dense_replace": 1, "moe_layer_freq": 2}).moe_layers == 2
+    assert facts_from_config({**shape, "mlp_only_layers": [0, 5]}).moe_layers == 4

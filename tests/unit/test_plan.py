@@ -691,6 +691,17 @@ def test_a_deepspeed_json_of_the_wrong_shape_is_one_line_naming_the_key(config, 
     assert message in err.value.one_line() and "inline deepspeed mapping" in err.value.one_line()
 
 
+@pytest.mark.parametrize("config", [
+    {"zero_optimization": {"stage": 2}, "bf16": "auto"},  # filled from the recipe
+    {"zero_optimization": {"stage": 2}, "bf16": None, "fp16": None, "optimizer": None},  # null: left out
+    {"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme"}}},  # DeepSpeed ignores it below ZeRO-3
+])  # fmt: skip
+def test_deepspeed_json_sections_that_were_taken_before_still_are(config):
+    plan = make_plan(recipe(deepspeed=config, bf16=True), make_cluster(8, device="cuda"))
+    assert plan.strategy == "zero2" and plan.deepspeed_config["bf16"] == {"enabled": True}
+    assert "offload_param" not in plan.deepspeed_config["zero_optimization"]
+
+
 def test_nvme_offload_takes_the_recipe_s_path_and_buffers_that_hold_the_largest_partition():
     nvme = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
     plan = make_plan(recipe(deepspeed=nvme, offload_nvme_path="/local_nvme"), make_cluster(8, device="cuda"))

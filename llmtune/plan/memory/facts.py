@@ -151,7 +151,10 @@ def _is_moe_layer(config: dict, index: int) -> bool:
     """Whether layer `index` is a mixture-of-experts one, by the keys each family uses to keep some layers dense."""
     if index in (config.get("mlp_only_layers") or []) or index < (config.get("first_k_dense_replace") or 0):
         return False
-    step = config.get("decoder_sparse_step") or config.get("interleave_moe_layer_step") or config.get("moe_layer_freq")
+    frequency = config.get("moe_layer_freq")  # DeepSeek: every frequency-th layer from the first one
+    if isinstance(frequency, int) and frequency > 1:
+        return index % frequency == 0
+    step = config.get("decoder_sparse_step") or config.get("interleave_moe_layer_step")  # Qwen-MoE, Llama 4: the last
     return not isinstance(step, int) or step <= 1 or (index + 1) % step == 0
 
 

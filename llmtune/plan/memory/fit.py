@@ -172,37 +172,60 @@ def row_for_plan(plan) -> str:
 
 def planned_row(report: Report, plan) -> Estimate:
     """The row of what the plan runs, adjusted where its offload or sharding is one the table has no row for:
-    ZeRO-3 offloading parameters only or the optimizer only, ZeRO-1 offloading its optimizer, FSDP offloading
-    parameters (with their gradients and optimizer states), FSDP2 sharding over fewer GPUs than the world (HSDP)."""
+    ZeRO-3 offloading its parameters and its optimizer to different places (or only one of them), ZeRO-1 offloading
+    its optimizer, FSDP offloading parameters (with their gradients and optimizer states), FSDP2 sharding over fewer
+    GPUs than the world (HSDP)."""
     row = report.row(row_for_plan(plan))
     zero = (plan.deepspeed_config or {}).get("zero_optimization") or {}
 
     def device(key: str) -> str:
         return str((zero.get(key) or {}).get("device", "none")) if isinstance(zero.get(key), dict) else "none"
 
-    params_out, optimizer_out = device("offload_param") != "none", device("offload_optimizer") != "none"
-    if plan.zero_stage == 3 and params_out != optimizer_out:
-        sharded, offloaded = report.row("ZeRO-3"), report.row("ZeRO-3 + CPU offload")
-        if params_out:  # the parameters on the CPU (gathered onto the GPU layer by layer), the rest on the GPU
-            return replace(sharded, strategy="ZeRO-3 + CPU parameter offload", params=offloaded.params,
-                           gathered=offloaded.gathered)  # fmt: skip
-        return replace(sharded, strategy="ZeRO-3 + CPU optimizer offload", optimizer=0.0, step_copy=0.0,
-                       temporaries=0.0, cpu=offloaded.cpu)  # fmt: skip
-    if plan.zero_stage == 1 and optimizer_out:  # ZeRO-2's offload, with ZeRO-1's whole gradients on every GPU
-        whole = report.row("ZeRO-1")
-        return replace(report.row("ZeRO-2 + CPU offload"), strategy="ZeRO-1 + CPU offload", grads=whole.grads,
+    params_to, optimizer_to = device("offload_param"), device("offload_optimizer")
+    if plan.zero_stage == 3 and params_to != optimizer_to:
+        return _zero3_offload(report, params_to, optimizer_to)
+    if plan.zero_stage == 1 and optimizer_to != "none":  # ZeRO-2's offload, with ZeRO-1's whole gradients on each GPU
+        whole, offloaded = report.row("ZeRO-1"), report.row("ZeRO-2 + CPU offload")
+        if optimizer_to == "nvme":  # the optimizer states on NVMe, the fp32 gradients it steps on in CPU memory
+            states = whole.optimizer * report.gpus_per_machine
+            offloaded = replace(offloaded, cpu=offloaded.cpu - states, nvme=states)
+        return replace(offloaded, strategy=f"ZeRO-1 + {PLACES[optimizer_to]} offload", grads=whole.grads,
                        held_grads=whole.held_grads)  # fmt: skip
     if plan.strategy.startswith("fsdp") and plan.offload == "cpu":  # parameters, gradients, optimizer on the CPU
         states = row.params + row.grads + row.optimizer
         return replace(row, strategy=f"{row.strategy} + CPU offload", params=0.0, grads=0.0, optimizer=0.0,
                        held_grads=0.0, temporaries=0.0, cpu=states * report.gpus_per_machine)  # fmt: skip
-    shard = (plan.mesh or {}).get("dp_shard", 0)
+    mesh = plan.mesh or {}
+    shard = mesh.get("dp_shard", 0) * mesh.get("context_parallel", 1)  # FSDP2 shards over dp_shard x cp ranks
     world = report.gpus_per_machine * report.num_machines
-    if plan.strategy == "fsdp2" and (plan.mesh or {}).get("dp_replicate", 1) > 1 and 0 < shard < world:
-        grow = world / shard  # the states shard over dp_shard ranks, not over every rank
+    if plan.strategy == "fsdp2" and mesh.get("dp_replicate", 1) > 1 and 0 < shard < world:
+        grow = world / shard  # the states shard over those ranks, not over every rank
         return replace(row, strategy=f"FSDP2 hybrid shard ({shard}-way)", params=row.params * grow,
                        grads=row.grads * grow, optimizer=row.optimizer * grow, held_grads=row.held_grads * grow)  # fmt: skip
     return row
+
+
+PLACES = {"cpu": "CPU", "nvme": "NVMe"}
+
+
+def _zero3_offload(report: Report, params_to: str, optimizer_to: str) -> Estimate:
+    """ZeRO-3 with parameters and optimizer offloaded to different places ("none", "cpu", "nvme"): ZeRO-3's row
+    with each offloaded part moved where it goes, per machine. The optimizer's fp32 gradients go to CPU memory with
+    it, whether its states are on the CPU or NVMe (as the NVMe row has them)."""
+    sharded, offloaded = report.row("ZeRO-3"), report.row("ZeRO-3 + CPU offload")
+    per_machine = report.gpus_per_machine
+    host = {"cpu": 0.0, "nvme": 0.0}
+    row = sharded
+    if params_to != "none":  # the parameters off the GPU, gathered onto it layer by layer
+        host[params_to] += (sharded.params - offloaded.params) * per_machine
+        row = replace(row, params=offloaded.params, gathered=offloaded.gathered)
+    if optimizer_to != "none":  # the states and their step off the GPU; its fp32 gradients in CPU memory
+        host[optimizer_to] += sharded.optimizer * per_machine
+        host["cpu"] += report.row("ZeRO-3 + NVMe offload").cpu
+        row = replace(row, optimizer=0.0, step_copy=0.0, temporaries=0.0)
+    where = ", ".join(f"{part} to {PLACES[to]}" for part, to in (("parameters", params_to), ("optimizer", optimizer_to))
+                      if to != "none")  # fmt: skip
+    return replace(row, strategy=f"ZeRO-3 + offload ({where})", cpu=host["cpu"], nvme=host["nvme"])
 
 
 def _nvidia_smi(fields: str) -> list[list[str]] | None:
@@ -304,7 +327,7 @@ def fits_line(recipe, plan, gpu_memory: float, facts: ModelFacts) -> str:
     report = report_for(recipe, facts, cluster.processes_per_machine, cluster.num_machines, gpu_memory,
                         cpu_memory_of_this_machine())  # fmt: skip
     row = planned_row(report, plan)
-    name = row.name
+    name = row.strategy
     limit = FIT_FRACTION * gpu_memory
     sizes = (f"{row.total / GB:.1f} GB per GPU under {name} (llmtune estimate: peak allocated "
              f"{row.allocated / GB:.1f} + allocator reserve {row.reserve / GB:.1f} + CUDA context "
