@@ -35,6 +35,7 @@ def summary_lines(plan: Plan, recipe) -> list[tuple[str, str]]:
         (
             "method",
             {"lora": "LoRA", "qlora": "QLoRA (4-bit base)"}.get(recipe.adapter or "", "full fine-tune")
+            + _experts_left_16_bit(recipe)
             + (" of a reward model (Bradley-Terry pairs, one score per sequence)" if recipe.reward_model else "")
             + (
                 f" of a process reward model ({recipe.num_labels} labels per step)"
@@ -198,3 +199,19 @@ def print_plan(plan: Plan, recipe, files: dict[str, str], notes: list[str], show
             if name in files:
                 console.print(f"\n[bold]{name}[/]")
                 console.print(escape(files[name].rstrip()), soft_wrap=True, highlight=False)
+
+
+def _experts_left_16_bit(recipe) -> str:
+    """A k-bit base of a mixture of experts: the share bitsandbytes leaves in 16 bits (the fused expert tensors)."""
+    if not (recipe.load_in_4bit or recipe.load_in_8bit):
+        return ""
+    from llmtune.plan.memory.facts import read_model_facts
+
+    facts = read_model_facts(recipe.base_model_config or recipe.base_model)
+    if facts is None or not facts.routed_expert_params():
+        return ""
+    share = facts.routed_expert_params() / facts.total_params()
+    return (
+        f"; its fused expert weights, {share:.0%} of the model, stay 16-bit: bitsandbytes quantizes linear "
+        "layers only (the estimate counts them so)"
+    )

@@ -66,3 +66,46 @@ def test_which_layers_are_mixture_of_experts_ones_follows_each_family_s_key():
     # DeepSeek: from first_k_dense_replace on, every moe_layer_freq-th layer counting from layer 0: 2 and 4
     assert facts_from_config({**shape, "first_k_dense_replace": 1, "moe_layer_freq": 2}).moe_layers == 2
     assert facts_from_config({**shape, "mlp_only_layers": [0, 5]}).moe_layers == 4
+
+
+def test_qlora_on_a_mixture_of_experts_keeps_the_fused_experts_16_bit_and_counts_them_so(tmp_path):
+    """bitsandbytes quantizes linear layers only; transformers fuses MoE experts into 3D tensors, which stayed bf16
+    and then went fp32 in peft's prepare_model_for_kbit_training (Qwen3-30B-A3B: ~116 GB of experts), while the
+    estimate counted them 4-bit."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from llmtune.plan import make_cluster, make_plan
+    from llmtune.plan.memory.states import quantized_base_bytes
+    from llmtune.plan.render import summary_lines
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.model.adapters import _with_adapter
+
+    shape = {**SHAPE, **CASES["qwen3_moe"]}
+    AutoModelForCausalLM.from_config(CONFIG_MAPPING["qwen3_moe"](**shape)).save_pretrained(tmp_path / "moe")
+    recipe = recipe_from_mapping({"base_model": str(tmp_path / "moe"), "adapter": "qlora", "load_in_4bit": True,
+                                  "lora_target_linear": True, "bf16": True, "output_dir": str(tmp_path / "o"),
+                                  "datasets": [{"path": "org/d", "type": "alpaca"}]}, Path("r.yaml"),
+                                 check_files=False).recipe  # fmt: skip
+    four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", quantization_config=four_bit, dtype=torch.bfloat16)
+    model = _with_adapter(model, recipe)
+    params = dict(model.named_parameters())
+    fused = [param for name, param in params.items() if ".layers.1.mlp.experts." in name and "lora_" not in name]
+    assert len(fused) == 2 and all(param.dtype == torch.bfloat16 for param in fused)  # the experts: 16-bit, as loaded
+    norm = next(param for name, param in params.items() if name.endswith("layers.1.post_attention_layernorm.weight"))
+    assert norm.dtype == torch.float32  # peft's preparation for the rest, as before
+    assert next(param for name, param in params.items() if "layers.1.self_attn.q_proj.base_layer" in name).dtype \
+        == torch.uint8  # fmt: skip
+    facts = facts_from_config(shape)
+    experts = facts.routed_expert_params()
+    assert experts == 3 * 3 * 64 * 32 * 8  # layers 1-3 (layer 0 is dense), gate + up + down of 8 experts
+    linear_4bit = facts.linear_params() - experts
+    assert quantized_base_bytes(recipe, facts) == pytest.approx(
+        linear_4bit * (0.5 + (1 + 4 / 256) / 64) + 2 * experts + 4 * (facts.total_params() - linear_4bit - experts))
+    assert recipe.bnb_4bit_use_double_quant  # Axolotl's default: 8-bit absmaxes
+    method = dict(summary_lines(make_plan(recipe, make_cluster(1, device="cuda")), recipe))["method"]
+    assert f"its fused expert weights, {experts / facts.total_params():.0%} of the model, stay 16-bit" in method

@@ -71,6 +71,11 @@ class ModelFacts:
             2 * h * self.expert_intermediate_size * self.num_experts,
         )
 
+    def routed_expert_params(self) -> int:
+        """The routed experts' weights: fused 3D tensors in transformers, which bitsandbytes (linear layers only)
+        leaves unquantized."""
+        return self.moe_layers * 3 * self.hidden_size * self.expert_intermediate_size * self.num_experts
+
     def layers_params(self) -> int:
         dense = self.num_layers - self.moe_layers
         mlp = dense * 3 * self.hidden_size * self.intermediate_size + self.moe_layers * self._moe_mlp_params()

@@ -70,8 +70,10 @@ def quantized_base_bytes(recipe, facts: ModelFacts) -> float:
     """A k-bit base as bitsandbytes stores it. NF4/FP4: half a byte per weight plus one absmax per 64-weight
     block (fp32; with double quantization 8 bits, plus an fp32 absmax per 256 blocks). LLM.int8: a byte per
     weight plus an fp32 scale per output row. The modules left unquantized (embeddings, lm_head, norms) are
-    made fp32 by peft's prepare_model_for_kbit_training, which llmtune calls."""
-    quantized = facts.linear_params()
+    made fp32 by peft's prepare_model_for_kbit_training, which llmtune calls. A mixture of experts' fused expert
+    tensors are no linear layers: bitsandbytes leaves them in the compute dtype, and llmtune keeps them there."""
+    experts = 0 if recipe.gptq or recipe.llama4_linearized_experts else facts.routed_expert_params()
+    quantized = facts.linear_params() - experts
     if recipe.gptq:  # GPTQ's common form: 4-bit weights, an fp16 scale and a 4-bit zero point per 128 weights
         per_weight = 0.5 + (2 + 0.5) / GPTQ_GROUP
     elif recipe.load_in_4bit:
@@ -80,7 +82,13 @@ def quantized_base_bytes(recipe, facts: ModelFacts) -> float:
         per_weight = 0.5 + absmax
     else:
         per_weight = 1.0 + 4 / facts.hidden_size
-    return quantized * per_weight + 4.0 * (facts.total_params() - quantized)
+    from llmtune.plan.memory.compute import is_mixed
+
+    return (
+        quantized * per_weight
+        + (2.0 if is_mixed(recipe) else 4.0) * experts
+        + 4.0 * (facts.total_params() - quantized - experts)
+    )
 
 
 def _states(recipe, facts: ModelFacts, mixed: bool, deepspeed: bool) -> tuple[float, float, float]:

@@ -67,10 +67,19 @@ def attach_adapter(model, recipe):
 def _with_adapter(model, recipe):
     if not recipe.adapter:
         return model
+    import torch
     from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
 
     if recipe.load_in_4bit or recipe.load_in_8bit or recipe.gptq:  # peft's preparation knows GPTQ bases too
+        # it makes every 16-bit parameter fp32, for the norms and embeddings; a mixture of experts' fused expert
+        # tensors (3D: bitsandbytes quantizes linear layers only) are most of the model, frozen: they keep their
+        # 16 bits, as under plain LoRA (fp32 would double the base it was meant to shrink)
+        fused = {name: param.dtype for name, param in model.named_parameters()
+                 if param.ndim >= 3 and param.dtype in (torch.bfloat16, torch.float16)}  # fmt: skip
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.gradient_checkpointing)
+        for name, param in model.named_parameters():
+            if name in fused:
+                param.data = param.data.to(fused[name])
     if recipe.lora_model_dir:
         return PeftModel.from_pretrained(model, recipe.lora_model_dir, is_trainable=True)
     config = lora_config(recipe)
