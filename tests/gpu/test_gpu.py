@@ -279,3 +279,27 @@ def test_activation_offload_lowers_the_peak(make_recipe, tiny_model, tmp_path):
     assert losses(runs["offload"]) == losses(runs["plain"])
     peak = {name: m["ranks"][0]["cuda_max_allocated_bytes"] for name, m in runs.items()}
     assert peak["offload"] < peak["plain"], peak
+
+
+def test_qlora_on_a_mixture_of_experts_trains_with_its_fused_experts_in_bf16(make_recipe, tmp_path):
+    """The experts are 3D tensors bitsandbytes leaves unquantized; llmtune keeps them bf16 (peft's k-bit preparation
+    made them fp32). On the GPU: the 4-bit attention, the bf16 experts and their fp32 LoRA train together."""
+    from tiny import load_tokenizer
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    tokenizer = load_tokenizer()
+    config = CONFIG_MAPPING["qwen3_moe"](vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, max_position_embeddings=256)  # fmt: skip
+    base = tmp_path / "moe"
+    AutoModelForCausalLM.from_config(config).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    recipe = make_recipe("qlora-moe", bf16=True, base_model=str(base), learning_rate=1e-2, **QLORA)
+    result = llmtune("train", recipe, "--device", "cuda", timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "its fused expert weights" in result.stderr and "stay 16-bit" in result.stderr  # the plan says so
+    metrics = read_metrics(recipe)
+    trained = losses(metrics)
+    assert trained[-1] < trained[0] - 0.3, trained
