@@ -108,10 +108,13 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
             f"tokenizes them); {stats['dropped_too_long']} longer than sequence_len dropped, {stats['truncated']} to "
             f"be truncated, {stats['dropped_long_prompt']} with a prompt over max_prompt_len dropped")  # fmt: skip
     else:
+        long = (f"{stats.get('truncated', 0)} longer than sequence_len truncated"
+                if recipe.excess_length_strategy == "truncate"
+                else f"{stats['dropped_too_long']} longer than sequence_len dropped")  # fmt: skip
         log(f"data: {stats['train_examples']} train / {stats['eval_examples']} eval examples "
-            f"({'cache hit' if stats['cache_hit'] else 'tokenized'}; {stats['dropped_too_long']} longer than "
-            f"sequence_len {'truncated' if recipe.excess_length_strategy == 'truncate' else 'dropped'}, "
-            f"{stats['dropped_no_labels']} without trained tokens)" + (f", packing efficiency {stats['packing_efficiency']:.1%}" if recipe.sample_packing else ""))  # fmt: skip
+            f"({'cache hit' if stats['cache_hit'] else 'tokenized'}; {long}, {stats['dropped_no_labels']} without "
+            "trained tokens)" + (f", packing efficiency {stats['packing_efficiency']:.1%}" if recipe.sample_packing
+                                 else ""))  # fmt: skip
     args = None
     if plan["strategy"] != "pipeline":
         # Built before the model: under ZeRO-3 this registers DeepSpeed's config, so from_pretrained creates the

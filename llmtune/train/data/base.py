@@ -25,13 +25,24 @@ def no_progress(items, _description):
 
 
 def split_eval(train, size: float):
-    """val_set_size: the first `size` rows (a fraction below 1, or a count) become the eval set."""
+    """val_set_size: the last `size` rows (a fraction below 1, rounded up, or a count) become the eval set, as
+    Axolotl's `train_test_split(test_size, shuffle=False)` takes them. Returns (eval, train)."""
+    import math
+
     from llmtune.errors import UserError
 
-    count = int(size) if size >= 1 else max(1, round(size * len(train)))
+    count = int(size) if size >= 1 else math.ceil(size * len(train))
     if count >= len(train):
         raise UserError(f"val_set_size {size} leaves no training examples (there are {len(train)})")
-    return train[:count], train[count:]
+    return train[len(train) - count :], train[: len(train) - count]
+
+
+def shuffled_order(count: int, seed: int) -> list[int]:
+    """The order `shuffle_merged_datasets` puts the merged rows in: the permutation datasets' `shuffle(seed=seed)`
+    draws (numpy's default generator), so a recipe's rows come in Axolotl's order for the same seed."""
+    import numpy as np
+
+    return np.random.default_rng(seed).permutation(count).tolist()
 
 
 class RowError(ValueError):

@@ -11,11 +11,10 @@ GRPO trains whole prompts; there is no truncation to ask for), or stop it with e
 from __future__ import annotations
 
 import inspect
-import random
 from types import SimpleNamespace
 
 from llmtune.errors import UserError
-from llmtune.train.data.base import PreparedData, no_progress, split_eval
+from llmtune.train.data.base import PreparedData, no_progress, shuffled_order, split_eval
 from llmtune.train.data.sources import read_rows
 
 
@@ -93,7 +92,7 @@ def prepare_online_data(recipe, tokenizer, functions: dict, progress=no_progress
                         "sequence_len minus trl.max_completion_length",
                         "raise sequence_len, or lower trl.max_completion_length")  # fmt: skip
     if recipe.shuffle_merged_datasets and not recipe.curriculum_sampling:
-        random.Random(recipe.seed).shuffle(train)
+        train = [train[i] for i in shuffled_order(len(train), recipe.seed)]
     if recipe.val_set_size:
         evaluation, train = split_eval(train, recipe.val_set_size)
     stats.update(train_examples=len(train), eval_examples=len(evaluation) if evaluation else 0, train_rows=len(train))

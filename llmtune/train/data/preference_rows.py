@@ -7,11 +7,9 @@ checked against sequence_len and max_prompt_len before any GPU starts, and the s
 
 from __future__ import annotations
 
-import random
-
 from llmtune.errors import UserError
 from llmtune.recipe.preference import preference_type
-from llmtune.train.data.base import PreparedData, no_progress, split_eval
+from llmtune.train.data.base import PreparedData, no_progress, shuffled_order, split_eval
 from llmtune.train.data.preference import context_for, convert_rows, converter_for
 from llmtune.train.data.sources import read_rows
 
@@ -94,7 +92,7 @@ def prepare_preference_data(recipe, tokenizer, progress=no_progress) -> Prepared
                         f"max_prompt_len", "raise sequence_len (or max_prompt_len), or set excess_length_strategy: "
                         "truncate")  # fmt: skip
     if recipe.shuffle_merged_datasets and not recipe.curriculum_sampling:
-        random.Random(recipe.seed).shuffle(train)
+        train = [train[i] for i in shuffled_order(len(train), recipe.seed)]
     if recipe.val_set_size:
         evaluation, train = split_eval(train, recipe.val_set_size)
     if recipe.rl == "kto":

@@ -10,13 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 import sys
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.train.data.base import PreparedData, no_progress, split_eval
+from llmtune.train.data.base import PreparedData, no_progress, shuffled_order, split_eval
 from llmtune.train.data.formats import IGNORE, FormatContext, RowError
 from llmtune.train.data.packing import pack_examples
 from llmtune.train.data.reward import converter, fit_pair
@@ -260,9 +259,7 @@ def tokenize_with_cache(recipe, tokenizer, progress=no_progress) -> tuple[dict[s
 def split_and_pack(recipe, groups: dict[str, list[dict]], stats: dict) -> PreparedData:
     train = groups["train"]
     if recipe.shuffle_merged_datasets and not recipe.curriculum_sampling:  # curriculum: the data's own order
-        order = list(range(len(train)))
-        random.Random(recipe.seed).shuffle(order)
-        train = train.reorder(order)
+        train = train.reorder(shuffled_order(len(train), recipe.seed))
     evaluation = groups.get("test")
     if recipe.val_set_size:
         evaluation, train = split_eval(train, recipe.val_set_size)
