@@ -92,7 +92,9 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
         weights, prompt_folder = loadable_weights(path, command)
         refuse_reward_model(prompt_folder, command)
         plan_file = prompt_folder / "llmtune" / "plan.json"
-        if weights is not None and weights.folder != path:  # a checkpoint: the one asked for, or the newest one
+        if (
+            weights is not None and weights.folder != path.absolute()
+        ):  # the newest checkpoint of a run without a final save
             path, label = weights.folder, f"{weights.folder.name} of run {prompt_folder}"
             model_dir = tokenizer_dir = str(path)
         if plan_file.exists():  # a full model loads without it; an adapter needs its base from it

@@ -299,8 +299,12 @@ class DataKeys(Section):
         "train_on_eot. Default: the first special token after the message.",
     )  # fmt: skip
     test_datasets: list[DatasetSpec] | None = Field(None, description="Evaluation datasets (instead of val_set_size).")
-    val_set_size: float = Field(0.0, ge=0.0, description="Eval split: a fraction (< 1, rounded up) or a number of examples, "
-                                "the last ones after shuffling (as Axolotl's train_test_split takes them).")
+    val_set_size: float = Field(
+        0.0,
+        ge=0.0,
+        description="Eval split: a fraction (< 1, rounded up) or a number of examples, "
+        "the last ones after shuffling (as Axolotl's train_test_split takes them).",
+    )
     dataset_prepared_path: str | None = Field(
         "last_run_prepared", description="Cache folder for tokenized data (keyed by data, tokenizer and recipe)."
     )

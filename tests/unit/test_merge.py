@@ -219,7 +219,7 @@ def test_eval_measures_a_checkpoint_or_names_the_merge_or_recipe_it_needs(tmp_pa
     assert resolve_target(tmp_path / "r.yaml", str(bare)).is_run and not resolve_target(tmp_path / "r.yaml").is_run
 
 
-def test_a_run_whose_saved_recipe_this_llmtune_can_t_read_still_loads_its_full_model(tmp_path):
+def test_a_run_whose_saved_recipe_this_llmtune_can_t_read_still_loads_its_full_model(tmp_path, monkeypatch):
     """A recipe key of another llmtune version in plan.json: infer/chat of a merged or full run loaded before the
     recipe was read for every run folder, and must still; an adapter, which needs the recipe's base, is one line."""
     from llmtune.post.generate import load_for_generation
@@ -229,6 +229,8 @@ def test_a_run_whose_saved_recipe_this_llmtune_can_t_read_still_loads_its_full_m
     recipe = {"base_model": "x", "datasets": [{"path": "x.jsonl", "type": "alpaca"}], "key_of_a_later_llmtune": 1}
     (folder / "llmtune" / "plan.json").write_text(json.dumps({"recipe": recipe, "plan": {}}))
     assert load_for_generation(str(folder)).model is not None
+    monkeypatch.chdir(tmp_path)  # a relative path to a full model is that model, named as given
+    assert load_for_generation("merged").label == "merged"
     run, _ = fake_run(tmp_path, make_tiny_model(tmp_path / "base"), r=4, lora_alpha=8, target_modules=["q_proj"])
     (run / "llmtune" / "plan.json").write_text(json.dumps({"recipe": recipe, "plan": {}}))
     with pytest.raises(UserError, match="its recipe can't be read by this llmtune"):
