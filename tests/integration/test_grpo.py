@@ -117,10 +117,14 @@ def test_a_lora_grpo_run_learns_what_its_reward_favours_and_records_it(workspace
 
 
 def test_two_zero2_ranks_see_their_own_prompts_and_a_fixed_seed_generates_the_same(workspace):
+    # every prompt distinct: with the module's 8 words repeated, two ranks' first prompts could be the same word by
+    # chance (1 in 8), which the rank guard allows only where the data repeats rows
+    distinct = write_jsonl(workspace[0] / "distinct.jsonl", [{"word": f"{w}{i}"} for i in range(8) for w in WORDS])
     runs = []
     for name in ("zero2-a", "zero2-b"):
         path = grpo(workspace, name, deepspeed="zero2", max_steps=3, micro_batch_size=4, gradient_accumulation_steps=2,
-                    rewards=("rwd.short_reward", "rwd.mentions_answer"))  # fmt: skip
+                    rewards=("rwd.short_reward", "rwd.mentions_answer"),
+                    datasets=[{"path": str(distinct), "type": "rwd.say_transform"}])  # fmt: skip
         result = llmtune("train", path, "--num-processes", "2", timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         runs.append((read_metrics(path), (workspace[0] / name / "completions.jsonl").read_text()))

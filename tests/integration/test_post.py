@@ -33,7 +33,9 @@ def lora_runs(workspace) -> dict[str, Path]:
     runs = {}
     for name, (processes, changes) in STRATEGIES.items():
         saves = {"save_strategy": "steps", "save_steps": 2} if name == "single" else {}  # a checkpoint to eval
-        _, runs[name] = train_run(workspace, f"lora-{name}", processes, **LORA, **changes, **saves, val_set_size=0.25,
+        # val_set_size 4: one eval batch (micro_batch_size 4), where the Trainer's mean of batch means is the
+        # per-token mean llmtune eval computes
+        _, runs[name] = train_run(workspace, f"lora-{name}", processes, **LORA, **changes, **saves, val_set_size=4,
                                   eval_strategy="steps", eval_steps=1, logging_steps=1)  # fmt: skip
     _, runs["pipeline"] = train_run(workspace, "lora-pipeline", PIPELINE[0], **LORA, **PIPELINE[1])
     return runs

@@ -123,7 +123,8 @@ def test_reward_model_on_two_ranks_matches_one_and_its_saved_model_gives_the_rep
     loss, accuracy = score(output_dir, pairs(WORDS, 2)[:7])
     assert metrics["eval_loss"] == pytest.approx(loss, abs=1e-4)
     assert metrics["eval_accuracy"] == pytest.approx(accuracy)
-    assert metrics["eval_accuracy"] == 1.0 and losses(metrics)[-1] < 0.25, losses(metrics)  # it learned to rank
+    # it learned to rank: every eval pair ordered, the loss well under an untrained head's ln 2
+    assert metrics["eval_accuracy"] == 1.0 and losses(metrics)[-1] < 0.6 * math.log(2), losses(metrics)
     assert ddp["eval_accuracy"] == metrics["eval_accuracy"]
 
 

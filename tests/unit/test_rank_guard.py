@@ -101,3 +101,6 @@ def test_duplicate_rows_counts_repeated_input_ids():
     assert duplicate_rows(REPEATS) == 1
     assert duplicate_rows([{"input_ids": [1, 2]}, {"input_ids": [1, 2, 0]}, {"input_ids": [2, 1]}]) == 0
     assert duplicate_rows([{"input_ids": [5]}] * 3) == 2
+    # online RL's prompt rows have no input_ids until generation: their content decides (it raised KeyError)
+    prompts = [{"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"}, {"prompt": "3+3?", "answer": "6"}]
+    assert duplicate_rows(prompts) == 0 and duplicate_rows([*prompts, dict(prompts[0])]) == 1

@@ -24,11 +24,15 @@ def gather(report: dict) -> list[dict]:
 
 
 def duplicate_rows(dataset) -> int:
-    """Rows of the tokenized train set whose input_ids repeat an earlier row's (0: every row is distinct)."""
-    seen: set[tuple[int, int]] = set()
+    """Rows of the train set that repeat an earlier row (0: every row is distinct): tokenized rows by their
+    input_ids, online RL's prompt rows (no input_ids until generation) by their content."""
+    import json
+
+    seen: set[int] = set()
     for index in range(len(dataset)):
-        ids = dataset[index]["input_ids"]
-        seen.add((len(ids), hash(tuple(ids))))
+        row = dataset[index]
+        ids = row.get("input_ids") if isinstance(row, dict) else None
+        seen.add(hash(tuple(ids)) if ids is not None else hash(json.dumps(row, sort_keys=True, default=str)))
     return len(dataset) - len(seen)
 
 
