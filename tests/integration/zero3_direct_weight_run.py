@@ -62,6 +62,10 @@ def main() -> None:
         engine.destroy()
     if state.is_main_process:
         print(json.dumps(report), flush=True)
+    # end the process group before exit: left to interpreter teardown, rank 0 once aborted there ("terminate called
+    # without an active exception") after every assertion's data was printed
+    state.wait_for_everyone()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
