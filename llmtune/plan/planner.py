@@ -28,26 +28,15 @@ from llmtune.plan.checks import (
 from llmtune.plan.cluster import Cluster
 from llmtune.plan.commands import ELASTIC, _command, _environment
 from llmtune.plan.deepspeed import build_deepspeed_config
-from llmtune.plan.memory.facts import ModelFacts, read_model_facts
+from llmtune.plan.memory.facts import read_model_facts
 from llmtune.plan.mesh import plan_mesh
-from llmtune.plan.pipeline import bubble_fraction, split_layers
+from llmtune.plan.pipeline import PipelinePlan, pipeline_plan
 from llmtune.plan.resume import length_line, resumed_accumulation
 from llmtune.plan.resume_checks import check_resume
 from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, resolve_kernels
 from llmtune.recipe.loader import PER_MACHINE_KEYS, recipe_fingerprint
 from llmtune.recipe.preference import ONLINE_METHODS
-
-
-@dataclass
-class PipelinePlan:
-    stages: int
-    microbatches: int
-    schedule: str
-    virtual_stages: int
-    bubble: float
-    layers_per_stage: list[list[int]] | None  # [first, last) per stage, when the config is known
-    params_per_stage: list[int] | None
 
 
 @dataclass
@@ -134,49 +123,6 @@ def _precision(recipe: Recipe, cluster: Cluster, notes: list[str]) -> str:
     return "bf16"
 
 
-def _pipeline_plan(recipe: Recipe, world: int, facts: ModelFacts | None) -> PipelinePlan:
-    stages = recipe.pipeline_parallel_size
-    if world % stages:
-        raise UserError(
-            f"world size {world} is not divisible by pipeline_parallel_size {stages} "
-            f"(world = stages x data-parallel replicas; {world} / {stages} = {world / stages:.2f})",
-            f"use --num-processes {stages * max(1, world // stages) or stages}",
-        )
-    accumulation = recipe.gradient_accumulation_steps
-    if recipe.pipeline_microbatches and accumulation > 1 and recipe.pipeline_microbatches != accumulation:
-        raise UserError(
-            f"pipeline_microbatches ({recipe.pipeline_microbatches}) and gradient_accumulation_steps "
-            f"({accumulation}) disagree",
-            "in a pipeline the micro-batches of one step are the accumulation steps: set only pipeline_microbatches",
-        )
-    microbatches = recipe.pipeline_microbatches or max(accumulation, stages)
-    if microbatches < stages:
-        raise UserError(f"pipeline_microbatches ({microbatches}) is fewer than pipeline_parallel_size ({stages})")
-    virtual = recipe.pipeline_virtual_stages if recipe.pipeline_schedule == "interleaved_1f1b" else 1
-    layers = params = None
-    if facts:
-        try:
-            ranges = split_layers(
-                [facts.layer_params()] * facts.num_layers,
-                facts.embedding_params(),
-                facts.hidden_size + (0 if facts.tie_word_embeddings else facts.embedding_params()),
-                stages * virtual,
-            )
-        except ValueError:
-            raise UserError(
-                f"pipeline_parallel_size {stages} x {virtual} virtual stages needs at least {stages * virtual} "
-                f"layers, but the model has {facts.num_layers}",
-                "use fewer stages",
-            ) from None
-        layers = [[r.start, r.stop] for r in ranges]
-        params = [len(r) * facts.layer_params() for r in ranges]
-        params[0] += facts.embedding_params()
-        params[-1] += facts.hidden_size + (0 if facts.tie_word_embeddings else facts.embedding_params())
-    return PipelinePlan(
-        stages, microbatches, recipe.pipeline_schedule, virtual, bubble_fraction(stages, microbatches), layers, params
-    )
-
-
 def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, resume: bool = False) -> Plan:
     """Resolve the recipe for this cluster. Raises UserError for sizes or combinations that can't work.
 
@@ -189,7 +135,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
     facts = read_model_facts(recipe.base_model_config or recipe.base_model)
     precision = _precision(recipe, cluster, notes)
     strategy = choose_strategy(recipe, world)
-    pipeline = _pipeline_plan(recipe, world, facts) if strategy == "pipeline" else None
+    pipeline = pipeline_plan(recipe, world, facts) if strategy == "pipeline" else None
     if pipeline and not recipe.pipeline_microbatches and pipeline.microbatches != recipe.gradient_accumulation_steps:
         notes.append(f"pipeline: {pipeline.microbatches} micro-batches per step, not gradient_accumulation_steps "
                      f"{recipe.gradient_accumulation_steps}: a pipeline of {pipeline.stages} stages needs at least as many (set pipeline_microbatches to choose)")  # fmt: skip

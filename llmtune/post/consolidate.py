@@ -71,14 +71,28 @@ def find_weights(run: Path, chosen: Path | None = None) -> RunWeights:
 PLAN = Path("llmtune") / "plan.json"
 
 
+def has_tokenizer(folder: str | Path | None) -> bool:
+    """A tokenizer saved in this folder (a run's, a merged model's; an adapter or a checkpoint may have none)."""
+    return folder is not None and any(
+        (Path(folder) / name).exists() for name in ("tokenizer_config.json", "tokenizer.json")
+    )
+
+
+def run_of(folder: Path) -> tuple[Path, Path | None]:
+    """(run, checkpoint) of a folder given to merge/eval/infer/chat: a run is (run, None); one checkpoint-N of a run is
+    (its run, it), so its weights are read with the run's recipe and base. `.` from inside a checkpoint works too."""
+    folder = folder.absolute()
+    if folder.name.startswith("checkpoint-") and not (folder / PLAN).exists() and (folder.parent / PLAN).exists():
+        return folder.parent, folder
+    return folder, None
+
+
 def loadable_weights(folder: Path, command: str) -> tuple[RunWeights | None, Path]:
     """For the commands that load a model as it is (eval, infer, chat): the weights of a run folder (its final save,
     else its newest complete checkpoint) or of one checkpoint-N of a run, and the run; sharded states send the user to
     a merge. (None, folder) where `folder` is no llmtune run (a model or adapter folder)."""
-    folder = folder.absolute()  # `llmtune eval .` from inside a checkpoint: its name, and its run above it
-    run, chosen = folder, None
-    if folder.name.startswith("checkpoint-") and not (folder / PLAN).exists() and (folder.parent / PLAN).exists():
-        run, chosen = folder.parent, folder  # one checkpoint: its weights, the run's recipe and base
+    folder = folder.absolute()
+    run, chosen = run_of(folder)
     if not (run / PLAN).exists():
         return None, folder
     weights = find_weights(run, chosen)
@@ -90,7 +104,7 @@ def loadable_weights(folder: Path, command: str) -> tuple[RunWeights | None, Pat
     return weights, run
 
 
-def run_recipe(run: Path, needed: bool = True):
+def run_recipe(run: Path, needed: bool = True, hint: str | None = None):
     """The recipe a run saved in its plan; one that this llmtune's schema no longer takes (a run of an older or newer
     llmtune) is one line when it is needed (an adapter's base, eval's data), else None."""
     import pydantic
@@ -104,7 +118,7 @@ def run_recipe(run: Path, needed: bool = True):
             return None
         first = str(err).splitlines()[0][:160]
         raise UserError(f"{run / PLAN}: its recipe can't be read by this llmtune ({first})",
-                        f"pass the recipe with the model: llmtune eval RECIPE.yaml --model {run}") from None  # fmt: skip
+                        hint or f"pass the recipe with the model: llmtune eval RECIPE.yaml --model {run}") from None  # fmt: skip
 
 
 def consolidate(weights: RunWeights) -> dict:

@@ -180,10 +180,11 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
 
 def _tokenizer_source(info: Target) -> str:
     """The tokenizer saved beside the weights (an adapter's or a checkpoint's), else the base model's."""
+    from llmtune.post.consolidate import has_tokenizer
     from llmtune.train.model.load import model_source
 
     for folder in (info.adapter_dir, info.model_dir):
-        if folder and any((Path(folder) / name).exists() for name in ("tokenizer_config.json", "tokenizer.json")):
+        if has_tokenizer(folder):
             return folder
     return info.model_dir if not Path(info.model_dir).is_dir() else model_source(info.recipe)[0]
 

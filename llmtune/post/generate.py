@@ -87,7 +87,7 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
     model_dir, tokenizer_dir, label = target, target, target
     prompt_folder = None
     if path.is_dir():
-        from llmtune.post.consolidate import loadable_weights
+        from llmtune.post.consolidate import has_tokenizer, loadable_weights
 
         weights, prompt_folder = loadable_weights(path, command)
         refuse_reward_model(prompt_folder, command)
@@ -114,7 +114,7 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
         elif not (path / "config.json").exists():
             raise UserError(f"{target} has no model (config.json) or adapter (adapter_config.json)",
                             "pass a run's output_dir, a merged folder, or a hub id")  # fmt: skip
-        if not any((path / name).exists() for name in ("tokenizer_config.json", "tokenizer.json")):
+        if not has_tokenizer(path):
             # saved without its tokenizer (an adapter, a checkpoint): the base model's
             tokenizer_dir = model_dir if adapter else base_of(recipe, model_dir)
     elif path.suffix in (".yaml", ".yml", ".json") or path.exists():

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.post.consolidate import RunWeights, find_weights, write_full_weights
+from llmtune.post.consolidate import PLAN, RunWeights, find_weights, run_of, run_recipe, write_full_weights
 from llmtune.post.fold import fold_adapter, merge_through_peft
 from llmtune.train.model.shards import ShardWriter, base_folder
 
@@ -52,20 +52,17 @@ def _target_dtype(plan: dict, dtype: str | None):
 def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB", dtype: str | None = None,
               force: bool = False, progress: Callable = lambda items, _d, total=None: items) -> MergeResult:  # fmt: skip
     from llmtune.plan.memory.table import parse_size_option
-    from llmtune.recipe import Recipe
 
-    chosen, run = None, run.absolute()  # `llmtune merge .` from inside a checkpoint: its name, its run above it
-    if run.name.startswith("checkpoint-") and not (run / "llmtune" / "plan.json").exists():
-        chosen, run = run, run.parent  # one checkpoint of the run: its weights, the run's recipe and base
-    plan_file = run / "llmtune" / "plan.json"
+    run, chosen = run_of(run)
+    plan_file = run / PLAN
     if not plan_file.exists():
         raise UserError(f"{run} is not an llmtune run folder (no llmtune/plan.json)",
                         "pass a run's output_dir, or one of its checkpoint-N folders")  # fmt: skip
     if is_merged(run):
         raise UserError(f"{run} is already a merged model (written by llmtune merge): there is nothing to fold in",
                         f"use it as it is (llmtune infer {run}, llmtune eval {run}, or base_model: {run})")  # fmt: skip
-    payload = json.loads(plan_file.read_text())
-    recipe, plan = Recipe.model_validate(payload["recipe"]), payload["plan"]
+    recipe = run_recipe(run, hint="merge it with the llmtune version that trained it")
+    plan = json.loads(plan_file.read_text())["plan"]
     output = output or run / ("merged" if chosen is None else f"merged-{chosen.name}")
     max_bytes = int(parse_size_option("--max-shard-size", max_shard_size))
     if dtype is not None and dtype not in DTYPES:

@@ -48,8 +48,8 @@ FLOORS = {
         ["__main__"],
     ],
     "llmtune.plan": [
-        ["memory", "checkpoint_layout", "pipeline", "hostfile", "generation"],
-        ["cluster", "deepspeed", "resume", "shrink"],
+        ["memory", "checkpoint_layout", "hostfile", "generation"],
+        ["cluster", "deepspeed", "resume", "shrink", "pipeline"],
         ["commands", "resume_checks"],
         ["accelerate_config", "mesh", "smallest_cluster", "checks"],
         ["planner"],

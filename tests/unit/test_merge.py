@@ -235,6 +235,11 @@ def test_a_run_whose_saved_recipe_this_llmtune_can_t_read_still_loads_its_full_m
     (run / "llmtune" / "plan.json").write_text(json.dumps({"recipe": recipe, "plan": {}}))
     with pytest.raises(UserError, match="its recipe can't be read by this llmtune"):
         load_for_generation(str(run))
+    from llmtune.post.merge import merge_run  # merge needs the recipe (its base): one line, not a traceback
+
+    with pytest.raises(UserError, match="its recipe can't be read by this llmtune") as err:
+        merge_run(run)
+    assert err.value.hint == "merge it with the llmtune version that trained it" and not (run / "merged").exists()
 
 
 def test_a_changed_eos_token_reaches_the_merged_configs(tmp_path):
