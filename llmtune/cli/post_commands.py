@@ -47,7 +47,8 @@ def eval_command(
         typer.echo(f"{results['target']} ({results['method']}, {results['examples']} rows): " + ", ".join(shown))
         typer.echo(f"wrote {results['written_to']}")
         return
-    line = f"{results['target']}: eval loss {results['eval_loss']:.4f}, perplexity {results['perplexity']:.2f}"
+    line = (f"{results['target']}: eval loss {results['eval_loss']:.4f} (per token, {results['eval_tokens']} tokens of "
+            f"{results['examples']} rows), perplexity {results['perplexity']:.2f}")  # fmt: skip
     if "exact_match" in results:
         line += f", exact match {results['exact_match']:.1%} ({results['exact_match_examples']} examples)"
     typer.echo(line)

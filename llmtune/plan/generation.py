@@ -31,6 +31,50 @@ def generation_sequences(recipe, data_parallel: int) -> int:
     return recipe.micro_batch_size * int(steps)
 
 
+def check_batches(recipe, data_parallel: int) -> None:
+    """TRL's GRPOConfig refuses these at launch, after the model loaded: a generation batch (micro-batch x ranks x
+    steps per generation, or trl.generation_batch_size) that isn't whole groups of num_generations completions of
+    one prompt, and an eval batch over the ranks that isn't either."""
+    from llmtune.errors import UserError
+
+    generations = int(trl_value(recipe, "num_generations", 8))
+    size, steps = trl_value(recipe, "generation_batch_size"), trl_value(recipe, "steps_per_generation")
+    across = recipe.micro_batch_size * data_parallel
+    ranks = f"{data_parallel} rank{'s' if data_parallel > 1 else ''}"
+    if size and steps:
+        raise UserError("trl.generation_batch_size and trl.steps_per_generation both set the generation batch",
+                        "set one of them")  # fmt: skip
+    if size and int(size) % across:
+        raise UserError(f"trl.generation_batch_size {size} is not a multiple of micro_batch_size "
+                        f"{recipe.micro_batch_size} x {ranks} ({across})", f"use a multiple of {across}")  # fmt: skip
+    if size:
+        made, hint = "trl.generation_batch_size", f"make trl.generation_batch_size a multiple of {generations}"
+    else:
+        steps = int(steps or recipe.gradient_accumulation_steps)
+        size = across * steps
+        made = f"micro_batch_size {recipe.micro_batch_size} x {ranks} x {steps} step(s) per generation"
+        hint = f"e.g. micro_batch_size {_multiple(generations, data_parallel * steps)}"
+    if int(size) % generations:
+        raise UserError(f"GRPO's generation batch ({made} = {size} completions) is not whole groups of "
+                        f"trl.num_generations {generations}: each prompt's completions must come in one batch",
+                        f"{hint}, or a num_generations that divides {size}")  # fmt: skip
+    has_eval = bool(recipe.val_set_size or recipe.test_datasets) and recipe.eval_strategy != "no"
+    eval_generations = int(trl_value(recipe, "num_generations_eval") or generations)
+    eval_batch = (recipe.eval_batch_size or recipe.micro_batch_size) * data_parallel
+    if has_eval and eval_batch % eval_generations:
+        raise UserError(f"GRPO's eval batch (eval_batch_size x {ranks} = {eval_batch}) is not a multiple of the "
+                        f"{eval_generations} completions generated per eval prompt",
+                        f"set eval_batch_size so that it x {data_parallel} is a multiple of {eval_generations}, or "
+                        "trl.num_generations_eval")  # fmt: skip
+
+
+def _multiple(generations: int, factor: int) -> int:
+    """The smallest micro-batch m with m x factor a multiple of generations."""
+    from math import gcd
+
+    return generations // gcd(generations, factor)
+
+
 def kv_cache_bytes(recipe, facts, data_parallel: int, mixed: bool) -> float:
     """The in-process generation batch's KV cache on one rank (at its longest: prompt + the whole completion)."""
     tokens = recipe.sequence_len  # prompts are cut to sequence_len minus the completion budget

@@ -312,6 +312,7 @@ def _generation(recipe: Recipe, cluster: Cluster, facts, data_parallel: int, pre
     from llmtune.plan.memory.peak import estimate
     from llmtune.recipe.online import generation_mode
 
+    generation.check_batches(recipe, data_parallel)
     training = None
     if facts is not None:
         rows = estimate(recipe, facts, data_parallel, cluster.processes_per_machine)

@@ -169,7 +169,8 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
     results = {
         "target": info.label,
         "examples": len(examples),
-        "eval_loss": loss,
+        "eval_loss": loss,  # the mean over every label token (the Trainer's eval_loss is a mean of batch means)
+        "eval_tokens": int(total_tokens),
         "perplexity": math.exp(min(loss, 50)),
     }
     pairs = [p for p in (split_prompt(e, tokenizer.eos_token_id) for e in examples) if p]

@@ -13,6 +13,7 @@ REFERENCE_FREE = ("orpo", "simpo")
 SERIES = {"margin": "rewards/margins", "accuracy": "rewards/accuracies"}
 REFERENCES = {  # what llmtune.train.rl.trainers.reference_report recorded, in words
     "adapter_disabled": "the base model with the adapter switched off (no second copy)",
+    "adapter_copy": "the starting adapter (lora_model_dir), copied and frozen",
     "precomputed": "its log-probs, computed once before training (no model kept)",
     "none": "none (a reference-free method)",
 }

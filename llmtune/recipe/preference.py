@@ -215,6 +215,11 @@ def check(recipe) -> None:
     for key in set_keys:
         if rl not in KEY_METHODS[key]:
             raise ValueError(f"{key} belongs to rl: {' or '.join(KEY_METHODS[key])}, not rl: {rl}")
+    if (recipe.trl or {}).get("sync_ref_model") and recipe.adapter:
+        raise ValueError(f"trl.sync_ref_model with adapter: {recipe.adapter}: TRL syncs a separate reference model, "
+                         "and a LoRA run has none (its reference is the base with the adapter switched off, or the "
+                         "starting adapter's copy); TRL refuses PEFT models here: drop trl.sync_ref_model, or train "
+                         "the full model")  # fmt: skip
     if rl in ONLINE_METHODS:
         from llmtune.recipe.online import check_online
 

@@ -49,6 +49,20 @@ def _final_evaluation(trainer) -> dict:
     return trainer.evaluate()
 
 
+def _outcome(recipe, metrics: dict) -> str:
+    """The saved line's figures: the losses; online RL's is the mean reward (its loss is near 0 by construction)."""
+    from llmtune.recipe.preference import ONLINE_METHODS
+
+    if recipe.rl in ONLINE_METHODS:
+        last = (metrics.get("preference") or {}).get("last") or {}
+        shown = [f"{name} {metrics_value:.4f}" for name, metrics_value in
+                 (("mean reward", last.get("reward")), ("eval mean reward", metrics.get("eval_reward")))
+                 if isinstance(metrics_value, int | float)]  # fmt: skip
+        return ", ".join(shown) or "no reward logged"
+    return f"train loss {metrics['train_loss']:.4f}" + (
+        f", eval loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else "")  # fmt: skip
+
+
 def _reference_report(trainer, recipe) -> dict:
     if not recipe.rl:
         return {}
@@ -343,8 +357,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     checkpoints.save_final(lambda folder: _save_model(trainer, folder, relora, rank.is_main), tokenizer, metrics,
                            gguf_origin, rank.is_main)  # fmt: skip
     if rank.is_main:
-        log(f"saved to {output_dir} (train loss {metrics['train_loss']:.4f}"
-            + (f", eval loss {metrics['eval_loss']:.4f})" if "eval_loss" in metrics else ")"))  # fmt: skip
+        log(f"saved to {output_dir} ({_outcome(recipe, metrics)})")
     return metrics
 
 

@@ -62,7 +62,10 @@ def test_dpo_lora_on_two_ranks_with_zero2_matches_one_process_and_merges(workspa
                   "eval_strategy": "no"}  # evaluated once, at the end  # fmt: skip
     single, single_dir = train_run(workspace, "dpo-single", 1, gradient_accumulation_steps=2, **LORA,
                                    **dpo(workspace, **evaluation))  # fmt: skip
-    zero2, _ = train_run(workspace, "dpo-zero2", 2, deepspeed="zero2", **LORA, **dpo(workspace))
+    # the reference's log-probs precomputed on two ranks (TRL writes them once, on rank 0, for both to read): the
+    # base model's, as the adapter-off reference of one process computes them at each step
+    zero2, zero2_dir = train_run(workspace, "dpo-zero2", 2, deepspeed="zero2", **LORA,
+                                 **dpo(workspace, precompute_ref_log_probs=True))  # fmt: skip
     assert single["steps"] == zero2["steps"] == 4 and zero2["world_size"] == 2
     assert losses(single)[0] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference
     assert losses(zero2) == pytest.approx(losses(single), abs=2e-5)
@@ -70,7 +73,10 @@ def test_dpo_lora_on_two_ranks_with_zero2_matches_one_process_and_merges(workspa
     ranks = zero2["ranks"]
     assert ranks[0]["first_batch"] != ranks[1]["first_batch"], "both ranks trained on the same pairs"
     assert all(r["engine"] == "deepspeed" and r["zero_stage"] == 2 for r in ranks), ranks
-    assert all(r["reference"] == "adapter_disabled" and r["adapters"] == ["default"] for r in ranks), ranks
+    assert all(r["reference"] == "precomputed" and r["adapters"] == ["default"] for r in ranks), ranks
+    assert (zero2_dir / "llmtune" / "reference-logps" / "train").is_dir()
+    (one,) = single["ranks"]
+    assert one["reference"] == "adapter_disabled" and one["adapters"] == ["default"]
     first, last = first_step(single), [e for e in single["log_history"] if "loss" in e][-1]
     assert first["rewards/margins"] == 0.0 and first["rewards/chosen"] == 0.0  # beta * (policy - reference) logps
     assert last["rewards/margins"] != 0.0 and isinstance(last["logps/chosen"], float)
@@ -104,6 +110,7 @@ def test_dpo_lora_on_two_ranks_with_zero2_matches_one_process_and_merges(workspa
     onward, onward_dir = train_run(workspace, "dpo-onward", 1, gradient_accumulation_steps=2, **LORA,
                                    **dpo(workspace, **evaluation, max_steps=2, lora_model_dir=str(single_dir)))  # fmt: skip
     assert losses(onward)[0] == pytest.approx(math.log(2), abs=1e-6)  # policy == that reference at step 1
+    assert onward["preference"]["reference"] == "adapter_copy" and onward["ranks"][0]["adapters"] == ["default", "ref"]
     result = llmtune("eval", onward_dir, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     written = json.loads((onward_dir / "eval.json").read_text())

@@ -95,3 +95,22 @@ def test_what_grpo_cant_honour_is_one_line_naming_the_key(trl, words):
         recipe_from_mapping({**recipe().model_dump(exclude_unset=True), "rl": "gdpo",
                              "trl": {"reward_funcs": ["a.b"], "multi_objective_aggregation": "sum_then_normalize"}},
                             Path("r.yaml"), check_files=False)  # fmt: skip
+
+
+def test_a_generation_or_eval_batch_of_partial_prompt_groups_is_refused_at_plan_time():
+    """TRL's GRPOConfig refuses these after the model loaded (with a two-process launch, on every rank): the plan,
+    which knows the ranks, says it first with a micro-batch that works."""
+    make_plan(recipe(), make_cluster(2))  # 4 x 2 ranks x 2 steps = 16: two groups of 8
+    with pytest.raises(UserError, match=r"micro_batch_size 4 x 1 rank x 2 step\(s\) per generation = 8 completions"):
+        make_plan(recipe(num_generations=16), make_cluster(1))  # 8 completions, groups of 16
+    with pytest.raises(UserError, match="num_generations 3") as err:
+        make_plan(recipe(num_generations=3), make_cluster(2))
+    assert err.value.hint == "e.g. micro_batch_size 3, or a num_generations that divides 16"
+    with pytest.raises(UserError, match="trl.generation_batch_size 6 is not a multiple of micro_batch_size 4 x 2"):
+        make_plan(recipe(generation_batch_size=6), make_cluster(2))
+    with pytest.raises(UserError, match="both set the generation batch"):
+        make_plan(recipe(generation_batch_size=16, steps_per_generation=2), make_cluster(2))
+    evaluated = recipe(num_generations=4).model_copy(update={"val_set_size": 0.1, "eval_batch_size": 1})
+    with pytest.raises(UserError, match=r"eval batch \(eval_batch_size x 2 ranks = 2\) is not a multiple of the 4"):
+        make_plan(evaluated, make_cluster(2))
+    make_plan(evaluated.model_copy(update={"eval_strategy": "no"}), make_cluster(2))  # no eval, no eval batch

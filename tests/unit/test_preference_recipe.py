@@ -71,6 +71,7 @@ def test_axolotls_loss_shorthands_become_trls_loss_list():
     ({"trl": {"betta": 0.1}}, "unknown key 'trl.betta'; did you mean 'beta'"),
     ({"rl": "orpo", "trl": {"sync_ref_model": True}}, "trl.sync_ref_model syncs a reference model, which rl: orpo"),
     ({"rl": "orpo", "orpo_alpha": 0.1, "rl_beta": 0.1}, "orpo_alpha and rl_beta both set ORPO's weight"),
+    ({"trl": {"sync_ref_model": True}, "adapter": "lora"}, "trl.sync_ref_model with adapter: lora: TRL syncs"),
 ])  # fmt: skip
 def test_what_trl_cant_honour_is_one_line_naming_the_key(changes, words):
     line = refusal(**{"rl": "dpo", "datasets": PAIRS, **changes})

@@ -316,8 +316,9 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
         return super().create_scheduler(num_training_steps, optimizer)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        for key in (REAL_TOKENS, ROW_BYTES, WHOLE_BATCH, ROW_LENGTHS):
-            inputs.pop(key, None)  # (ROW_LENGTHS: the Trainer weighs each eval batch's loss by the loader's batch size)
+        if isinstance(inputs, dict):  # (online RL's inputs are the prompt rows, a list)
+            for key in (REAL_TOKENS, ROW_BYTES, WHOLE_BATCH, ROW_LENGTHS):
+                inputs.pop(key, None)  # (ROW_LENGTHS: the Trainer weighs each eval batch's loss by its batch size)
         if self.recipe is not None and self.recipe.reward_model:  # one margin per pair, not one score per sequence
             import torch
 

@@ -180,6 +180,8 @@ def build_trainer(recipe, model, ref_model, args, data, tokenizer, callbacks):
     os.environ["TQDM_DISABLE"] = "1"
     train = Dataset.from_list(list(data.train))
     evaluation = Dataset.from_list(list(data.eval)) if data.eval else None
+    if recipe.precompute_ref_log_probs and recipe.rl in WITH_REFERENCE:
+        train, evaluation = (_on_shared_disk(recipe, d, name) for name, d in (("train", train), ("eval", evaluation)))
     if recipe.rl in ONLINE_METHODS:
         return _online_trainer(recipe, model, args, train, evaluation, tokenizer, callbacks)
     kwargs = {"ref_model": ref_model} if recipe.rl in WITH_REFERENCE else {}
@@ -187,6 +189,32 @@ def build_trainer(recipe, model, ref_model, args, data, tokenizer, callbacks):
                                        processing_class=tokenizer, callbacks=callbacks, **kwargs)  # fmt: skip
     _adapter_off_reference(trainer, recipe)
     return trainer
+
+
+def _on_shared_disk(recipe, dataset, name: str):
+    """The rows in an Arrow file under the output folder, which every rank of a machine reads. TRL writes the
+    precomputed reference log-probs on rank 0 next to the dataset's own file and every rank reads them there; an
+    in-memory dataset's place is a temporary folder of each process's own, where the other ranks found nothing."""
+    import shutil
+    from pathlib import Path
+
+    from datasets import load_from_disk
+
+    from llmtune.train.checkpoint.manifest import own_disk
+    from llmtune.train.runtime import collectives
+
+    if dataset is None:
+        return None
+    if own_disk():
+        raise UserError("precompute_ref_log_probs on machines that don't share output_dir: TRL writes the "
+                        "log-probs on the first machine only, where the other machines' ranks can't read them",
+                        "put output_dir on a disk every machine mounts, or drop precompute_ref_log_probs")  # fmt: skip
+    folder = Path(recipe.output_dir) / "llmtune" / "reference-logps" / name
+    if collectives.rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)  # a resumed run's rows and log-probs are made again
+        dataset.save_to_disk(str(folder))
+    collectives.barrier()
+    return load_from_disk(str(folder))
 
 
 def _online_trainer(recipe, model, args, train, evaluation, tokenizer, callbacks):
@@ -237,8 +265,15 @@ def reference_report(trainer) -> dict:
         return {"reference": "none"}
     ref = getattr(trainer, "ref_model", None)
     if ref is None:
-        kind = "precomputed" if recipe.precompute_ref_log_probs else "adapter_disabled"
         adapters = sorted(getattr(trainer.model, "peft_config", {}) or {})
+        # lora_model_dir's adapter stays copied into a frozen 'ref' adapter, which TRL runs as the reference
+        kind = (
+            "precomputed"
+            if recipe.precompute_ref_log_probs
+            else "adapter_copy"
+            if "ref" in adapters
+            else "adapter_disabled"
+        )
         return {"reference": kind, "adapters": adapters}
     from llmtune.train.runtime.ranks import local_parameter_numel
 
@@ -261,7 +296,8 @@ def summary(recipe, log_history: list[dict], reference: dict) -> dict:
     logged = [e for e in log_history if "loss" in e and any(k.startswith(PREFERENCE_METRICS) for k in e)]
 
     def values(entry: dict) -> dict:
-        return {k: float(v) for k, v in entry.items() if k.startswith(PREFERENCE_METRICS)}
+        # a metric TRL had nothing to measure at that step is None (every completion truncated, every reward None)
+        return {k: float(v) for k, v in entry.items() if k.startswith(PREFERENCE_METRICS) and v is not None}
 
     return {"method": recipe.rl, "beta": beta(recipe), "reference": reference.get("reference", "none"),
             "first": values(logged[0]) if logged else {}, "last": values(logged[-1]) if logged else {}}  # fmt: skip
@@ -284,8 +320,10 @@ def preference_trainer(recipe, plan, model, args, data, tokenizer, source, callb
                                    if not recipe.lora_model_dir else "the starting adapter, copied and frozen"))  # fmt: skip
     elif recipe.rl in ("grpo", "gdpo"):
         beta = (recipe.trl or {}).get("beta", recipe.rl_beta)
-        log("reference model: " + ("none (beta 0, TRL's default: no KL term)" if not beta else "the base model with the adapter "
-                                   "switched off" if recipe.adapter else "a frozen copy TRL loads and places"))  # fmt: skip
+        log("reference model: " + ("none (beta 0, TRL's default: no KL term)" if not beta else
+                                   "the starting adapter, copied and frozen" if recipe.lora_model_dir else
+                                   "the base model with the adapter switched off" if recipe.adapter else
+                                   "a frozen copy TRL loads and places"))  # fmt: skip
     try:
         return build_trainer(recipe, model, reference, args, data, tokenizer, callbacks)
     except ValueError as err:  # TRL refuses a combination when it builds the trainer (e.g. a LoRA on lm_head)
