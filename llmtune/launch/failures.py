@@ -8,6 +8,7 @@ back; from its "Root Cause" section we name the failing rank and show the tail o
 from __future__ import annotations
 
 import codecs
+import json
 import re
 import signal
 import sys
@@ -258,6 +259,15 @@ def report(watcher: StderrWatcher, log_dir: Path, out=None, rendezvous: tuple[st
     return 1
 
 
+def _named_checkpoint(output_dir: Path) -> str | None:
+    """The recipe's resume_from_checkpoint, from the plan the launch wrote; None without one."""
+    try:
+        named = json.loads((output_dir / "llmtune" / "plan.json").read_text())["recipe"].get("resume_from_checkpoint")
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+    return named if isinstance(named, str) and named else None
+
+
 def next_step(log_dir: Path, exitcode: int, one_machine: bool) -> str:
     """What to do after a rank failed, true to what is on disk: the checkpoint a rerun resumes from, or that it starts
     over; and for a rank that stopped on an error of its own (not a signal), that rerunning only helps once its cause
@@ -269,8 +279,17 @@ def next_step(log_dir: Path, exitcode: int, one_machine: bool) -> str:
     else:
         output_dir = log_dir.parent.parent
         last = last_complete(output_dir)
-        again = (f"to resume from the last complete checkpoint, run the same command again ({last.name})" if last
-                 else f"run the same command again: it starts over (no complete checkpoint in {output_dir} yet)")  # fmt: skip
+        named = _named_checkpoint(output_dir)
+        if last:
+            again = f"to resume from the last complete checkpoint, run the same command again ({last.name})"
+        elif named:  # resume_from_checkpoint, and the run saved none of its own yet: a rerun loads that one again
+            again = f"run the same command again: it resumes {named} again"
+            if exitcode > 0:
+                return (f"if the error above was a passing fault (network, hardware), {again}; if it came from loading "
+                        f"that checkpoint (damaged, or another model's), point resume_from_checkpoint at another "
+                        "one or remove it; otherwise fix its cause first: the same command would stop the same way")  # fmt: skip
+        else:
+            again = f"run the same command again: it starts over (no complete checkpoint in {output_dir} yet)"
     if exitcode > 0:  # the rank raised: the same command meets the same error unless its cause was passing
         return (f"if the error above was a passing fault (network, hardware), {again}; otherwise fix its cause first: "
                 "the same command would stop the same way")  # fmt: skip

@@ -47,6 +47,20 @@ class Resumed:
     universal: bool = False  # a ZeRO checkpoint, loaded through DeepSpeed's universal checkpoint
 
 
+def start_over(recipe) -> str:
+    """How to train the recipe from the start instead of resuming: true to where the checkpoint comes from (a
+    resume_from_checkpoint is resumed in any output_dir; auto-resume reads output_dir's own)."""
+    try:
+        saved_here = recipe.auto_resume_from_checkpoints and last_complete(Path(recipe.output_dir)) is not None
+    except OSError:
+        saved_here = False
+    if recipe.resume_from_checkpoint and saved_here:
+        return "remove resume_from_checkpoint and set auto_resume_from_checkpoints: false (output_dir has checkpoints)"
+    if recipe.resume_from_checkpoint:
+        return "remove resume_from_checkpoint"
+    return "auto_resume_from_checkpoints: false, or another output_dir"
+
+
 def resume_checkpoint(recipe) -> Path | None:
     """The checkpoint `llmtune train` would resume from: the newest complete one in output_dir (auto-resume), else
     resume_from_checkpoint. A run started from resume_from_checkpoint that crashed after saving its own checkpoints
@@ -142,16 +156,15 @@ def resumed_accumulation(
         raise UserError(
             f"{name} was saved by {titles.get(written, written)}; this launch runs "
             f"{titles.get(strategy, strategy)}: a checkpoint resumes only under the strategy that wrote it",
-            "resume with the recipe's strategy keys as they were, or start over in another output_dir "
-            "(auto_resume_from_checkpoints: false trains from the start)",
+            f"resume with the recipe's strategy keys as they were, or start over: {start_over(recipe)}",
         )
     if written not in MOVABLE or mesh or saved.mesh:
         title = titles.get(written, written) + (" (with a device mesh)" if mesh or saved.mesh else "")
         raise UserError(
             f"{name} was saved by {saved.world_size} process(es); this launch has {world}: llmtune resumes {title} "
             f"checkpoints only at the world size that wrote them (DDP's, ZeRO's and plain FSDP2's on any)",
-            f"resume with --num-processes {saved.world_size} (the allocation that saved it), or start over in "
-            "another output_dir (auto_resume_from_checkpoints: false trains from the start)",
+            f"resume with --num-processes {saved.world_size} (the allocation that saved it), or start over: "
+            f"{start_over(recipe)}",
         )
     micro = recipe.micro_batch_size
     if saved.global_batch_size % (micro * data_parallel):
@@ -174,11 +187,11 @@ def resumed_accumulation(
         raise UserError(
             f"{name} was saved by {saved.world_size} process(es) with the optimizer on NVMe; this launch has {world}: "
             "DeepSpeed reads NVMe-offloaded optimizer state back only on the ranks that wrote it",
-            f"{again}, or start over in another output_dir (auto_resume_from_checkpoints: false)",
+            f"{again}, or start over: {start_over(recipe)}",
         )
     if universal and not (saved.path / UNIVERSAL_DONE).is_file() and zero_tag(saved.path) is None:
         raise UserError(f"{name} has no DeepSpeed engine state (no `latest` file naming a global_stepN folder)",
-                        "resume from a checkpoint a ZeRO run saved, or start over in another output_dir")  # fmt: skip
+                        f"resume from a checkpoint a ZeRO run saved, or start over: {start_over(recipe)}")  # fmt: skip
     tag = zero_tag(saved.path) if universal and not (saved.path / UNIVERSAL_DONE).is_file() else None
     slices = len(list((saved.path / tag).glob("*optim_states.pt"))) if tag else 0
     if tag and slices < saved.data_parallel_size:  # machines with their own disks each kept their ranks' slices
@@ -218,14 +231,27 @@ def _same_world(recipe, saved: Saved, data_parallel: int) -> Resumed | None:
             f"{name} trained at global batch {saved.global_batch_size}; micro_batch_size {micro} on {data_parallel} "
             f"data-parallel process(es) can't keep it ({saved.global_batch_size} is not a multiple of "
             f"{micro * data_parallel}), and a resume at another global batch would skip the wrong rows",
-            f"use a micro_batch_size that divides {saved.global_batch_size // data_parallel}, or start over in "
-            "another output_dir",
+            f"use a micro_batch_size that divides {saved.global_batch_size // data_parallel}, or start over: "
+            f"{start_over(recipe)}",
         )
     accumulation = saved.global_batch_size // (micro * data_parallel)
     line = (f"resuming {name} at the global batch it trained with, {saved.global_batch_size}: micro_batch_size {micro} "
             f"x gradient accumulation {accumulation} x {data_parallel} (the recipe's gives {planned}; the resume "
             "counts the rows already trained in the checkpoint's steps)")  # fmt: skip
     return Resumed(accumulation, line)
+
+
+def _finished_here(recipe) -> bool:
+    """output_dir's metrics.json is this very recipe's (its fingerprint): the run finished and nothing changed."""
+    import json
+
+    from llmtune.recipe.loader import recipe_fingerprint
+
+    try:
+        metrics = json.loads((Path(recipe.output_dir) / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(metrics, dict) and metrics.get("recipe_fingerprint") == recipe_fingerprint(recipe)
 
 
 def length_line(recipe) -> str | None:
@@ -261,14 +287,17 @@ def length_line(recipe) -> str | None:
         # killed after its last checkpoint, before the final save: the Trainer's epoch loop has nothing left and
         # goes straight to the final save
         return f"resuming {name}, the run's last step ({step}): no step is trained, the final model is written"
+    if reached and same and finished and _finished_here(recipe):  # `llmtune plan` of a finished run, unchanged
+        return (f"{name} is the last step of this recipe's finished run (its metrics.json): llmtune train has "
+                "nothing to do")  # fmt: skip
     if reached:
         run = (f"it was saved by a run of {before}" if not same else "the end of its run, which finished; the recipe "
                "changed since" if finished else "the run's last step; it stopped before its final save, and the "
                "Trainer would run one step past its schedule's end")  # fmt: skip
         raise UserError(
             f"{name} is at step {step}, and {unit} is {now} ({run}): there is no step left to train",
-            f"raise {unit} to train on; for the model at {name}: llmtune merge {Path(recipe.output_dir) / name}; to "
-            "train the recipe from the start: auto_resume_from_checkpoints: false, or another output_dir",
+            f"raise {unit} to train on; for the model at {name}: llmtune merge {checkpoint}; to train the recipe from "
+            f"the start: {start_over(recipe)}",
         )
     if same:
         return None

@@ -23,11 +23,10 @@ from llmtune.plan.checkpoint_layout import (
     incomplete_checkpoints,
     read_marker,
 )
-from llmtune.plan.resume import resume_checkpoint
+from llmtune.plan.resume import resume_checkpoint, start_over
 
 SCHEDULE_KEYS = ("learning_rate", "lr_scheduler", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
                  "cosine_min_lr_ratio")  # fmt: skip
-START_OVER = "to train the changed recipe from the start: auto_resume_from_checkpoints: false, or another output_dir"
 
 
 def data_key(recipe) -> str:
@@ -142,7 +141,7 @@ def _check_adapter(recipe, checkpoint: Path) -> None:
         raise UserError(
             f"{checkpoint.name} holds an adapter that the recipe no longer builds ({'; '.join(differ)}): a checkpoint "
             "resumes with the adapter it saved",
-            f"set them back to resume it; {START_OVER}",
+            f"set them back to resume it; to train the changed recipe from the start: {start_over(recipe)}",
         )
 
 
@@ -158,7 +157,7 @@ def _check_recipe(recipe, checkpoint: Path, marker: dict) -> list[str]:
             f"{checkpoint.name} was trained from base_model {model}, and the recipe now names {_model_key(recipe)}: "
             f"the resume would load the checkpoint's {'adapter onto the other model' if recipe.adapter else 'weights'}"
             ", not train the model named",
-            f"set base_model back to resume it; {START_OVER}",
+            f"set base_model back to resume it; to train the changed recipe from the start: {start_over(recipe)}",
         )
     changed = [what for what, key, now in (("datasets", "data_key", data_key(recipe)),
                                            ("seed (the data order)", "data_seed", _data_seed(recipe)))
@@ -167,8 +166,8 @@ def _check_recipe(recipe, checkpoint: Path, marker: dict) -> list[str]:
         raise UserError(
             f"{checkpoint.name} was trained with other {' and '.join(changed)}: the resume skips the batches already "
             "trained by count, which would skip and repeat other rows",
-            f"set them back to resume it; {START_OVER} (its weights as a start: llmtune merge {checkpoint}, then "
-            "base_model: the merged folder)",
+            f"set them back to resume it; to train the changed recipe from the start: {start_over(recipe)} (its "
+            f"weights as a start: llmtune merge {checkpoint}, then base_model: the merged folder)",
         )
     notes = []
     schedule = saved.get("schedule") or {}
@@ -177,7 +176,8 @@ def _check_recipe(recipe, checkpoint: Path, marker: dict) -> list[str]:
     if "learning_rate" in changed:
         before, now = changed.pop("learning_rate")
         notes.append(f"learning_rate {before} -> {now} since {checkpoint.name}: the resume keeps {before}, the rate "
-                     f"its scheduler state holds (the Trainer loads it over the recipe's); {START_OVER}")  # fmt: skip
+                     "its scheduler state holds (the Trainer loads it over the recipe's); to train the changed "
+                     f"recipe from the start: {start_over(recipe)}")  # fmt: skip
     if changed:
         shown = "; ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
         notes.append(f"{shown} since {checkpoint.name}: the new schedule takes over at the step the checkpoint "

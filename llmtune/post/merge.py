@@ -101,11 +101,13 @@ def merge_run(run: Path, output: Path | None = None, max_shard_size: str = "5GB"
         output.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, output)
         return result
-    except OSError as err:  # the disk filled up, or the place turned read-only, midway: nothing half-written kept
+    except Exception as err:  # the disk filled up, or the place turned read-only, midway: nothing half-written kept
         shutil.rmtree(staging, ignore_errors=True)
-        if err.errno not in WRITE_ERRORS:
+        # (safetensors reports a full disk as its own error, naming the OS error in its text)
+        if getattr(err, "errno", None) not in WRITE_ERRORS and "No space left" not in str(err):
             raise
-        raise UserError(f"writing the merged model to {output} failed ({err.strerror or err}); nothing was kept",
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0][:120]
+        raise UserError(f"writing the merged model to {output} failed ({reason}); nothing was kept",
                         "free space, or pass --output a folder on a writable disk with room for it") from None  # fmt: skip
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -380,6 +380,8 @@ def test_a_rank_traceback_of_its_own_error_is_shown_whole():
 def test_the_advice_after_a_failure_names_the_checkpoint_a_rerun_resumes_from_or_says_it_starts_over(tmp_path):
     """A rank that raised is not told a rerun will fix it; a rerun resumes from the newest complete checkpoint on
     disk, or starts over when there is none (an incomplete one doesn't count)."""
+    import json
+
     from llmtune.launch.failures import next_step
 
     out = tmp_path / "run"
@@ -389,6 +391,12 @@ def test_the_advice_after_a_failure_names_the_checkpoint_a_rerun_resumes_from_or
     killed, raised = next_step(logs, -9, True), next_step(logs, 1, True)
     assert killed == f"run the same command again: it starts over (no complete checkpoint in {out} yet)"
     assert raised.startswith("if the error above was a passing fault") and "fix its cause first" in raised
+    # resume_from_checkpoint names one elsewhere, and the run saved none yet: a rerun loads that one again (it said
+    # "starts over"), and a failure may be that checkpoint's own
+    (out / "llmtune" / "plan.json").write_text(json.dumps({"recipe": {"resume_from_checkpoint": "/old/checkpoint-9"}}))
+    assert next_step(logs, -9, True) == "run the same command again: it resumes /old/checkpoint-9 again"
+    assert "if it came from loading that checkpoint (damaged, or another model's), point resume_from_checkpoint at " \
+        "another one or remove it" in next_step(logs, 1, True)  # fmt: skip
     (out / "checkpoint-2").mkdir()
     (out / "checkpoint-2" / "llmtune-complete.json").write_text("{}")
     assert next_step(logs, -9, True) == ("to resume from the last complete checkpoint, run the same command again "

@@ -311,3 +311,21 @@ def test_lora_on_fused_moe_experts_merges_through_peft(tmp_path, family):
     want, got = logits(reference), logits(merged)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     assert not torch.allclose(logits(AutoModelForCausalLM.from_pretrained(base)), want, atol=1e-4)
+
+
+def test_a_merge_the_disk_cant_take_is_one_line_and_keeps_nothing(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own error (not an OSError): it was a traceback, staging left behind."""
+    from safetensors import SafetensorError
+
+    from llmtune.post.merge import merge_run
+
+    run, _ = fake_run(tmp_path, make_tiny_model(tmp_path / "base"), r=4, lora_alpha=8, target_modules=["q_proj"])
+
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                              'left on device" })')  # fmt: skip
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    with pytest.raises(UserError, match=r"writing the merged model to .*merged failed \(Error while serializing") as err:
+        merge_run(run)
+    assert "nothing was kept" in err.value.one_line() and not [p for p in run.iterdir() if "merg" in p.name]

@@ -241,6 +241,13 @@ def test_resuming_with_another_length_says_what_the_schedule_does(tmp_path):
         assert (f"checkpoint-6 is at step 6, and max_steps is {steps} (it was saved by a run of 8): there is no step "
                 f"left to train (hint: raise max_steps to train on") in err.value.one_line()  # fmt: skip
         assert f"llmtune merge {tmp_path / 'checkpoint-6'}" in err.value.one_line()
+    # a checkpoint named by resume_from_checkpoint, in another run's folder: the merge names it where it is, and
+    # training from the start means dropping the key (another output_dir would resume it all the same)
+    elsewhere = recipe(tmp_path / "new", max_steps=6, resume_from_checkpoint=str(folder))
+    with pytest.raises(UserError) as err:
+        make_plan(elsewhere, make_cluster(2, device="cpu"))
+    assert err.value.hint.endswith(f"llmtune merge {folder}; to train the recipe from the start: remove "
+                                   "resume_from_checkpoint")  # fmt: skip
     # the end of a finished run, its recipe changed since (not the same recipe: that one is "nothing to do")
     end = saved(tmp_path / "done", step=8, **DDP_2)
     (end / "trainer_state.json").write_text(json.dumps({"global_step": 8, "max_steps": 8, "num_train_epochs": 2,
@@ -253,6 +260,14 @@ def test_resuming_with_another_length_says_what_the_schedule_does(tmp_path):
         assert "(the end of its run, which finished; the recipe changed since): there is no step left to train" in (
             err.value.one_line()
         )
+    # the same recipe: `llmtune plan` of the finished run plans it and says train has nothing to do (it refused it,
+    # saying the recipe had changed)
+    from llmtune.recipe.loader import recipe_fingerprint
+
+    unchanged = recipe(tmp_path / "done", num_epochs=2)
+    (tmp_path / "done" / "metrics.json").write_text(json.dumps({"recipe_fingerprint": recipe_fingerprint(unchanged)}))
+    assert ("checkpoint-8 is the last step of this recipe's finished run (its metrics.json): llmtune train has "
+            "nothing to do") in make_plan(unchanged, make_cluster(2, device="cpu")).notes  # fmt: skip
     more = make_plan(recipe(tmp_path / "done", num_epochs=3), make_cluster(2, device="cpu"))
     assert any("with num_epochs 2 -> 3" in n for n in more.notes)
     epochs = make_plan(recipe(tmp_path, num_epochs=3), make_cluster(2, device="cpu"))

@@ -41,6 +41,27 @@ def _disk_full(err: BaseException, folder: Path) -> bool:
         return False
 
 
+def _files(folder: Path) -> dict[str, int]:
+    """The files directly in a folder, with their modification times (what a final save writes or rewrites)."""
+    try:
+        return {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file()}
+    except OSError:
+        return {}
+
+
+def _after_failed_save(output_dir: Path, steps: int | None, recipe) -> str:
+    """What gets the final model after its save failed, true to the checkpoints on disk: a checkpoint at the last
+    step holds it already (a rerun would find no step left); an earlier one is resumed; none: it trains again."""
+    last = folders.last_complete(output_dir)
+    if last is not None and folders.step_of(last) == steps:
+        return f"free space, then llmtune merge {last}: it writes the final model from that checkpoint"
+    if last is not None and recipe is not None and not recipe.auto_resume_from_checkpoints:
+        return f"free space, then train with resume_from_checkpoint: {last}"
+    if last is not None:
+        return f"free space, then run the same command: it resumes from {last.name}"
+    return "free space, then run the same command: no checkpoint was saved, so it trains from the start"
+
+
 def _local_main() -> bool:
     return int(os.environ.get("LOCAL_RANK", 0)) == 0
 
@@ -255,10 +276,24 @@ class CheckpointManager:
         the first rank, the tokenizer and the run's files (metrics.json, model card, resolved recipe)."""
         from llmtune.train.checkpoint.final import write_run_files
 
-        write_model(self.output_dir)
-        if main:
-            tokenizer.save_pretrained(str(self.output_dir))
-            write_run_files(self.output_dir, self.recipe, self.plan, metrics, gguf_origin)
+        before = _files(self.output_dir)
+        try:
+            write_model(self.output_dir)
+            if main:
+                tokenizer.save_pretrained(str(self.output_dir))
+                write_run_files(self.output_dir, self.recipe, self.plan, metrics, gguf_origin)
+        except Exception as err:  # safetensors reports a full disk as its own error, torch as a RuntimeError
+            full = _disk_full(err, self.output_dir)
+            if not full and getattr(err, "errno", None) not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT):
+                raise
+            if main:  # the final save's files, half-written: a folder that looks like a model must be one
+                for name, stamp in _files(self.output_dir).items():
+                    if before.get(name) != stamp:
+                        (self.output_dir / name).unlink(missing_ok=True)
+            raise UserError(f"{'the disk filled' if full else 'the disk refused writes'} while saving the final model "
+                            f"in {self.output_dir} ({getattr(err, 'strerror', None) or str(err).splitlines()[0][:120]}):"
+                            " that save's files were removed, the checkpoints kept",
+                            _after_failed_save(self.output_dir, metrics.get("steps"), self.recipe)) from None  # fmt: skip
 
 
 def full_state_dict_for_final_save(trainer) -> None:
