@@ -181,8 +181,19 @@ def train(
         from llmtune.launch.net import check_port_free
 
         check_port_free(cluster.main_process_port)
+    output_dir = Path(loaded.recipe.output_dir)
+    created = not output_dir.exists()
     write_plan_files(Path(the_plan.config_dir), files)
     code = run(the_plan, ctx.args, loaded.recipe.rdzv_timeout, verbose=verbose)
+    if (
+        code == EXIT_USER_ERROR
+        and created
+        and [p.name for p in output_dir.iterdir()] == ["llmtune"]
+        and not any((output_dir / "llmtune" / "logs").glob("*error*"))
+    ):  # (a file the error line names stays)
+        import shutil  # a user error the ranks found (data, model, template) before saving anything: no run folder
+
+        shutil.rmtree(output_dir, ignore_errors=True)
     if code in (128 + 2, 128 + 15):  # Ctrl-C or SIGTERM: say what is kept and what a rerun does
         from llmtune.plan.checkpoint_layout import last_complete
 

@@ -128,6 +128,8 @@ def test_bad_row_is_one_line_exit_2(make_recipe, tmp_path, processes):
     assert result.returncode == 2
     assert "bad.jsonl line 2: field 'output' should be str" in result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    # the launch made the output folder for its plan; the ranks stopped before saving anything: it is gone
+    assert not Path(yaml.safe_load(recipe.read_text())["output_dir"]).exists()
 
 
 def chat_rows(count: int) -> list[dict]:
