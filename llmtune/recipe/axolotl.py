@@ -31,6 +31,7 @@ from llmtune.recipe.axolotl_keys import (
     BNB_CONFIG_KWARGS,
     BNB_DEFAULTS,
     CLOUD_KEYS,
+    INERT,
     INTENDED,
     RENAMED,
     RENAMED_DATASET_KEYS,
@@ -331,6 +332,8 @@ def _values(data: dict, notes: Notes) -> None:
     if attention:
         notes.add(f"attn_implementation: {data['attn_implementation']} runs as {attention} (the same attention maths)")
         data["attn_implementation"] = attention
+    if data.get("tokenizer_type") not in INERT:  # a schema key (kept in the resolved recipe) that nothing reads
+        notes.unused("tokenizer_type", "the tokenizer loads with AutoTokenizer: the class its own files name")
     checkpointing = data.get("gradient_checkpointing")
     if checkpointing in OFFLOADED_CHECKPOINTING:
         moved = "activation_offloading: true" + (" (to CPU memory: llmtune has no disk offload)"

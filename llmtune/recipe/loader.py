@@ -30,11 +30,57 @@ class LoadedRecipe:
 def load_recipe(path: str | Path, check_files: bool = True) -> LoadedRecipe:
     """Load, validate and normalise a recipe file; raise UserError on any mistake in it."""
     path = Path(path)
-    raw = read_yaml_mapping(path)
-    return recipe_from_mapping(raw, path, check_files=check_files)
+    duplicates: list[str] = []
+    raw = read_yaml_mapping(path, duplicates)
+    loaded = recipe_from_mapping(raw, path, check_files=check_files)
+    loaded.notes[:0] = duplicates
+    return loaded
 
 
-def read_yaml_mapping(path: Path) -> dict:
+class _RecordingLoader(yaml.SafeLoader):
+    """yaml.safe_load as it is (the last of a key written twice wins, as under Axolotl), recording each such key."""
+
+    duplicates: tuple[str, ...] = ()
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        self.duplicates = duplicate_keys(node)
+        return self.construct_document(node)
+
+
+def duplicate_keys(node) -> list[str]:
+    """One warning per key written more than once in one mapping, naming its path and lines, in the file's order."""
+    found: list[tuple[int, str]] = []
+    _walk(node, "", set(), found)
+    return [text for _, text in sorted(found)]
+
+
+def _walk(node, where: str, seen: set, found: list) -> None:
+    if id(node) in seen:  # an alias: its anchor's node, already walked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _walk(item, f"{where}[{index}]", seen, found)
+    elif isinstance(node, yaml.MappingNode):
+        lines: dict[tuple, list[int]] = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                lines.setdefault((key.tag, key.value), []).append(key.start_mark.line + 1)
+                _walk(value, f"{where}.{key.value}" if where else str(key.value), seen, found)
+        for (_, name), at in lines.items():
+            if len(at) > 1:
+                name = f"{where}.{name}" if where else name
+                times = "twice" if len(at) == 2 else f"{len(at)} times"
+                listed = ", ".join(map(str, at[:-1])) + f" and {at[-1]}"
+                found.append((at[0], f"WARNING {name} appears {times} (lines {listed}): the last one, line {at[-1]}, "
+                              "is used"))  # fmt: skip
+
+
+def read_yaml_mapping(path: Path, duplicates: list[str] | None = None) -> dict:
+    """The recipe file's mapping; keys written twice are warned of in `duplicates`, when given."""
     if not path.exists():
         raise UserError(f"recipe file not found: {path}", "check the path")
     if path.is_dir():
@@ -44,7 +90,11 @@ def read_yaml_mapping(path: Path) -> dict:
     except UnicodeDecodeError as err:
         raise UserError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})", "save it as UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        loader = _RecordingLoader(text)
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as err:
         raise UserError(_yaml_error_line(path, err), "fix the YAML syntax at that line") from None
     except RecursionError:
@@ -54,6 +104,8 @@ def read_yaml_mapping(path: Path) -> dict:
     if not isinstance(data, dict):
         kind = type(data).__name__
         raise UserError(f"recipe {path} must be a mapping of keys at the top level, not a {kind}", REFERENCE_HINT)
+    if duplicates is not None:
+        duplicates += loader.duplicates
     return data
 
 

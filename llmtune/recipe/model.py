@@ -77,7 +77,7 @@ class ModelKeys(Section):
         "split at load (16/32-bit), linearized ones load as they are.",
     )  # fmt: skip
     tokenizer_type: str | None = Field(
-        None, description="Axolotl's tokenizer class; llmtune always uses AutoTokenizer."
+        None, description="Axolotl's tokenizer class: no effect (said so); llmtune always uses AutoTokenizer."
     )
     tokenizer_use_fast: bool = Field(True, description="Use the fast (Rust) tokenizer.")
     special_tokens: dict[str, str | list[str]] | None = Field(

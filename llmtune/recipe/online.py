@@ -113,11 +113,18 @@ def user_functions(recipe, folder) -> dict:
     (a folder or hub id) are left as they are. UserError naming the key for a name that doesn't resolve."""
     from pathlib import Path
 
+    from llmtune.errors import UserError
     from llmtune.recipe.user_code import resolve
 
     found = {}
     for index, name in enumerate(reward_names(recipe)):
         local = Path(name).expanduser() if not Path(name).is_absolute() else Path(name)
+        if "." not in name and "/" not in name and not local.exists():  # not a function, a hub id (org/name) or a
+            # folder: the Hub would be asked for it, and refuse it, on every rank after the model is loaded
+            raise UserError(f"trl.reward_funcs[{index}]: '{name}' is neither module.function (a .py beside the "
+                            "recipe) nor a reward model folder", f"name a function as module.function (e.g. "
+                            f"rewards.{name} for def {name} in rewards.py), a reward model's folder (read from "
+                            f"{Path.cwd()}) or its hub id (org/name)")  # fmt: skip
         if looks_like_function(name) and not (folder and (Path(folder) / name).exists()) and not local.exists():
             found[f"trl.reward_funcs[{index}]"] = resolve(name, folder, f"trl.reward_funcs[{index}]")
     rollout = trl_value(recipe, "rollout_func")

@@ -119,7 +119,12 @@ class PreferenceKeys(Section):
     kto_undesirable_weight: float | None = Field(None, gt=0, description="KTO: weight of undesirable completions.")
     precompute_ref_log_probs: bool | None = Field(None, description="Compute the reference's log-probs once before "
                                                   "training; no reference model is kept.")  # fmt: skip
-    max_prompt_len: int | None = Field(None, gt=0, description="Drop pairs whose prompt is longer (tokens).")
+    max_prompt_len: int | None = Field(
+        None,
+        gt=0,
+        description="Pairs whose prompt is longer (tokens) are dropped; "
+        "with excess_length_strategy: truncate, the prompt keeps its last tokens.",
+    )
     trl: dict[str, Any] | None = Field(None, description="Axolotl's TRL section: " + ", ".join(TRL_PREFERENCE_KEYS)
                                        + " for preference training; GRPO's generation and reward keys for grpo and "
                                        "gdpo (llmtune/recipe/online.py).")  # fmt: skip

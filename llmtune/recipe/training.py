@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from llmtune.recipe.base import Section, empty_to_none
+from llmtune.recipe.choices import OTHER_OPTIMIZERS, OTHER_SCHEDULERS, check_choice
 
 # transformers' OptimizerNames that llmtune supports (a unit test checks they exist there).
 OPTIMIZERS = (
@@ -43,8 +44,9 @@ class TrainingKeys(Section):
     eval_batch_size: int | None = Field(None, gt=0, description="Rows per device in evaluation (default: micro).")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     batch_size: int | None = Field(
-        None, gt=0, description="Axolotl's older key: without gradient_accumulation_steps, that becomes "
-        "batch_size // micro_batch_size (as Axolotl derives it); both set are refused, as Axolotl refuses them.",
+        None, gt=0, description="Axolotl's older key, rows per GPU per optimizer step: read as "
+        "gradient_accumulation_steps = batch_size // micro_batch_size (as Axolotl derives it; the resolved recipe "
+        "keeps that alone); both set are refused, as Axolotl refuses them.",
     )  # fmt: skip
     num_epochs: float = Field(1.0, gt=0, description="Passes over the training data.")
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (wins over epochs).")
@@ -202,6 +204,13 @@ class TrainingKeys(Section):
         if value in AXOLOTL_OPTIMIZERS:
             raise ValueError(f"'{value}' (an optimizer Axolotl implements itself) is not supported; use one of "
                              f"{', '.join(OPTIMIZERS + OWN_OPTIMIZERS)}")  # fmt: skip
+        check_choice(value, "optimizer", OPTIMIZERS + OWN_OPTIMIZERS, OTHER_OPTIMIZERS)
+        return value
+
+    @field_validator("lr_scheduler", mode="before")
+    @classmethod
+    def _scheduler_name(cls, value):
+        check_choice(value, "lr_scheduler", LR_SCHEDULERS, OTHER_SCHEDULERS)
         return value
 
     @field_validator("gradient_checkpointing", mode="before")
@@ -222,16 +231,25 @@ class TrainingKeys(Section):
         if isinstance(steps, float) and 0 < steps < 1 and data.get("warmup_ratio") is None:
             data["warmup_ratio"] = data.pop("warmup_steps")
         batch, micro = data.get("batch_size"), data.get("micro_batch_size") or 1
-        if batch and data.get("gradient_accumulation_steps"):  # Axolotl refuses the pair in every release
-            raise ValueError(f"batch_size ({batch}) and gradient_accumulation_steps "
-                             f"({data['gradient_accumulation_steps']}) are both set, and they disagree on the global "
-                             "batch: keep one (batch_size is rows per step per GPU; the accumulation is batch_size / "
-                             "micro_batch_size)")  # fmt: skip
-        if data.get("gradient_accumulation_steps") is None and isinstance(batch, int) and isinstance(micro, int):
+        accumulation = data.get("gradient_accumulation_steps")
+        if batch and accumulation:  # Axolotl refuses the pair in every release (check_gas_bsz)
+            both = f"batch_size ({batch}) and gradient_accumulation_steps ({accumulation}) are both set"
+            rows = micro * accumulation if isinstance(micro, int) and isinstance(accumulation, int) else None
+            if rows is not None:
+                both += (
+                    f" (they {'agree' if rows == batch else 'disagree'}: micro_batch_size {micro} x "
+                    f"{accumulation} = {rows} rows per GPU per step{'' if rows == batch else f', not {batch}'})"
+                )
+            raise ValueError(f"{both}: keep one, as Axolotl refuses the pair (batch_size is rows per step per GPU; "
+                             "the accumulation is batch_size / micro_batch_size)")  # fmt: skip
+        if accumulation is None and isinstance(batch, int) and isinstance(micro, int):
             if batch < micro:
                 raise ValueError(f"batch_size {batch} is below micro_batch_size {micro}; batch_size is rows per "
                                  "device per optimizer step (micro_batch_size x gradient_accumulation_steps)")  # fmt: skip
+            # read as the accumulation it gives, as Axolotl does; the resolved recipe keeps that alone, so that it
+            # validates again to itself (the worker re-reads it from plan.json)
             data["gradient_accumulation_steps"] = batch // micro
+            data.pop("batch_size")
         if data.get("evals_per_epoch") == 0 and data.get("eval_strategy") is None:
             data["eval_strategy"], data["evals_per_epoch"] = "no", None
         return data

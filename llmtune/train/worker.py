@@ -120,7 +120,9 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     elif recipe.rl:
         log(f"data: {stats['train_examples']} train / {stats['eval_examples']} eval preference rows (read; TRL "
             f"tokenizes them); {stats['dropped_too_long']} longer than sequence_len dropped, {stats['truncated']} to "
-            f"be truncated, {stats['dropped_long_prompt']} with a prompt over max_prompt_len dropped")  # fmt: skip
+            f"be truncated, {stats['dropped_long_prompt']} with a prompt over max_prompt_len dropped"
+            + (f", {stats['truncated_prompt']} cut to its last max_prompt_len tokens" if stats.get("truncated_prompt")
+               else ""))  # fmt: skip
     else:
         long = (f"{stats.get('truncated', 0)} longer than sequence_len truncated"
                 if recipe.excess_length_strategy == "truncate"

@@ -169,6 +169,8 @@ def test_batch_size_gives_gradient_accumulation_as_axolotl_derives_it():
     assert "batch_size (8) and gradient_accumulation_steps (1) are both set" in refusal(
         batch_size=8, micro_batch_size=2, gradient_accumulation_steps=1)
     assert "below micro_batch_size" in refusal(batch_size=1, micro_batch_size=2)
+    agreeing = refusal(batch_size=4, micro_batch_size=2, gradient_accumulation_steps=2)
+    assert "they agree" in agreeing and "disagree" not in agreeing
 
 
 def test_value_spellings():
@@ -343,3 +345,14 @@ def test_a_chat_template_key_beside_another_type_is_said_to_have_no_effect():
     assert not any("chat_template reads it" in n for n in quiet)
     chat = load(datasets=[{"path": "x", "type": "chat_template", "train_on_eos": "none"}]).notes
     assert not any("chat_template reads it" in n for n in chat)
+
+
+def test_tokenizer_type_is_said_to_have_no_effect_and_the_keys_that_do_are_not():
+    loaded = load(tokenizer_type="LlamaTokenizer")
+    assert loaded.recipe.tokenizer_type == "LlamaTokenizer"
+    [line] = [note for note in loaded.notes if note.startswith("tokenizer_type")]
+    assert "accepted, has no effect in llmtune" in line and "AutoTokenizer" in line
+    # tokenizer_use_fast reaches AutoTokenizer, and model_type is checked against the loaded model: no such note
+    quiet = load(tokenizer_use_fast=False, model_type="LlamaForCausalLM").notes
+    assert not [note for note in quiet if "no effect" in note]
+    assert not [note for note in load(tokenizer_type=None).notes if "tokenizer_type" in note]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from llmtune.errors import UserError
 from llmtune.plan import make_cluster, make_plan
@@ -114,3 +115,28 @@ def test_a_generation_or_eval_batch_of_partial_prompt_groups_is_refused_at_plan_
     with pytest.raises(UserError, match=r"eval batch \(eval_batch_size x 2 ranks = 2\) is not a multiple of the 4"):
         make_plan(evaluated, make_cluster(2))
     make_plan(evaluated.model_copy(update={"eval_strategy": "no"}), make_cluster(2))  # no eval, no eval batch
+
+
+def test_a_reward_name_that_is_neither_a_function_nor_a_model_is_refused_when_read(tmp_path, monkeypatch):
+    from llmtune.recipe.loader import load_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rwd.py").write_text("def r(completions, **kwargs):\n    return [0.0 for _ in completions]\n")
+    (tmp_path / "d.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "local_rm").mkdir()
+
+    def read(*names):
+        raw = {"base_model": "org/model", "rl": "grpo", "output_dir": str(tmp_path / "out"), "datasets": [
+            {"path": "d.jsonl"}], "trl": {"reward_funcs": list(names), "num_generations": 2}}  # fmt: skip
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        return load_recipe(path).recipe
+
+    with pytest.raises(UserError) as caught:
+        read("rwd.r", "brief")
+    assert caught.value.one_line().startswith(
+        "trl.reward_funcs[1]: 'brief' is neither module.function (a .py beside the recipe) nor a reward model folder"
+    )
+    # a function, a hub id (org/name) and a local folder all still read
+    rewards = read("rwd.r", "org/reward-model", "local_rm").trl["reward_funcs"]
+    assert rewards[:2] == ["rwd.r", "org/reward-model"] and rewards[2] == str(tmp_path / "local_rm")

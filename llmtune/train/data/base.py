@@ -46,7 +46,12 @@ def shuffled_order(count: int, seed: int) -> list[int]:
 
 
 class RowError(ValueError):
-    """A row that doesn't match its dataset type."""
+    """A row that doesn't match its dataset type, with a hint on what to change where there is a better one than
+    fixing the row."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
 
 
 @dataclass
@@ -61,6 +66,7 @@ class FormatContext:
     # the recipe's (chat_template, default_system_message) when both are set: sharegpt's chatml or llama3
     # conversation of that name uses the message as its default system prompt (as Axolotl did)
     default_system: tuple[str, str] | None = None
+    template_name: str | None = None  # the recipe's (or dataset's) chat_template as written, for messages
 
 
 Example = tuple[list[int], list[int]]  # input_ids, labels

@@ -109,7 +109,7 @@ def _messages(row: dict, spec) -> list[dict]:
     messages = []
     for index, message in enumerate(raw):
         if not isinstance(message, dict) or role_key not in message or content_key not in message:
-            raise RowError(f"{spec.field_messages}[{index}] needs '{role_key}' and '{content_key}'")
+            raise _unmapped(f"{spec.field_messages}[{index}]", message, role_key, content_key, aliases)
         content = message[content_key]
         if isinstance(content, list):  # [{"type": "text", "text": ...}]
             content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
@@ -118,6 +118,10 @@ def _messages(row: dict, spec) -> list[dict]:
         if not isinstance(content, str):
             raise RowError(f"{spec.field_messages}[{index}].{content_key} must be text")
         role = aliases.get(message[role_key], message[role_key])
+        if message[role_key] in spec.roles_to_train and role not in spec.roles_to_train:
+            raise RowError(f"{spec.field_messages}[{index}] is from '{message[role_key]}', read as role '{role}', and "
+                           f"roles_to_train lists '{message[role_key]}' but not '{role}', so this turn never trains",
+                           f"roles_to_train names the mapped roles: write '{role}' there")  # fmt: skip
         if role == "system" and spec.drop_system_message:
             continue
         entry = {"role": role, "content": content}
@@ -140,6 +144,26 @@ def _messages(row: dict, spec) -> list[dict]:
     if isinstance(system, str) and system and messages[0]["role"] != "system" and not spec.drop_system_message:
         messages.insert(0, {"role": "system", "content": system})
     return messages
+
+
+ROLE_KEYS, CONTENT_KEYS = ("from", "role", "speaker", "author"), ("value", "content", "text", "message")
+
+
+def _unmapped(where: str, message, role_key: str, content_key: str, aliases: dict) -> RowError:
+    """A message without the mapped role and content keys: what it has, and the mapping that would read it."""
+    if not isinstance(message, dict):
+        return RowError(f"{where} should be a message with '{role_key}' and '{content_key}', not "
+                        f"{type(message).__name__}")  # fmt: skip
+    keys = ", ".join(map(str, message)) or "nothing"
+    role = next((key for key in ROLE_KEYS if key in message), "<role key>")
+    content = next((key for key in CONTENT_KEYS if key in message), "<content key>")
+    hint = f"set message_property_mappings: {{role: {role}, content: {content}}}"
+    value = message.get(role)
+    if isinstance(value, str) and value in aliases:
+        hint += f" ({value} is read as {aliases[value]})"
+    elif isinstance(value, str) and value not in ("system", "user", "assistant", "tool"):
+        hint += f", and roles: {{user: [...], assistant: [...]}} to say what '{value}' is"
+    return RowError(f"{where} needs '{role_key}' and '{content_key}' (it has: {keys})", hint)
 
 
 def _tools(row: dict, spec) -> list | None:
@@ -215,11 +239,33 @@ def untrained_turn_end(template: str, tokenizer, eot_ids=frozenset()) -> tuple[s
     return terminator, why
 
 
+def _check_tools(messages: list[dict], tools: list | None, ctx: FormatContext) -> None:
+    """A row with tool calls or tool definitions that the chat template would drop (a plain-chat template renders an
+    assistant's call as an empty reply, and trains on it) is refused."""
+    from llmtune.train.data.templates import tool_rendering
+
+    calling = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("tool_calls")), None)
+    if calling is None and not tools:
+        return
+    renders_calls, renders_tools = tool_rendering(ctx.template, ctx.tokenizer)
+    if calling is not None and not renders_calls:
+        what = f"message {calling} (assistant) has tool_calls"
+    elif tools and not renders_tools:
+        what = f"the row has tool definitions ('{ctx.spec.field_tools}')"
+    else:
+        return
+    used = f"chat_template {ctx.template_name}" if ctx.template_name else "the chat template"
+    raise RowError(f"{what}, which {used} does not render: it would be dropped and the turn trained without it",
+                   "use chat_template: tokenizer_default with a tokenizer whose template renders tools, or "
+                   "chat_template: jinja with a chat_template_jinja that renders tool_calls and tools")  # fmt: skip
+
+
 def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     from llmtune.train.data.templates import render
 
     spec, tokenizer, template = ctx.spec, ctx.tokenizer, ctx.template
     messages, tools = _messages(row, spec), _tools(row, spec)
+    _check_tools(messages, tools, ctx)
     try:
         full = render(template, messages, tokenizer, tools=tools)
     except UserError as err:  # this row's conversation: its file and line go with the message

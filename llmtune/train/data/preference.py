@@ -27,8 +27,10 @@ from llmtune.train.data.preference_fields import (
     PROMPT_KEYS,
     PreferenceRowError,
     _conversation,
+    _conversational,
     _label,
     _optional_text,
+    _prompt_and_replies,
     _reply_message,
     _split,
     _system,
@@ -207,8 +209,13 @@ def user_defined(row: dict, ctx: PreferenceContext, family: str | None) -> dict:
 
 
 def passthrough(row: dict, ctx: PreferenceContext, family: str | None) -> dict:
-    """No type (or passthrough): the row already holds the prompt and replies as text."""
-    return {name: _text(row, name) for name in ("prompt", "chosen", "rejected")}
+    """No type (or passthrough): the row already holds the prompt and replies as text, or in TRL's conversational
+    shape (message lists; without a prompt, chosen and rejected as whole conversations), which renders as
+    chat_template.default's rows do."""
+    if not _conversational(row, ("prompt", "chosen", "rejected")):
+        return {name: _text(row, name) for name in ("prompt", "chosen", "rejected")}
+    messages, (chosen, rejected) = _prompt_and_replies(row, ("chosen", "rejected"), ctx.options)
+    return _pair(ctx, family, messages, chosen, rejected)
 
 
 # --- KTO types --------------------------------------------------------------------------------------------------
@@ -236,7 +243,11 @@ def kto_user_defined(row: dict, ctx: PreferenceContext, family: str | None) -> d
 
 
 def kto_passthrough(row: dict, ctx: PreferenceContext, family: str | None) -> dict:
-    return {"prompt": _text(row, "prompt"), "completion": _text(row, "completion"), "label": _label(row, "label")}
+    """No type: prompt, completion and label, as text or as TRL's conversational rows (message lists)."""
+    if not _conversational(row, ("prompt", "completion")):
+        return {"prompt": _text(row, "prompt"), "completion": _text(row, "completion"), "label": _label(row, "label")}
+    messages, (completion,) = _prompt_and_replies(row, ("completion",), ctx.options)
+    return _kto(ctx, family, messages, completion, _label(row, "label"))
 
 
 # --- the registries -----------------------------------------------------------------------------------------------

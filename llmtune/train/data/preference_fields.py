@@ -14,11 +14,7 @@ DEFAULT_ROLES = {"user": ["user"], "assistant": ["assistant"], "system": ["syste
 
 
 class PreferenceRowError(RowError):
-    """A malformed row, with a hint on what to change."""
-
-    def __init__(self, message: str, hint: str | None = None):
-        super().__init__(message)
-        self.hint = hint
+    """A malformed preference row, with a hint on what to change."""
 
 
 def _text(row: dict, name: str, key: str | None = None) -> str:
@@ -122,3 +118,43 @@ def _split(conversation: list[dict], name: str) -> tuple[list[dict], str]:
     if len(conversation) < 2 or conversation[-1]["role"] != "assistant":
         raise PreferenceRowError(f"field '{name}' should hold the conversation and end with the assistant's reply")
     return conversation[:-1], conversation[-1]["content"]
+
+
+def _conversational(row: dict, names: tuple[str, ...]) -> bool:
+    """Whether a passthrough row is in TRL's conversational shape (message lists) rather than text."""
+    return any(isinstance(row.get(name), list) for name in names)
+
+
+def _prompt_and_replies(row: dict, sides: tuple[str, ...], options: Mapping) -> tuple[list[dict], list[str]]:
+    """A conversational row as TRL reads it: the prompt's messages and each side's reply (text, a message, or a list
+    holding the one assistant message). Without a prompt, the sides are whole conversations and the messages they
+    start with in common are the prompt (TRL's implicit prompt)."""
+
+    def read(side: str) -> list[dict]:
+        value = row.get(side)
+        if isinstance(value, str):
+            return [{"role": "assistant", "content": value}]
+        if isinstance(value, dict):
+            return [_message(value, side, options, default_role="assistant")]
+        return _conversation(row, side, options)
+
+    if row.get("prompt") is not None or len(sides) < 2:
+        prompt, rests = _conversation(row, "prompt", options), {side: read(side) for side in sides}
+    else:
+        first, *others = conversations = [_conversation(row, side, options) for side in sides]
+        shared = 0
+        while all(shared < len(c) - 1 for c in conversations) and all(c[shared] == first[shared] for c in others):
+            shared += 1
+        if not shared:
+            raise PreferenceRowError(f"fields {' and '.join(repr(s) for s in sides)} share no leading messages, so "
+                                     "there is no prompt",
+                                     "add a 'prompt' field, or start both with the same messages")  # fmt: skip
+        prompt, rests = first[:shared], {side: c[shared:] for side, c in zip(sides, conversations, strict=True)}
+    replies = []
+    for side, rest in rests.items():
+        if len(rest) != 1 or rest[0]["role"] != "assistant":
+            roles = ", ".join(message["role"] for message in rest) or "nothing"
+            raise PreferenceRowError(f"field '{side}' should hold one assistant reply after the prompt, not {roles}",
+                                     "put the earlier turns in 'prompt' (or in both sides alike)")  # fmt: skip
+        replies.append(rest[0]["content"])
+    return prompt, replies

@@ -40,6 +40,17 @@ def _lengths(row: dict, tokenizer) -> tuple[int, int]:
     return count(row["prompt"], False), max(count(r, True) for r in replies)
 
 
+def _keep_end(text: str, tokenizer, count: int) -> str:
+    """The end of `text` that is at most `count` tokens, cut where a token starts."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = [start for start, _ in encoded["offset_mapping"]]
+    for first in range(len(starts) - count, len(starts)):
+        kept = text[starts[first] :]
+        if len(tokenizer(kept, add_special_tokens=False)["input_ids"]) <= count:
+            return kept
+    return ""
+
+
 def read_group(specs, group: str, recipe, tokenizer, stats: dict, progress) -> list[dict]:
     rows: list[dict] = []
     for index, spec in enumerate(specs):
@@ -53,8 +64,13 @@ def read_group(specs, group: str, recipe, tokenizer, stats: dict, progress) -> l
             stats["rows"] += 1
             prompt, reply = _lengths(row, tokenizer)
             if recipe.max_prompt_len and prompt > recipe.max_prompt_len:
-                stats["dropped_long_prompt"] += 1
-                continue
+                if recipe.excess_length_strategy != "truncate":
+                    stats["dropped_long_prompt"] += 1
+                    continue
+                # as TRL's max_prompt_length did: the prompt's last tokens, the ones next to the reply
+                row = {**row, "prompt": _keep_end(row["prompt"], tokenizer, recipe.max_prompt_len)}
+                prompt = _lengths(row, tokenizer)[0]
+                stats["truncated_prompt"] += 1
             if prompt + reply > recipe.sequence_len:
                 if recipe.excess_length_strategy == "raise":
                     raise UserError(f"{label}: row {number} is {prompt + reply} tokens (prompt and longest reply), "
@@ -70,8 +86,8 @@ def read_group(specs, group: str, recipe, tokenizer, stats: dict, progress) -> l
 
 
 def prepare_preference_data(recipe, tokenizer, progress=no_progress) -> PreparedData:
-    stats = {"rows": 0, "dropped_too_long": 0, "truncated": 0, "dropped_long_prompt": 0, "dropped_no_labels": 0,
-             "dropped_duplicates": 0, "cache_hit": False, "cache_dir": None}  # fmt: skip
+    stats = {"rows": 0, "dropped_too_long": 0, "truncated": 0, "dropped_long_prompt": 0, "truncated_prompt": 0,
+             "dropped_no_labels": 0, "dropped_duplicates": 0, "cache_hit": False, "cache_dir": None}  # fmt: skip
     train = read_group(recipe.datasets, "datasets", recipe, tokenizer, stats, progress)
     evaluation = read_group(recipe.test_datasets, "test_datasets", recipe, tokenizer, stats, progress) \
         if recipe.test_datasets else None  # fmt: skip
@@ -87,10 +103,12 @@ def prepare_preference_data(recipe, tokenizer, progress=no_progress) -> Prepared
                     kept.append(row)
             group[:] = kept
     if not train:
+        # truncate keeps the end of a prompt over max_prompt_len and cuts replies, never a prompt over sequence_len
+        hint = "raise sequence_len (or max_prompt_len)" + ("" if recipe.excess_length_strategy == "truncate" else
+                                                           ", or set excess_length_strategy: truncate")  # fmt: skip
         raise UserError(f"no usable preference rows: {stats['rows']} read, {stats['dropped_too_long']} longer than "
                         f"sequence_len {recipe.sequence_len}, {stats['dropped_long_prompt']} with a prompt over "
-                        f"max_prompt_len", "raise sequence_len (or max_prompt_len), or set excess_length_strategy: "
-                        "truncate")  # fmt: skip
+                        f"max_prompt_len", hint)  # fmt: skip
     if recipe.shuffle_merged_datasets and not recipe.curriculum_sampling:
         train = [train[i] for i in shuffled_order(len(train), recipe.seed)]
     if recipe.val_set_size:

@@ -22,8 +22,9 @@ from llmtune.train.data.reward import converter, fit_pair
 from llmtune.train.data.rows import TokenRows
 from llmtune.train.data.sources import fingerprint_source, read_rows
 
-CACHE_FORMAT = 4  # bump when tokenization or the cache layout changes (2: flat numpy arrays; 3: eot_tokens;
-# 4: chat_template labels a space-fused first word, train_on_inputs per turn, no empty answers)
+CACHE_FORMAT = 5  # bump when tokenization or the cache layout changes (2: flat numpy arrays; 3: eot_tokens;
+# 4: chat_template labels a space-fused first word, train_on_inputs per turn, no empty answers; 5: rows whose tool
+# calls the chat template drops are refused: a cache made before may hold them)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -69,6 +70,11 @@ def _template_for(spec, recipe, tokenizer) -> str | None:
         return resolve_chat_template(spec.chat_template, spec.chat_template_jinja or recipe.chat_template_jinja,
                                      tokenizer)  # fmt: skip
     return resolve_chat_template(recipe.chat_template, recipe.chat_template_jinja, tokenizer)
+
+
+def _template_name(spec, recipe) -> str:
+    """The chat_template a dataset's rows render with, as the recipe writes it."""
+    return spec.chat_template or recipe.chat_template or "tokenizer_default"
 
 
 def _default_system(recipe) -> tuple[str, str] | None:
@@ -129,7 +135,7 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
         label = f"{group}[{index}]"
         ctx = FormatContext(tokenizer, spec, recipe.train_on_inputs, recipe.sequence_len,
                             _template_for(spec, recipe, tokenizer), eot_ids, recipe.num_labels or 2,
-                            _default_system(recipe))  # fmt: skip
+                            _default_system(recipe), template_name=_template_name(spec, recipe))  # fmt: skip
         to_examples = converter(spec)
         taken = 0
         for row, where in progress(read_rows(spec, label, recipe.streaming), f"tokenizing {label}"):
@@ -139,8 +145,8 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
             try:
                 pieces = to_examples(row, ctx)
             except RowError as err:
-                raise UserError(f"{where}: {err} ({label}.type is {spec.type or 'pretokenized'})",
-                                "fix the row, or set the dataset's type/fields to match the data") from None  # fmt: skip
+                raise UserError(f"{where}: {err} ({label}.type is {spec.type or 'pretokenized'})", err.hint
+                                or "fix the row, or set the dataset's type/fields to match the data") from None  # fmt: skip
             stats["rows"] += 1
             for ids, labels in pieces:
                 if spec.type == "bradley_terry.chat_template":  # a stored pair: each side must fit

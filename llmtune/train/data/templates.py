@@ -307,3 +307,29 @@ def render(template: str, messages: list[dict], tokenizer, add_generation_prompt
             f"the chat template failed on a conversation: {error}",
             "check the roles and order of the messages, or pick another chat_template",
         ) from error
+
+
+PROBE_TOOL = "llmtune_probe_tool"  # a function name no template writes unless it renders the call or the tool
+_TOOL_RENDERING: dict[tuple, tuple[bool, bool]] = {}
+
+
+def tool_rendering(template: str, tokenizer) -> tuple[bool, bool]:
+    """(whether `template` renders an assistant's tool_calls, whether it renders the row's tools), found by rendering
+    a probe conversation: llmtune's own templates, and many written for plain chat, drop both without a word."""
+    key = (template, getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None))
+    if key not in _TOOL_RENDERING:
+        function = {"name": PROBE_TOOL, "description": "", "parameters": {"type": "object", "properties": {}}}
+        call = {"id": "call0", "type": "function", "function": {"name": PROBE_TOOL, "arguments": {}}}
+        question = {"role": "user", "content": "q"}
+        calls = [question, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        _TOOL_RENDERING[key] = (_shows_probe(template, calls, tokenizer, None),
+                                _shows_probe(template, [question], tokenizer, [{"type": "function",
+                                                                               "function": function}]))  # fmt: skip
+    return _TOOL_RENDERING[key]
+
+
+def _shows_probe(template: str, messages: list[dict], tokenizer, tools) -> bool:
+    try:
+        return PROBE_TOOL in render(template, messages, tokenizer, tools=tools)
+    except Exception:  # a template that refuses the probe renders no tool call either
+        return False

@@ -112,6 +112,13 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
     rank_reports: list[dict] | None = None
     batch_hash = None  # hashlib object while StepStats records batch hashes
 
+    def _get_learning_rate(self):
+        """The learning rate of the step just taken. Under DeepSpeed, accelerate's backward runs the engine's step,
+        which steps the scheduler before the Trainer reads the rate: it logged the next step's (one step ahead of
+        DDP's and FSDP's for the same schedule)."""
+        step_lr = getattr(self, "_step_lr", None)
+        return step_lr if self.is_deepspeed_enabled and step_lr is not None else super()._get_learning_rate()
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         ids, mask, rows, real, lengths = self._batch_view(inputs)
         whole = inputs.pop(WHOLE_BATCH, None) if isinstance(inputs, dict) else None
@@ -136,6 +143,8 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
             self.batch_hash.update(hashed)
         if "LLMTUNE_TEST_ROW_LOG" in os.environ:
             _log_rows(row_tokens(ids, mask, lengths), self.state.global_step + 1)
+        if self.is_deepspeed_enabled:  # the rate this step trains at: DeepSpeed steps its scheduler in backward
+            self._step_lr = super()._get_learning_rate()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._nonfinite_guard(loss)
         return loss
