@@ -41,6 +41,13 @@ def eval_command(
     results = evaluate(target, data, batch_size, max_new_tokens, limit, show, model)
     if results.get("note"):
         typer.echo(f"note: {results['note']}", err=True)
+    if "method" in results and "reward" in results:  # online RL: the reward of one completion per eval prompt
+        shown = [f"{name.split('/')[1] if '/' in name else 'mean reward'} {value:.4f}" for name, value in
+                 results.items() if (name == "reward" or name.startswith("rewards/")) and value is not None]  # fmt: skip
+        typer.echo(f"{results['target']} ({results['method']}, {results['examples']} prompts, one greedy completion "
+                   "each): " + ", ".join(shown))  # fmt: skip
+        typer.echo(f"wrote {results['written_to']}")
+        return
     if "method" in results:  # a preference run: its rewards over the eval pairs
         shown = [f"{name.split('/')[-1]} {results[name]:.4f}" for name in ("rewards/margins", "rewards/accuracies",
                  "rewards/chosen", "rewards/rejected") if results.get(name) is not None]  # fmt: skip

@@ -155,7 +155,7 @@ def train(
     check_nvme_offload(the_plan)
     check_deepspeed_schema(loaded.recipe, the_plan)
     fit = None if no_memory_check else memory_check(loaded.recipe, the_plan, gpu_memory)
-    files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
+    files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(Path(recipe).absolute()), loaded.notes)
     for key, value in summary_lines(the_plan, loaded.recipe):
         typer.echo(f"{key:>14}  {value}", err=True)
     if fit:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +151,17 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
 
         model = PeftModel.from_pretrained(model, info.adapter_dir)
     model.to(device).eval()
+    from llmtune.recipe.preference import ONLINE_METHODS
+
+    if recipe.rl in ONLINE_METHODS:  # its measure is the reward of what it generates (post/evaluate_online.py)
+        from llmtune.post.evaluate_online import online_eval, recipe_folder
+        from llmtune.recipe.online import user_functions
+
+        folder = recipe_folder(info, target)
+        os.environ.setdefault("LLMTUNE_RECIPE_DIR", str(folder or Path.cwd()))
+        rows = list(eval_examples(recipe, tokenizer, data)[:limit])
+        return _write(info, online_eval(info, model, tokenizer, rows, batch_size, max_new_tokens,
+                                        user_functions(recipe, folder)))  # fmt: skip
     examples = eval_examples(recipe, tokenizer, data)[:limit]
     if recipe.rl:  # preference rows: rewards, margins and accuracy over the pairs
         from llmtune.post.evaluate_preference import preference_eval

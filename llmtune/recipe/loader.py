@@ -134,6 +134,12 @@ def recipe_from_mapping(raw: dict, path: Path, check_files: bool = True) -> Load
     if recipe.trust_remote_code:
         notes.append(f"WARNING trust_remote_code: true: Python code shipped with {recipe.base_model} will run on "
                      "every rank; use it only for models whose code you trust")  # fmt: skip
+    if recipe.lora_model_dir:  # PEFT loads the adapter as it was saved: the recipe's shape keys have no say
+        shape = [key for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear",
+                                 "lora_modules_to_save") if key in data]  # fmt: skip
+        if shape:
+            notes.append(f"lora_model_dir: the adapter trains on as it was saved (its adapter_config.json: rank, "
+                         f"alpha, dropout, target modules); {', '.join(shape)} in the recipe have no effect")  # fmt: skip
     for index, spec in enumerate(recipe.datasets):
         if spec.trust_remote_code:
             notes.append(

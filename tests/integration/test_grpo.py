@@ -114,6 +114,16 @@ def test_a_lora_grpo_run_learns_what_its_reward_favours_and_records_it(workspace
     assert json.loads((report / "curves.json").read_text())["preference"]["margin"]["train"]["value"][
         -1
     ] == last_reward(steps)
+    # llmtune eval of a GRPO run: one greedy completion per prompt, scored by the recipe's functions (rwd.py beside
+    # the recipe, found from the run's plan), the mean reward under TRL's names
+    result = llmtune("eval", workspace[0] / "short", "--data", workspace[1], "--limit", "8", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = json.loads((workspace[0] / "short" / "eval.json").read_text())
+    assert written["method"] == "grpo" and written["examples"] == 8 and written["max_new_tokens"] == 12
+    assert written["reward"] == written["rewards/short_reward/mean"] > first  # the trained model's answers are short
+    shown = written["samples"][0]
+    assert shown["prompt"].startswith("Say ") and isinstance(shown["completion"], str)
+    assert f"mean reward {written['reward']:.4f}" in result.stdout
 
 
 def test_two_zero2_ranks_see_their_own_prompts_and_a_fixed_seed_generates_the_same(workspace):

@@ -356,3 +356,11 @@ def test_tokenizer_type_is_said_to_have_no_effect_and_the_keys_that_do_are_not()
     quiet = load(tokenizer_use_fast=False, model_type="LlamaForCausalLM").notes
     assert not [note for note in quiet if "no effect" in note]
     assert not [note for note in load(tokenizer_type=None).notes if "tokenizer_type" in note]
+
+
+def test_lora_shape_keys_beside_lora_model_dir_are_said_to_have_no_effect():
+    """PEFT loads the adapter as saved: lora_r and its kind were ignored without a word (Axolotl does the same)."""
+    notes = load(adapter="lora", lora_model_dir="/runs/sft", lora_r=32, lora_alpha=64).notes
+    assert ("lora_model_dir: the adapter trains on as it was saved (its adapter_config.json: rank, alpha, dropout, "
+            "target modules); lora_r, lora_alpha in the recipe have no effect") in notes  # fmt: skip
+    assert not any("lora_model_dir" in n for n in load(adapter="lora", lora_model_dir="/runs/sft").notes)
