@@ -195,7 +195,7 @@ def write_job(recipe_path: Path, recipe, job: SlurmJob, output: Path | None = No
 
     from llmtune.plan import make_plan
     from llmtune.plan.cluster import Cluster
-    from llmtune.plan.files import atomic_write
+    from llmtune.plan.files import atomic_write, make_folder
     from llmtune.recipe.online import generation_mode
 
     if recipe.rl in ("grpo", "gdpo") and job.device != "cpu" and generation_mode(recipe) == "server":
@@ -207,8 +207,7 @@ def write_job(recipe_path: Path, recipe, job: SlurmJob, output: Path | None = No
     output_dir = Path(recipe.output_dir).resolve()
     script = (output or output_dir / "slurm" / "job.sbatch").resolve()
     text = sbatch_script(recipe_path.resolve(), output_dir, job, Path.cwd(), [sys.executable, "-m", "llmtune"], script)
-    (output_dir / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch writes the job's log there
-    script.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(output_dir / "slurm")  # sbatch writes the job's log there
     atomic_write(script, text)
     script.chmod(0o755)
     return script

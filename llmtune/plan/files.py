@@ -1,31 +1,77 @@
-"""Write a plan's files: what `llmtune plan --write` and `llmtune train` leave for people to read."""
+"""Write a plan's files: what `llmtune plan --write` and `llmtune train` leave for people to read.
+
+Also the write helpers the commands share (atomic_write, make_folder, writing): a path that can't be written is one
+line naming it (a UserError), with nothing half-written left behind."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-from llmtune.plan.planner import Plan
+from llmtune.errors import UserError
+
+if TYPE_CHECKING:
+    from llmtune.plan.planner import Plan
+
+
+def write_error(path: Path, err: OSError) -> UserError:
+    """One line for a file or folder that can't be written: the path, the system's reason, what to do."""
+    if err.errno == errno.EISDIR:
+        return UserError(f"can't write {path} (it is a folder)", "give a file name, not a folder")
+    if err.errno in (errno.ENOTDIR, errno.EEXIST):
+        return UserError(f"can't write {path} (a file is in the way: a folder was expected)",
+                         "choose another path, or move that file away")  # fmt: skip
+    reason = (err.strerror or type(err).__name__).lower()
+    # a folder on the way (mkdir -p) is named; the temporary file beside the target is not
+    where = f" at {err.filename}" if err.filename and Path(err.filename) in Path(path).parents else ""
+    return UserError(f"can't write {path} ({reason}{where})", "choose a path in a folder you can write to")
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Turn an OSError from writing `path` into one line naming it (a UserError)."""
+    try:
+        yield
+    except OSError as err:
+        raise write_error(path, err) from None
+
+
+def make_folder(path: Path) -> None:
+    """mkdir -p, or one line saying why not."""
+    with writing(path):
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(path))
+        path.mkdir(parents=True, exist_ok=True)
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write a file so that a reader never sees it half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a run's files are meant to be shared
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write a file so that a reader never sees it half-written; one line (a UserError) when it can't be."""
+    path = Path(path)
+    tmp = None
+    with writing(path):
+        try:
+            if path.is_dir():
+                raise IsADirectoryError(errno.EISDIR, "is a folder", str(path))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a run's files are meant to be shared
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.replace(tmp, path)
+            tmp = None
+        finally:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
 
 
 def plan_files(plan: Plan, recipe_dict: dict, recipe_path: str, notes: list[str]) -> dict[str, str]:
@@ -68,6 +114,7 @@ def deepspeed_env_text(plan_env: dict[str, str], environ) -> str:
 
 
 def write_plan_files(directory: Path, files: dict[str, str]) -> list[Path]:
+    make_folder(directory)
     written = []
     for name, text in files.items():
         atomic_write(directory / name, text)

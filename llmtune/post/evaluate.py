@@ -1,8 +1,8 @@
 """`llmtune eval`: eval loss, perplexity and exact-match accuracy of a run (or of the recipe's base model).
 
-Prompt/answer pairs come from the tokenized eval examples themselves: the prompt is everything
-before the first trained token, the answer is the trained text. So exact match works for every
-dataset type that masks a prompt (alpaca, chat_template, input_output, custom formats).
+Prompt/answer pairs come from the tokenized eval examples themselves: the answer is the last trained
+span (a conversation's last assistant turn), the prompt everything before it. So exact match works for
+every dataset type that masks a prompt (alpaca, chat_template, input_output, custom formats).
 """
 
 from __future__ import annotations
@@ -77,8 +77,10 @@ def _run_target(folder: Path) -> Target:
 def _model_target(recipe, model: str) -> Target:
     """Any model measured on the recipe's eval data: an adapter folder (on the recipe's base model), a model folder,
     or a hub id."""
+    from llmtune.post.generate import check_model_name
     from llmtune.train.model.load import model_source
 
+    check_model_name(model, "--model")
     folder = Path(model)
     if folder.is_dir():
         if (folder / "adapter_config.json").exists():
@@ -107,7 +109,7 @@ def eval_examples(recipe, tokenizer, data: Path | None) -> list[dict]:
         spec = recipe.datasets[0].model_copy(update={"path": str(data.resolve())})
         recipe = recipe.model_copy(update={"datasets": [spec], "test_datasets": None, "val_set_size": 0.0,
                                            "dataset_prepared_path": None, "sample_packing": False})  # fmt: skip
-        return prepare_data(recipe, tokenizer).train
+        return prepare_data(recipe, tokenizer, purpose="eval").train
     prepared = prepare_data(recipe.model_copy(update={"sample_packing": False}), tokenizer)
     if not prepared.eval:
         raise UserError("the recipe has no eval data (val_set_size or test_datasets)", "pass --data FILE")
@@ -115,12 +117,22 @@ def eval_examples(recipe, tokenizer, data: Path | None) -> list[dict]:
 
 
 def split_prompt(example: dict, eos_id: int | None) -> tuple[list[int], list[int]] | None:
+    """(prompt, answer) for exact match: the last trained span (a conversation's last answer) given everything before
+    it. A span of end-of-sequence tokens alone is no answer: it stays with the answer before it."""
     labels = example["labels"]
-    first = next((i for i, label in enumerate(labels) if label != IGNORE), None)
-    if not first:
-        return None  # nothing masked: no prompt to answer
-    answer = [t for t in labels[first:] if t != IGNORE and t != eos_id]
-    return example["input_ids"][:first], answer
+    starts = [i for i, label in enumerate(labels) if label != IGNORE and (i == 0 or labels[i - 1] == IGNORE)]
+    answers = [i for i in starts if any(t != eos_id for t in labels[i : _span_end(labels, i)])]
+    if not answers or answers[-1] == 0:
+        return None  # nothing trained, or nothing masked before it: no prompt to answer
+    start = answers[-1]
+    return example["input_ids"][:start], [t for t in labels[start:] if t != IGNORE and t != eos_id]
+
+
+def _span_end(labels: list[int], start: int) -> int:
+    end = start
+    while end < len(labels) and labels[end] != IGNORE:
+        end += 1
+    return end
 
 
 def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_new_tokens: int | None = None,
@@ -134,7 +146,12 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
 
     info = resolve_target(target, model)
     recipe = info.recipe
-    tokenizer = load_tokenizer(recipe, _tokenizer_source(info))
+    try:
+        tokenizer = load_tokenizer(recipe, _tokenizer_source(info))
+    except UserError as err:
+        if model is None or recipe.tokenizer_config or not err.message.startswith("could not load"):
+            raise
+        raise UserError(err.message, "check --model, your network or HF_TOKEN; a local folder also works") from None
     from llmtune.post.generate import inference_device
 
     device, dtype = inference_device()
@@ -205,8 +222,9 @@ def _tokenizer_source(info: Target) -> str:
 def _write(info: Target, results: dict) -> dict:
     if info.note:
         results["note"] = info.note
-    info.result_file.parent.mkdir(parents=True, exist_ok=True)
-    info.result_file.write_text(json.dumps(results, indent=2) + "\n")
+    from llmtune.plan.files import atomic_write
+
+    atomic_write(info.result_file, json.dumps(results, indent=2) + "\n")
     results["written_to"] = str(info.result_file)
     return results
 

@@ -77,10 +77,32 @@ def refuse_reward_model(folder: Path, command: str) -> None:
                         "AutoModelForSequenceClassification / AutoModelForTokenClassification")  # fmt: skip
 
 
+def looks_like_path(name: str) -> bool:
+    """Absolute, ./ or ../, ~, or more than one '/': a folder on disk, never a hub id (namespace/name)."""
+    return Path(name).is_absolute() or name.startswith(("./", "../", "~")) or name in (".", "..") or name.count("/") > 1
+
+
+def check_model_name(name: str, option: str) -> None:
+    """Refuse a model that is not here and can't be on the hub, before anything loads or asks the hub."""
+    if Path(name).exists():
+        return
+    hint = f"{option} takes a run's output_dir, a model or adapter folder, or a hub id (namespace/name)"
+    shown = name if option == "MODEL" else f"{option} {name}"
+    if looks_like_path(name):
+        raise UserError(f"{shown} does not exist", hint)
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise UserError(f"{shown} is not a folder here, and can't be a hub id", hint) from None
+
+
 def load_for_generation(target: str, trust_remote_code: bool = False, command: str = "infer") -> Loaded:
     """A run folder (adapter on its base, or its full model), a model folder, or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_model_name(target, "MODEL")
     path = Path(target)
     device, dtype = inference_device()
     adapter, recipe = None, None
@@ -242,10 +264,9 @@ def infer(target: str, prompts: list[str], file: Path | None, output: Path | Non
             {**row, "output": text} for (row, _), text in zip(rows[start : start + batch_size], outputs, strict=True)
         ]
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        tmp = output.with_name(f".{output.name}.tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
-        tmp.replace(output)
+        from llmtune.plan.files import atomic_write
+
+        atomic_write(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
     return results
 
 

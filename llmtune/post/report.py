@@ -152,12 +152,15 @@ def write_report(run: Path, metrics: dict | None = None) -> Path:
             raise UserError(f"{run} has no metrics.json", "pass the output_dir of a finished run")
         metrics = json.loads(metrics_file.read_text())
     payload = json.loads(plan_file.read_text()) if plan_file.exists() else {}
+    from llmtune.plan.files import writing
+
     folder = run / "report"
-    folder.mkdir(parents=True, exist_ok=True)
     data = curves(metrics)
-    (folder / "curves.json").write_text(json.dumps(data, indent=1) + "\n")
-    _plot_loss(data, folder / "loss.png")
-    _plot_throughput(data, folder / "throughput.png")
     summary = _summary(run, metrics, payload.get("plan", {}), payload.get("recipe", {}), data)
-    (folder / "summary.md").write_text(summary)
+    with writing(folder):  # a read-only run folder: one line naming it
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "curves.json").write_text(json.dumps(data, indent=1) + "\n")
+        _plot_loss(data, folder / "loss.png")
+        _plot_throughput(data, folder / "throughput.png")
+        (folder / "summary.md").write_text(summary)
     return folder

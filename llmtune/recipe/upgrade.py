@@ -118,7 +118,12 @@ def upgrade_recipe(path: str | Path, force: bool = False) -> Upgrade:
                         "remove it, or add --force to overwrite it")  # fmt: skip
     text = "\n".join(new_lines) + "\n"
     _same_reading(text, original, path, result.target)
-    result.target.write_text(text, encoding="utf-8")
+    try:
+        result.target.write_text(text, encoding="utf-8")
+    except OSError as err:  # a read-only folder, a folder in the file's place
+        reason = "it is a folder" if result.target.is_dir() else (err.strerror or str(err)).lower()
+        raise UserError(f"can't write {result.target} ({reason})",
+                        "copy the recipe to a folder you can write to, then upgrade that copy") from None  # fmt: skip
     result.written = result.target
     return result
 

@@ -59,11 +59,14 @@ def _echo(message: str) -> None:
 
 def _prepare_output(output: Path) -> None:
     """A fresh rehearsal folder; an earlier rehearsal's is replaced, anything else is left alone."""
-    if output.exists() and any(output.iterdir()):
+    from llmtune.plan.files import make_folder, writing
+
+    if output.is_dir() and any(output.iterdir()):
         if not (output / REPORT).exists() and not (output / "run" / "llmtune").exists():
             raise UserError(f"{output} exists and is not a rehearsal folder", "pass --output to another folder")
-        shutil.rmtree(output)
-    output.mkdir(parents=True, exist_ok=True)
+        with writing(output):
+            shutil.rmtree(output)
+    make_folder(output)
 
 
 def rehearsal_mapping(recipe, model_dir: Path, tokenizer: str, sources, output: Path, sequence_len: int) -> dict:

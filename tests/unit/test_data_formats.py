@@ -170,8 +170,9 @@ def test_zero_usable_examples_is_a_clear_error(tmp_path, tok):
     recipe = recipe_from_mapping({"base_model": "m", "datasets": [{"path": str(path), "type": "alpaca"}],
                                   "sequence_len": 16, "dataset_prepared_path": None}, tmp_path / "r.yaml",
                                  check_files=False).recipe  # fmt: skip
-    with pytest.raises(UserError, match="no usable training examples.*1 longer than sequence_len 16"):
+    with pytest.raises(UserError, match="no usable training examples.*1 longer than sequence_len 16") as caught:
         tokenize_with_cache(recipe, tok)
+    assert "raise sequence_len" in caught.value.hint and "roles_to_train" not in caught.value.hint
 
 
 def test_cache_hit_does_no_tokenization(tmp_path, tok, monkeypatch):

@@ -82,3 +82,56 @@ def test_report_on_a_missing_folder_says_it_does_not_exist(tmp_path):
         write_report(tmp_path / "file")
     with pytest.raises(UserError, match=r"has no metrics.json"):
         write_report(tmp_path)
+
+
+def test_a_missing_model_path_is_named_before_the_hub_is_asked(run_cli, write_recipe, tmp_path):
+    """A path that can't be a hub id said "Repo id must be in the form ..." with a network hint; it is named."""
+    from llmtune.post.generate import check_model_name
+
+    missing = tmp_path / "nomodel"
+    for args, line in [
+        (("infer", missing, "-p", "hi"), f"error: {missing} does not exist (hint: MODEL takes"),
+        (("chat", "./nomodel"), "error: ./nomodel does not exist (hint: MODEL takes"),
+        (("infer", "a/b/c", "-p", "hi"), "error: a/b/c does not exist"),
+        (("eval", write_recipe(), "--model", missing), f"error: --model {missing} does not exist (hint: --model takes"),
+    ]:
+        result = run_cli(*args)
+        assert result.code == 2 and line in result.err, (args, result.err)
+        assert "Repo id" not in result.err and "HF_TOKEN" not in result.err and "base_model" not in result.err
+    with pytest.raises(UserError, match="can't be a hub id"):
+        check_model_name("my..model", "MODEL")
+    check_model_name("HuggingFaceTB/SmolLM2-135M-Instruct", "MODEL")  # may be on the hub: left to the hub
+    check_model_name(str(tmp_path), "MODEL")  # exists
+
+
+def test_exact_match_scores_the_last_turn_given_everything_before_it(tmp_path):
+    """Multi-turn rows: the prompt stopped before the first answer but the expected text was every answer joined."""
+    from tiny import load_tokenizer, write_jsonl
+
+    from llmtune.post.evaluate import split_prompt
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.data.formats import IGNORE
+    from llmtune.train.data.prepare import prepare_data
+
+    tok = load_tokenizer()
+    turns = [("user", "one two"), ("assistant", "first answer"), ("user", "three four"), ("assistant", "second answer")]
+    rows = [{"messages": [{"role": r, "content": c} for r, c in turns]}, {"messages": [{"role": r, "content": c}
+            for r, c in turns[2:]]}]  # fmt: skip
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    for train_on_eos in ("turn", "all"):  # "all" also trains the user turn's end: no answer on its own
+        recipe = recipe_from_mapping({"base_model": "m", "chat_template": "tokenizer_default", "dataset_prepared_path":
+                                      None, "datasets": [{"path": str(path), "type": "chat_template",
+                                                          "train_on_eos": train_on_eos}]},
+                                     tmp_path / "r.yaml", check_files=False).recipe  # fmt: skip
+        one_turn, two_turns = sorted(prepare_data(recipe, tok).train, key=lambda e: len(e["input_ids"]))
+        prompt, answer = split_prompt(two_turns, tok.eos_token_id)
+        assert tok.decode(answer) == "second answer"
+        text = tok.decode(prompt)
+        assert text.endswith("three four<|im_end|>\n<|im_start|>assistant\n") and "first answer<|im_end|>" in text
+        prompt, answer = split_prompt(one_turn, tok.eos_token_id)
+        assert tok.decode(answer) == "second answer" and tok.decode(prompt).endswith("<|im_start|>assistant\n")
+    # by hand: an answer followed by an end-of-sequence span alone keeps its prompt; nothing masked: no pair
+    example = {"input_ids": [5, 6, 7, 8, 0, 9, 0], "labels": [IGNORE, 6, IGNORE, 8, 0, IGNORE, 0]}
+    assert split_prompt(example, 0) == ([5, 6, 7], [8])
+    assert split_prompt({"input_ids": [5, 6], "labels": [5, 6]}, 0) is None
+    assert split_prompt({"input_ids": [5, 6], "labels": [IGNORE, IGNORE]}, 0) is None

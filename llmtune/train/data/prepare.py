@@ -231,8 +231,28 @@ def turn_end_notes(recipe, tokenizer) -> list[str]:
     return notes
 
 
-def tokenize_with_cache(recipe, tokenizer, progress=no_progress) -> tuple[dict[str, list[dict]], dict]:
-    """Tokenized examples per group ('train', and 'test' with test_datasets), from the cache when possible."""
+def no_examples(recipe, stats: dict, purpose: str = "training") -> UserError:
+    """Why no example of `recipe.datasets` is left: an empty file is named; otherwise what dropped the rows."""
+    if not stats["rows"]:
+        files = ", ".join(str(spec.path) for spec in recipe.datasets)
+        return UserError(f"no usable {purpose} examples: 0 rows read from {files}",
+                         "the data is empty: add rows (JSON lines: one object per line), or check path / split")  # fmt: skip
+    reasons = [f"{stats['rows']} rows read", f"{stats['dropped_too_long']} longer than sequence_len "
+               f"{recipe.sequence_len}", f"{stats['dropped_no_labels']} with no trained tokens"]  # fmt: skip
+    hints = []
+    if stats["dropped_too_long"]:
+        hints.append("raise sequence_len, set excess_length_strategy: truncate")
+    if stats["dropped_no_labels"]:
+        hints.append("check roles_to_train / train_on_inputs")
+    if stats.get("dropped_too_short"):
+        reasons.append(f"{stats['dropped_too_short']} shorter than min_sample_len {recipe.min_sample_len}")
+        hints.append("lower min_sample_len")
+    return UserError(f"no usable {purpose} examples: " + ", ".join(reasons), ", or ".join(hints) or "check the data")
+
+
+def tokenize_with_cache(recipe, tokenizer, progress=no_progress, purpose: str = "training") -> tuple[dict, dict]:
+    """Tokenized examples per group ('train', and 'test' with test_datasets), from the cache when possible.
+    `purpose` names what the examples are for in the error when none is left ('training', 'eval')."""
     if os.environ.get("RANK", "0") == "0":  # as runtime.progress.log prints (data sits below runtime)
         for note in turn_end_notes(recipe, tokenizer):
             print(f"[llmtune] {note}", file=sys.stderr, flush=True)
@@ -251,11 +271,7 @@ def tokenize_with_cache(recipe, tokenizer, progress=no_progress) -> tuple[dict[s
         _deduplicate(examples, stats)
     groups = {name: TokenRows.from_examples(rows) for name, rows in examples.items()}
     if not len(groups["train"]):
-        raise UserError(
-            f"no usable training examples: {stats['rows']} rows read, {stats['dropped_too_long']} longer than "
-            f"sequence_len {recipe.sequence_len}, {stats['dropped_no_labels']} with no trained tokens",
-            "raise sequence_len, set excess_length_strategy: truncate, or check roles_to_train / the data",
-        )
+        raise no_examples(recipe, stats, purpose)
     if directory is not None:
         directory.parent.mkdir(parents=True, exist_ok=True)
         _save(directory, groups, stats)
@@ -280,7 +296,7 @@ def split_and_pack(recipe, groups: dict[str, list[dict]], stats: dict) -> Prepar
     return PreparedData(train, evaluation, stats)
 
 
-def prepare_data(recipe, tokenizer, progress=no_progress) -> PreparedData:
+def prepare_data(recipe, tokenizer, progress=no_progress, purpose: str = "training") -> PreparedData:
     from llmtune.recipe.preference import ONLINE_METHODS
 
     if recipe.rl in ONLINE_METHODS:  # GRPO's prompts and reward columns, through the user's transforms
@@ -297,5 +313,5 @@ def prepare_data(recipe, tokenizer, progress=no_progress) -> PreparedData:
         from llmtune.train.data.preference_rows import prepare_preference_data
 
         return prepare_preference_data(recipe, tokenizer, progress)
-    groups, stats = tokenize_with_cache(recipe, tokenizer, progress)
+    groups, stats = tokenize_with_cache(recipe, tokenizer, progress, purpose)
     return split_and_pack(recipe, groups, stats)

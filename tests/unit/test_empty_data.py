@@ -1,0 +1,42 @@
+"""Empty data is named as empty: no '0 longer than sequence_len', no 'training' for eval data."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from tiny import load_tokenizer, make_tiny_model
+
+from llmtune.errors import UserError
+
+
+def test_an_empty_data_file_is_named_without_a_sequence_len_hint(tmp_path):
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.data.prepare import prepare_data
+
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    recipe = recipe_from_mapping({"base_model": "m", "datasets": [{"path": str(path), "type": "alpaca"}],
+                                  "dataset_prepared_path": None}, tmp_path / "r.yaml", check_files=False).recipe  # fmt: skip
+    tok = load_tokenizer()
+    with pytest.raises(UserError, match=f"no usable training examples: 0 rows read from {path}$") as caught:
+        prepare_data(recipe, tok)
+    assert "sequence_len" not in caught.value.one_line()
+    with pytest.raises(UserError, match=f"no usable eval examples: 0 rows read from {path}$"):
+        prepare_data(recipe, tok, purpose="eval")
+
+
+def test_preprocess_and_eval_name_the_empty_file(run_cli, tmp_path):
+    model = make_tiny_model(tmp_path / "model")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"base_model": str(model), "datasets": [{"path": str(empty), "type": "alpaca"}],
+                                      "sequence_len": 64, "output_dir": str(tmp_path / "out"),
+                                      "dataset_prepared_path": str(tmp_path / "prepared")}))  # fmt: skip
+    result = run_cli("preprocess", recipe)
+    assert result.code == 2 and f"error: no usable training examples: 0 rows read from {empty} (hint:" in result.err
+    result = run_cli("eval", recipe, "--data", empty)
+    assert result.code == 2 and f"error: no usable eval examples: 0 rows read from {empty.resolve()} (hint:" in (
+        result.err
+    )
+    assert "sequence_len" not in result.err
