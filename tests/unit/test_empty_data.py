@@ -9,7 +9,7 @@ from tiny import load_tokenizer, make_tiny_model
 from llmtune.errors import UserError
 
 
-def test_an_empty_data_file_is_named_without_a_sequence_len_hint(tmp_path):
+def test_an_empty_data_file_is_named_without_a_sequence_len_hint(tmp_path, monkeypatch):
     from llmtune.recipe.loader import recipe_from_mapping
     from llmtune.train.data.prepare import prepare_data
 
@@ -23,6 +23,16 @@ def test_an_empty_data_file_is_named_without_a_sequence_len_hint(tmp_path):
     assert "sequence_len" not in caught.value.one_line()
     with pytest.raises(UserError, match=f"no usable eval examples: 0 rows read from {path}$"):
         prepare_data(recipe, tok, purpose="eval")
+    # preference rows and GRPO prompts alike (they said: raise sequence_len)
+    (tmp_path / "rwd.py").write_text("def r(completions, **kwargs):\n    return [0.0 for _ in completions]\n")
+    monkeypatch.setenv("LLMTUNE_RECIPE_DIR", str(tmp_path))  # where the reward function's file is
+    for rl, words in (("dpo", "preference rows"), ("grpo", "prompts")):
+        extra = {"trl": {"reward_funcs": ["rwd.r"]}} if rl == "grpo" else {}
+        other = recipe_from_mapping({"base_model": "m", "rl": rl, "datasets": [{"path": str(path)}], **extra},
+                                    tmp_path / "r.yaml", check_files=False).recipe  # fmt: skip
+        with pytest.raises(UserError, match=f"no usable {words}: 0 rows read from {path}$") as caught:
+            prepare_data(other, tok)
+        assert "sequence_len" not in caught.value.one_line()
 
 
 def test_preprocess_and_eval_name_the_empty_file(run_cli, tmp_path):

@@ -87,6 +87,10 @@ def prepare_online_data(recipe, tokenizer, functions: dict, progress=no_progress
     train = read_group(recipe.datasets, "datasets", recipe, tokenizer, functions, stats, progress)
     evaluation = (read_group(recipe.test_datasets, "test_datasets", recipe, tokenizer, functions, stats, progress)
                   if recipe.test_datasets else None)  # fmt: skip
+    if not train and not stats["rows"]:
+        files = ", ".join(str(spec.path) for spec in recipe.datasets)
+        raise UserError(f"no usable prompts: 0 rows read from {files}",
+                        "the data is empty: add rows (JSON lines: one object per line), or check path / split")  # fmt: skip
     if not train:
         raise UserError(f"no usable prompts: {stats['rows']} read, {stats['dropped_too_long']} longer than "
                         "sequence_len minus trl.max_completion_length",

@@ -102,6 +102,10 @@ def prepare_preference_data(recipe, tokenizer, progress=no_progress) -> Prepared
                     seen.add(key)
                     kept.append(row)
             group[:] = kept
+    if not train and not stats["rows"]:
+        files = ", ".join(str(spec.path) for spec in recipe.datasets)
+        raise UserError(f"no usable preference rows: 0 rows read from {files}",
+                        "the data is empty: add rows (JSON lines: one object per line), or check path / split")  # fmt: skip
     if not train:
         # truncate keeps the end of a prompt over max_prompt_len and cuts replies, never a prompt over sequence_len
         hint = "raise sequence_len (or max_prompt_len)" + ("" if recipe.excess_length_strategy == "truncate" else
