@@ -29,7 +29,7 @@ def resolve(name: str, folder: Path | None, key: str):
     try:
         if candidate is not None and candidate.is_file():
             module = sys.modules.get(f"llmtune_user.{module_name}")
-            if module is None:
+            if module is None or getattr(module, "__file__", None) != str(candidate):  # (another folder's same name)
                 spec = importlib.util.spec_from_file_location(f"llmtune_user.{module_name}", candidate)
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[spec.name] = module

@@ -140,3 +140,16 @@ def test_a_reward_name_that_is_neither_a_function_nor_a_model_is_refused_when_re
     # a function, a hub id (org/name) and a local folder all still read
     rewards = read("rwd.r", "org/reward-model", "local_rm").trl["reward_funcs"]
     assert rewards[:2] == ["rwd.r", "org/reward-model"] and rewards[2] == str(tmp_path / "local_rm")
+
+
+def test_a_function_module_of_the_same_name_in_another_folder_is_that_folders(tmp_path):
+    """Two recipes' rwd.py in one process (eval after train, the test suite): the first one imported was kept, and
+    the second recipe's functions were 'not defined'."""
+    from llmtune.recipe.user_code import resolve
+
+    for name, value in (("a", 1), ("b", 2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rwd.py").write_text(f"def f_{name}(**kwargs):\n    return {value}\n")
+    assert resolve("rwd.f_a", tmp_path / "a", "k")() == 1
+    assert resolve("rwd.f_b", tmp_path / "b", "k")() == 2
+    assert resolve("rwd.f_a", tmp_path / "a", "k")() == 1

@@ -179,7 +179,7 @@ def test_the_scan_tells_llmtunes_own_private_names_from_a_librarys():
 
 # The overrides and flags that do so on purpose; each has a row in the doc.
 MEANT = {"_save_checkpoint", "_get_output_dir", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
-         "_created_lr_scheduler", "_load_rng_state"}  # fmt: skip
+         "_created_lr_scheduler", "_load_rng_state", "_get_learning_rate"}  # fmt: skip
 
 
 def subclass_private_names(tree: ast.ClassDef) -> set[str]:
@@ -269,6 +269,10 @@ def trainer_calls(tmp_path_factory):
             calls.append(("_load_rng_state", checkpoint))
             return super()._load_rng_state(checkpoint)
 
+        def _get_learning_rate(self):
+            calls.append(("_get_learning_rate", self.state.global_step))
+            return super()._get_learning_rate()
+
         def create_scheduler(self, num_training_steps, optimizer=None):  # as LlmtuneTrainer's quadratic warmup
             if self.lr_scheduler is None:
                 self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, lambda _: 1.0)
@@ -303,6 +307,15 @@ def test_trainer_save_checkpoint(trainer_calls):
     saved = [step for name, step in trainer_calls["first"] if name == "_save_checkpoint"]
     expect(saved == [1, 2], "trainer-save-checkpoint", "transformers", "Trainer._save_checkpoint",
            f"is no longer called by Trainer.train() at each save step (called at steps {saved}, expected [1, 2])")  # fmt: skip
+
+
+def test_trainer_get_learning_rate(trainer_calls):
+    from transformers import Trainer
+
+    expect_params("trainer-get-learning-rate", "transformers", Trainer._get_learning_rate, ["self"])
+    asked = [step for name, step in trainer_calls["first"] if name == "_get_learning_rate"]
+    expect(asked[:2] == [0, 1], "trainer-get-learning-rate", "transformers", "Trainer._get_learning_rate",
+           f"is no longer what Trainer.train() reads the logged rate from at each step (asked at steps {asked})")  # fmt: skip
 
 
 def test_trainer_get_output_dir(trainer_calls):
