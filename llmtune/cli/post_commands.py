@@ -110,8 +110,10 @@ def infer(
 
     if prompt and file:
         raise UserError("--prompt and --file both given", "use one of them")
-    if output is not None and output.is_dir():  # before the model loads, not after it has generated
-        raise UserError(f"can't write {output} (it is a folder)", "give --output a file name, not a folder")
+    if output is not None:  # before the model loads, not after it has generated
+        from llmtune.plan.files import check_writable
+
+        check_writable(output)
     sampling = Sampling(max_new_tokens, temperature, top_p, seed=seed)
     results = run_infer(target, prompt or [], file, output, sampling, batch_size, raw, track)
     if output is None:

@@ -52,6 +52,21 @@ def make_folder(path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
 
 
+def check_writable(path: Path) -> None:
+    """Before long work whose result goes to `path` (infer's generations): one line now, not after the work, when
+    it can't be written there. Probes with a temporary file in the nearest folder that exists; makes nothing."""
+    path = Path(path)
+    with writing(path):
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a folder", str(path))
+        folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+        if not folder.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(folder))
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+
+
 def atomic_write(path: Path, text: str) -> None:
     """Write a file so that a reader never sees it half-written; one line (a UserError) when it can't be."""
     path = Path(path)

@@ -31,6 +31,7 @@ def test_unwritable_paths_are_one_line_for_each_command(run_cli, write_recipe, t
         (("slurm", recipe, "-o", blocker / "job.sbatch"), f"can't write {blocker / 'job.sbatch'} (a file is in"),
         (("config", "-y", "-o", blocker / "x.yaml"), f"can't write {blocker / 'x.yaml'} (a file is in the way"),
         (("infer", "some/model", "-p", "hi", "-o", folder), f"can't write {folder} (it is a folder)"),
+        (("infer", "some/model", "-p", "hi", "-o", blocker / "o.jsonl"), f"can't write {blocker / 'o.jsonl'} (a file"),
         (("rehearse", recipe, "-o", blocker), f"can't write {blocker} (a file is in the way"),
         (("report", run), f"can't write {run / 'report'} (a file is in the way"),
     ]
