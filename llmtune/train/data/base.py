@@ -98,3 +98,13 @@ def _prompt_answer(ctx: FormatContext, prompt: str, answer: str) -> list[Example
     answer_ids = _ids(ctx.tokenizer, answer) + _eos(ctx.tokenizer)
     labels = (prompt_ids if ctx.train_on_inputs else [IGNORE] * len(prompt_ids)) + answer_ids
     return [(prompt_ids + answer_ids, labels)]
+
+
+def empty_data(recipe, what: str):
+    """The error for data of which no row was read (an empty file, or a split with nothing in it): the files named,
+    and no hint about lengths (nothing was too long). `what`: 'training examples', 'preference rows', 'prompts'."""
+    from llmtune.errors import UserError
+
+    files = ", ".join(str(spec.path) for spec in recipe.datasets)
+    return UserError(f"no usable {what}: 0 rows read from {files}",
+                     "the data is empty: add rows (JSON lines: one object per line), or check path / split")  # fmt: skip

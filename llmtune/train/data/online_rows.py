@@ -14,7 +14,7 @@ import inspect
 from types import SimpleNamespace
 
 from llmtune.errors import UserError
-from llmtune.train.data.base import PreparedData, no_progress, shuffled_order, split_eval
+from llmtune.train.data.base import PreparedData, empty_data, no_progress, shuffled_order, split_eval
 from llmtune.train.data.sources import read_rows
 
 
@@ -88,9 +88,7 @@ def prepare_online_data(recipe, tokenizer, functions: dict, progress=no_progress
     evaluation = (read_group(recipe.test_datasets, "test_datasets", recipe, tokenizer, functions, stats, progress)
                   if recipe.test_datasets else None)  # fmt: skip
     if not train and not stats["rows"]:
-        files = ", ".join(str(spec.path) for spec in recipe.datasets)
-        raise UserError(f"no usable prompts: 0 rows read from {files}",
-                        "the data is empty: add rows (JSON lines: one object per line), or check path / split")  # fmt: skip
+        raise empty_data(recipe, "prompts")
     if not train:
         raise UserError(f"no usable prompts: {stats['rows']} read, {stats['dropped_too_long']} longer than "
                         "sequence_len minus trl.max_completion_length",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from llmtune.errors import UserError
 from llmtune.recipe.preference import preference_type
-from llmtune.train.data.base import PreparedData, no_progress, shuffled_order, split_eval
+from llmtune.train.data.base import PreparedData, empty_data, no_progress, shuffled_order, split_eval
 from llmtune.train.data.preference import context_for, convert_rows, converter_for
 from llmtune.train.data.sources import read_rows
 
@@ -103,9 +103,7 @@ def prepare_preference_data(recipe, tokenizer, progress=no_progress) -> Prepared
                     kept.append(row)
             group[:] = kept
     if not train and not stats["rows"]:
-        files = ", ".join(str(spec.path) for spec in recipe.datasets)
-        raise UserError(f"no usable preference rows: 0 rows read from {files}",
-                        "the data is empty: add rows (JSON lines: one object per line), or check path / split")  # fmt: skip
+        raise empty_data(recipe, "preference rows")
     if not train:
         # truncate keeps the end of a prompt over max_prompt_len and cuts replies, never a prompt over sequence_len
         hint = "raise sequence_len (or max_prompt_len)" + ("" if recipe.excess_length_strategy == "truncate" else

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.train.data.base import PreparedData, no_progress, shuffled_order, split_eval
+from llmtune.train.data.base import PreparedData, empty_data, no_progress, shuffled_order, split_eval
 from llmtune.train.data.formats import IGNORE, FormatContext, RowError
 from llmtune.train.data.packing import pack_examples
 from llmtune.train.data.reward import converter, fit_pair
@@ -234,9 +234,7 @@ def turn_end_notes(recipe, tokenizer) -> list[str]:
 def no_examples(recipe, stats: dict, purpose: str = "training") -> UserError:
     """Why no example of `recipe.datasets` is left: an empty file is named; otherwise what dropped the rows."""
     if not stats["rows"]:
-        files = ", ".join(str(spec.path) for spec in recipe.datasets)
-        return UserError(f"no usable {purpose} examples: 0 rows read from {files}",
-                         "the data is empty: add rows (JSON lines: one object per line), or check path / split")  # fmt: skip
+        return empty_data(recipe, f"{purpose} examples")
     reasons = [f"{stats['rows']} rows read", f"{stats['dropped_too_long']} longer than sequence_len "
                f"{recipe.sequence_len}", f"{stats['dropped_no_labels']} with no trained tokens"]  # fmt: skip
     hints = []
