@@ -26,6 +26,8 @@ from llmtune.recipe.writer import (
     ROW_TO_STRATEGY,
     STRATEGIES,
     Answers,
+    first_row,
+    format_mismatch,
     guess_dataset_type,
     machine_commands,
     recipe_text,
@@ -199,8 +201,15 @@ def ask_all(given: dict[str, Any], ask: Asker, given_preference: dict[str, Any] 
         answers.mixed_precision = ask.select("Mixed precision:", [("bf16", "bf16 (Ampere and newer)"),
                                              ("fp16", "fp16 (older GPUs)"), ("no", "no (fp32)")],
                                              answers.mixed_precision)  # fmt: skip
-    if want("sequence_len"):
+    from llmtune.plan.memory.facts import model_positions
+
+    longest = model_positions(answers.base_model)
+    if want("sequence_len"):  # the default, cut to what the model was trained on
+        answers.sequence_len = min(answers.sequence_len, longest or answers.sequence_len)
         answers.sequence_len = int(ask.text("Sequence length (tokens):", str(answers.sequence_len), _positive_int))
+    if longest and answers.sequence_len > longest:
+        ask.show(f"note: sequence_len {answers.sequence_len} is beyond the {longest} positions {answers.base_model} "
+                 "was trained on (max_position_embeddings): longer rows need rope_scaling or another model")  # fmt: skip
     if want("micro_batch_size"):
         answers.micro_batch_size = int(
             ask.text("Micro-batch size per GPU:", str(answers.micro_batch_size), _positive_int)
@@ -224,15 +233,22 @@ def _ask_dataset(answers: Answers, ask: Asker, want: Callable[[str], bool]) -> N
             answers.dataset,
             _existing_if_local,
         )
-    guessed = (
-        guess_dataset_type(Path(answers.dataset).expanduser()) if Path(answers.dataset).expanduser().is_file() else None
-    )
+    local = Path(answers.dataset).expanduser()
+    guessed, row = (guess_dataset_type(local), first_row(local)) if local.is_file() else (None, None)
     if guessed and want("dataset_type"):
         answers.dataset_type, answers.dataset_extra = guessed
     if want("dataset_type"):
+        if ask.interactive and not guessed and row is not None:
+            ask.show(f"note: the format of {answers.dataset} can't be told from its first row (fields: "
+                     f"{', '.join(row)}); choose it, and map its fields in the written recipe")  # fmt: skip
         answers.dataset_type = ask.select("Dataset format:", [(t, t) for t in DATASET_TYPES], answers.dataset_type)
         if guessed and answers.dataset_type != guessed[0]:
             answers.dataset_extra = {}
+    problem = format_mismatch(local, answers.dataset_type, answers.dataset_extra) if local.is_file() else None
+    if problem:  # a recipe that validates and then can't read a row: never written
+        raise UserError(problem, "pass --dataset-type with the file's format (alpaca, chat_template, completion, "
+                        "input_output); for fields of other names, write the datasets entry by hand with a "
+                        "mapping (type: {field_instruction: q, field_output: a})")  # fmt: skip
 
 
 def _draft_recipe(answers: Answers):

@@ -194,11 +194,11 @@ def train(
         import shutil  # a user error the ranks found (data, model, template) before saving anything: no run folder
 
         shutil.rmtree(output_dir, ignore_errors=True)
-    if code in (128 + 2, 128 + 15):  # Ctrl-C or SIGTERM: say what is kept and what a rerun does
+    if code in (128 + 1, 128 + 2, 128 + 15):  # hang-up, Ctrl-C or SIGTERM: say what is kept and what a rerun does
         from llmtune.plan.checkpoint_layout import last_complete
 
         kept = last_complete(Path(loaded.recipe.output_dir))
-        typer.echo(f"stopped ({'Ctrl-C' if code == 130 else 'SIGTERM'}); "
+        typer.echo(f"stopped ({ {129: 'SIGHUP', 130: 'Ctrl-C'}.get(code, 'SIGTERM')}); "
                    + (f"{kept.name} is the last complete checkpoint: the same command resumes from it (the steps "
                       "after it are trained again)" if kept else "no checkpoint was complete: the same command "
                       "starts over"), err=True)  # fmt: skip
@@ -208,23 +208,53 @@ def train(
         raise typer.Exit(code if code in (EXIT_USER_ERROR, 3) or code > 128 else 1)
 
 
-def preprocess(recipe: RecipeArg) -> None:
-    """Tokenize the recipe's datasets into the cache (dataset_prepared_path), with a progress bar."""
+def preprocess(
+    recipe: RecipeArg,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the first examples as spans of trained (+) and masked (-) tokens.")
+    ] = False,
+    debug_num_examples: Annotated[
+        int, typer.Option("--debug-num-examples", min=1, help="With --debug: how many examples (default 1).")
+    ] = 1,
+    debug_text_only: Annotated[
+        bool, typer.Option("--debug-text-only", help="With --debug: the text of each span, without its token count.")
+    ] = False,
+) -> None:
+    """Tokenize the recipe's datasets into the cache (dataset_prepared_path), with a progress bar; --debug shows
+    which tokens each example trains on."""
+    import json
+    import sys
+
     from llmtune.recipe import load_recipe
     from llmtune.train.data.prepare import split_and_pack, tokenize_with_cache
     from llmtune.train.model.load import load_tokenizer, model_source
     from llmtune.train.runtime.progress import track
 
     loaded = load_recipe(recipe)
+    for note in loaded.notes:
+        typer.echo(f"note: {note}", err=True)
     source, _ = model_source(loaded.recipe)
     tokenizer = load_tokenizer(loaded.recipe, source)
     if loaded.recipe.rl:
         from llmtune.train.data.prepare import prepare_data
 
-        stats = prepare_data(loaded.recipe, tokenizer, track).stats
+        prepared = prepare_data(loaded.recipe, tokenizer, track)
+        stats = prepared.stats
         typer.echo("checked: every preference row converts and fits (no cache: TRL tokenizes them when training)")
+        if debug:  # what TRL is handed: the converted rows
+            for position, row in enumerate(list(prepared.train)[:debug_num_examples]):
+                typer.echo(f"train row {position + 1} of {len(prepared.train)} (as TRL receives it):")
+                typer.echo("  " + json.dumps(row, ensure_ascii=False, default=str))
     else:
         groups, stats = tokenize_with_cache(loaded.recipe, tokenizer, track)
+        if debug:  # the tokenized examples in the datasets' order, before shuffling and packing
+            from llmtune.train.data.show import show_examples
+
+            color = sys.stdout.isatty()
+            for name, rows in groups.items():
+                for line in show_examples(rows, tokenizer, debug_num_examples, debug_text_only, color,
+                                          "eval" if name == "test" else name):  # fmt: skip
+                    typer.echo(line)
         stats = split_and_pack(loaded.recipe, groups, stats).stats
         where = stats["cache_dir"] or "(no cache: dataset_prepared_path is empty)"
         typer.echo(f"{'cache hit' if stats['cache_hit'] else 'tokenized'}: {where}")
@@ -232,6 +262,8 @@ def preprocess(recipe: RecipeArg) -> None:
                 "dropped_long_prompt", "dropped_no_labels", "packing_efficiency"):  # fmt: skip
         if stats.get(key) is not None:
             typer.echo(f"  {key}: {stats[key]}")
+    for label, counts in (stats.get("per_dataset") or {}).items():
+        typer.echo(f"  {label}: {counts['rows']} rows, {counts['examples']} examples")
 
 
 def slurm(

@@ -113,6 +113,8 @@ class StderrWatcher(threading.Thread):
                 self.holding = True
             if self.holding:
                 self.held.append(line)
+            elif user_error and self.hold_tracebacks:
+                pass  # said once, last, by the failure report (it was shown here and repeated there)
             elif not (match and self.hold_tracebacks and self._rank_traceback(int(match.group(1)), line)):
                 self.console.feed(text)
             if user_error and self.hold_tracebacks:
@@ -229,14 +231,20 @@ def report(watcher: StderrWatcher, log_dir: Path, out=None, rendezvous: tuple[st
             print(f"error: {what} (hint: start `llmtune train` with the same recipe and flags on every machine, "
                   "and check they reach that address: firewall, --main-process-ip)", file=out)  # fmt: skip
             return 2
+    errors = list(dict.fromkeys(watcher.last_error.values()))  # the ranks' user errors, each said once
     if cause is None:
         watcher.flush_held()  # not a failure report we understand: show it as it came
+        for message in errors:
+            print(message, file=out)
         return 1
-    if cause.exitcode == 2:  # a user error, already explained by the rank in one line: repeat it last
-        message = watcher.last_error.get(cause.rank)
+    if cause.exitcode == 2 or (errors and cause.exitcode > 0):  # a user error, one line (a peer that lost the
+        # erring rank's connection may be the one torchrun named): said once, last
+        message = watcher.last_error.get(cause.rank) or (errors[0] if errors else None)
         if message:
             print(message, file=out)
         return 2
+    for message in errors:  # said before the failure of a rank killed by a signal
+        print(message, file=out)
     path, tail = rank_log_tail(log_dir, cause.local_rank)
     remote = [p for p in watcher.lost_peers if local_addresses is not None and p not in local_addresses]
     if remote and cause.exitcode > 0:  # this machine's rank failed because a rank on another machine went away

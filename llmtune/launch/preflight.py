@@ -37,8 +37,10 @@ def finished_run(recipe) -> str | None:
         return None
     if metrics.get("recipe_fingerprint") != recipe_fingerprint(recipe):
         return None
-    return (f"{recipe.output_dir} already holds this recipe's finished run ({metrics.get('steps')} steps, final loss "
-            f"{metrics.get('final_loss')}); nothing to do. To train again, use another output_dir, remove it, "
+    loss = metrics.get("final_loss")
+    shown = f", final loss {loss:.4f}" if isinstance(loss, int | float) else ""
+    return (f"{recipe.output_dir} already holds this recipe's finished run ({metrics.get('steps')} steps{shown}); "
+            "nothing to do. To train again, use another output_dir, remove it, "
             "or set auto_resume_from_checkpoints: false")  # fmt: skip
 
 

@@ -123,7 +123,7 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
     with open(log_dir / f"machine-{cluster.machine_rank}.log", "a", encoding="utf-8") as log:
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
         process = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT)  # fmt: skip
+                                   stderr=subprocess.STDOUT, preexec_fn=die_with(os.getpid()))  # fmt: skip
         watcher = StderrWatcher(
             process.stdout, console=console, log=log, hold_tracebacks=torchrun and "--standalone" not in command
         )
@@ -148,6 +148,8 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
     if training_report is not None:
         training_report.finish(code == 0)
     if not watcher.hold_tracebacks or code == 0 or code > 128:  # not torchrun's report; success; a signal
+        for message in dict.fromkeys(watcher.last_error.values()) if watcher.hold_tracebacks and code else ():
+            print(message, file=sys.stderr, flush=True)  # a rank's user error, held for the report
         return code
     rendezvous = None
     if plan.rdzv_backend == "c10d":
@@ -205,8 +207,26 @@ class _Report:
             _log(self.result)
 
 
+def die_with(launcher: int):
+    """For Popen's preexec_fn: the launched process (torchrun's agent, or the one rank) gets SIGTERM when llmtune's
+    launcher dies however it dies (kill -9, the OOM killer), and stops its ranks; in their own session, nothing else
+    would stop them (Linux's parent-death signal; elsewhere nothing changes)."""
+
+    def arm() -> None:
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != launcher:  # the launcher died before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 def supervise(process: subprocess.Popen, grace: float = 10.0, stop_when=None) -> int:
-    """Wait for the launched group; on SIGINT/SIGTERM stop all of it (SIGTERM, then SIGKILL after `grace`); the same
+    """Wait for the launched group; on SIGINT/SIGTERM/SIGHUP (a closed terminal) stop all of it (SIGTERM, then SIGKILL after `grace`); the same
     when `stop_when()` says so (a stalled run). (SIGUSR1, a request to checkpoint and stop, is handled by `run` for
     the whole launch.)
 
@@ -218,7 +238,7 @@ def supervise(process: subprocess.Popen, grace: float = 10.0, stop_when=None) ->
         stop_requested.append((signum, time.monotonic()))
         _signal_group(process, signal.SIGTERM)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
             try:

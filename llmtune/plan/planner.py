@@ -32,7 +32,8 @@ from llmtune.plan.memory.facts import read_model_facts
 from llmtune.plan.mesh import plan_mesh
 from llmtune.plan.pipeline import PipelinePlan, pipeline_plan
 from llmtune.plan.resume import length_line, resumed_accumulation
-from llmtune.plan.resume_checks import check_resume
+from llmtune.plan.resume_checks import check_resume, check_weights_only
+from llmtune.plan.vocabulary import check_new_tokens
 from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, resolve_kernels
 from llmtune.recipe.loader import PER_MACHINE_KEYS, recipe_fingerprint
@@ -211,7 +212,11 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
             notes.append("gradient_checkpointing and fsdp_config.activation_checkpointing are both on: FSDP's "
                          "recomputes each wrapped layer (transformers refuses the two together)")  # fmt: skip
     check_chat_templates(recipe)
+    check_new_tokens(recipe)
     check_kto_batch(recipe)
+    if recipe.early_stopping_patience and not (recipe.val_set_size or recipe.test_datasets):
+        notes.append("early_stopping_patience: no effect: the recipe has no eval data (set val_set_size or "
+                     "test_datasets)")  # fmt: skip
     if recipe.gptq:
         notes.append(gptq_check(recipe, strategy))
     if recipe.activation_offloading:
@@ -265,7 +270,15 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
             if resumed.universal:  # the engine reads <checkpoint>/latest_universal (the worker converts first)
                 deepspeed_config["checkpoint"] = {**deepspeed_config.get("checkpoint", {}), "load_universal": True}
     if resume:
-        notes.extend(note for note in (length_line(recipe), *check_resume(recipe)) if note)
+        notes.extend(
+            note
+            for note in (
+                length_line(recipe),
+                *check_resume(recipe),
+                check_weights_only(recipe, strategy, STRATEGY_TITLES[strategy]),
+            )
+            if note
+        )
     _check_elastic_sizes(recipe, cluster, strategy, global_batch)
     if recipe.lisa_n_layers:
         if world > 1:

@@ -148,16 +148,18 @@ def resumed_accumulation(
     saved = saved_allocation(recipe, checkpoint) if checkpoint else None
     if saved is None:
         return None
-    if saved.world_size == world:
-        return _same_world(recipe, saved, data_parallel) if same_world else None
     name = saved.path.name
     written = saved.strategy or strategy
     if saved.strategy and MOVABLE.get(saved.strategy, saved.strategy) != MOVABLE.get(strategy, strategy):
+        # at any world size: the same one too, where ZeRO's and FSDP's states would be missed (a DDP resume of a
+        # ZeRO checkpoint restarted its optimizer silently) or not found (every rank's traceback)
         raise UserError(
             f"{name} was saved by {titles.get(written, written)}; this launch runs "
             f"{titles.get(strategy, strategy)}: a checkpoint resumes only under the strategy that wrote it",
             f"resume with the recipe's strategy keys as they were, or start over: {start_over(recipe)}",
         )
+    if saved.world_size == world:
+        return _same_world(recipe, saved, data_parallel) if same_world else None
     if written not in MOVABLE or mesh or saved.mesh:
         title = titles.get(written, written) + (" (with a device mesh)" if mesh or saved.mesh else "")
         raise UserError(

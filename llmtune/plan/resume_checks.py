@@ -196,3 +196,33 @@ def _saved_keys(checkpoint: Path, marker: dict) -> dict:
         return marker_keys(Recipe.model_validate(payload["recipe"]))
     except (OSError, ValueError, KeyError, TypeError):
         return {}
+
+
+def weights_only(checkpoint: Path) -> bool:
+    """A checkpoint saved with save_only_model: no optimizer or scheduler state of any engine beside the weights."""
+    return not any(next(checkpoint.glob(pattern), None) for pattern in
+                   ("scheduler.pt", "optimizer*", "global_step*", "pytorch_model_fsdp*", "dcp_state", "*.distcp"))  # fmt: skip
+
+
+def check_weights_only(recipe, strategy: str, title: str) -> str | None:
+    """Resuming a weights-only checkpoint (save_only_model): one process or DDP continue its weights, step and
+    learning-rate schedule with a fresh optimizer state (said in the plan); ZeRO and FSDP resume from their engine's
+    own state, which isn't there: refused in one line, not every rank's traceback after loading."""
+    checkpoint = resume_checkpoint(recipe)
+    if checkpoint is None or not checkpoint.is_dir() or strategy in ("tp", "pipeline") or not weights_only(checkpoint):
+        return None
+    if strategy in ("single", "ddp"):
+        return (f"resuming {checkpoint.name}, saved with save_only_model: its weights, step and learning-rate "
+                "schedule go on; the optimizer's state (AdamW's moments) starts afresh, as none was saved")  # fmt: skip
+    raise UserError(f"{checkpoint.name} holds the weights only (saved with save_only_model): {title} resumes from "
+                    "its engine's own optimizer and model state, which wasn't saved",
+                    f"{start_over(recipe)} to train from the start; to train on from these weights, use them as "
+                    f"base_model in a new run (llmtune merge {checkpoint} first for an adapter)")  # fmt: skip
+
+
+def weights_only_step(resume, marker: dict, strategy: str) -> int:
+    """The step a weights-only checkpoint one process or DDP resumes was saved at (its schedule goes on from
+    there); 0 for any other checkpoint."""
+    if strategy not in ("single", "ddp") or not weights_only(Path(resume)):
+        return 0
+    return int(marker.get("step") or 0)

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.plan.memory.facts import KNOWN_MODELS, ModelFacts, fetch_hub_config, find_config_json
+from llmtune.plan.memory.facts import (
+    KEYS,
+    KNOWN_MODELS,
+    UNGATED_MLP,
+    ModelFacts,
+    fetch_hub_config,
+    find_config_json,
+)
 from llmtune.plan.memory.facts import facts_from_config as _read_facts
 
 MIN_LAYERS = 2  # more than one decoder layer: several FSDP units, ZeRO-3 fetching layer after layer
@@ -123,6 +130,9 @@ def _heads(full: ModelFacts, hidden: int | None, multiple: int, split: int = 1) 
         raise UserError(f"the model has {full.num_heads} heads and {full.num_kv_heads} key/value heads, which don't "
                         "divide", "check the model's config.json")  # fmt: skip
     ratio = full.num_heads // full.num_kv_heads
+    if full.num_kv_heads == 1 and full.model_type in UNGATED_MLP and ratio > 1:  # multi-query (Falcon's 71 heads
+        # over one key/value head): the one key/value head kept, not the ratio
+        ratio = max(MIN_HEADS, split)
     kv_heads = max(1, math.ceil(MIN_HEADS / ratio))
     while kv_heads < full.num_kv_heads and ((ratio * kv_heads) % split or (kv_heads % split and split % kv_heads)):
         kv_heads += 1
@@ -155,10 +165,23 @@ def shrink_config(config: dict, min_layers: int = MIN_LAYERS, hidden: int | None
     text = dict(text_config(config))
     width = (text.get("intermediate_size") or full.intermediate_size) / full.hidden_size  # the config's own key
     # (ModelFacts' dense width is Llama 4's intermediate_size_mlp, which the loop below keeps in ratio)
-    values = {"num_hidden_layers": new_layers, "hidden_size": new_hidden, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads,
-              "intermediate_size": _round_up(width * new_hidden, math.lcm(8, multiple))}  # fmt: skip
-    if "head_dim" in text or head_dim != full.head_dim:
+    width = (next((text[k] for k in KEYS["mlp"] if isinstance(text.get(k), int)), None) or full.intermediate_size
+             ) / full.hidden_size if "intermediate_size" not in text else width  # fmt: skip
+
+    def own(kind: str) -> str:  # the config's own key for it (GPT-2's n_embd, OPT's ffn_dim), else today's name
+        return next((key for key in KEYS[kind] if key in text), KEYS[kind][0])
+
+    values = {own("layers"): new_layers, own("hidden"): new_hidden, own("heads"): heads,
+              own("mlp"): _round_up(width * new_hidden, math.lcm(8, multiple))}  # fmt: skip
+    if text.get("word_embed_proj_dim") == full.hidden_size:  # OPT's embedding width, the hidden size's here
+        values["word_embed_proj_dim"] = new_hidden
+    if "num_key_value_heads" in text or full.model_type not in UNGATED_MLP:
+        values["num_key_value_heads"] = kv_heads
+    elif "num_kv_heads" in text:  # Falcon's new decoder architecture
+        values["num_kv_heads"] = kv_heads
+    # head_dim: where the config has it, or the class defaults one of its own (Gemma); the older families
+    # (ungated MLPs) derive it from hidden / heads, some as a read-only property (Falcon)
+    if "head_dim" in text or (head_dim != full.head_dim and full.model_type not in UNGATED_MLP):
         values["head_dim"] = head_dim
     for key, value in text.items():  # MoE experts and the like keep their width ratio too
         if (key.endswith("intermediate_size") or key == "intermediate_size_mlp") and key != "intermediate_size" \

@@ -230,22 +230,16 @@ def _write(info: Target, results: dict) -> dict:
 
 
 def exact_match(model, tokenizer, pairs, batch_size: int, max_new_tokens: int | None, show: int) -> dict:
-    import torch
-
+    from llmtune.post.generate import Sampling, generate_ids
     from llmtune.train.runtime.progress import log, track
 
     hits, samples = 0, []
     budget = max_new_tokens or max(len(a) for _, a in pairs) + 8
-    pad = tokenizer.pad_token_id
+    options = Sampling(budget).kwargs(tokenizer, model)  # greedy
     for start in track(range(0, len(pairs), batch_size), "generating"):
         chunk = pairs[start : start + batch_size]
-        width = max(len(p) for p, _ in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk])  # left padding for generation
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
-        with torch.no_grad():
-            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=budget, do_sample=False,
-                                 pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
-        for (prompt, answer), generated in zip(chunk, out[:, width:].cpu(), strict=True):
+        made = generate_ids(model, tokenizer, [prompt for prompt, _ in chunk], options)
+        for (prompt, answer), generated in zip(chunk, made, strict=True):
             got = tokenizer.decode(generated, skip_special_tokens=True).strip()
             want = tokenizer.decode(answer, skip_special_tokens=True).strip()
             hits += got == want

@@ -31,22 +31,14 @@ def recipe_folder(info, target: Path) -> Path | None:
 
 
 def _completions(model, tokenizer, prompts: list, batch_size: int, max_new_tokens: int) -> list[str]:
-    import torch
+    from llmtune.post.generate import Sampling, generate_texts
 
     texts = [p if isinstance(p, str) else tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
              for p in prompts]  # fmt: skip
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    options = Sampling(max_new_tokens).kwargs(tokenizer, model)  # greedy
     out = []
-    try:
-        for start in range(0, len(texts), batch_size):
-            batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True,
-                              add_special_tokens=False).to(model.device)  # fmt: skip
-            with torch.no_grad():
-                made = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                      pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-            out += tokenizer.batch_decode(made[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    finally:
-        tokenizer.padding_side = side
+    for start in range(0, len(texts), batch_size):
+        out += generate_texts(model, tokenizer, texts[start : start + batch_size], options)
     return out
 
 

@@ -177,14 +177,45 @@ class Sampling:
     top_k: int = 0
     seed: int = 0
 
-    def kwargs(self, tokenizer) -> dict:
+    def kwargs(self, tokenizer, model=None) -> dict:
         options = {"max_new_tokens": self.max_new_tokens, "pad_token_id": tokenizer.pad_token_id,
-                   "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
+                   "eos_token_id": stop_ids(model, tokenizer)}  # fmt: skip
         if self.temperature > 0:
             options.update(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         else:
             options.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         return options
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    """Every token generation stops at: the model's generation config's eos ids (an instruct model lists its turn
+    end beside the end of text) and the tokenizer's eos (a recipe's special_tokens.eos_token)."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def generate_ids(model, tokenizer, prompts: list[list[int]], options: dict) -> list[list[int]]:
+    """The tokens generated after each prompt (token ids), the batch left-padded; `options`: generate()'s
+    (Sampling.kwargs)."""
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, **{"pad_token_id": pad, **options})
+    return out[:, width:].cpu().tolist()
+
+
+def generate_texts(model, tokenizer, texts: list[str], options: dict) -> list[str]:
+    """generate_ids over rendered prompt texts (their special tokens written in them), decoded."""
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    made = generate_ids(model, tokenizer, prompts, options)
+    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in made]
 
 
 def render(tokenizer, prompt, raw: bool) -> str:
@@ -201,14 +232,7 @@ def render(tokenizer, prompt, raw: bool) -> str:
 
 
 def generate_batch(loaded: Loaded, texts: list[str], sampling: Sampling) -> list[str]:
-    import torch
-
-    tokenizer, model = loaded.tokenizer, loaded.model
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    with torch.no_grad():
-        out = model.generate(**batch, **sampling.kwargs(tokenizer))
-    width = batch["input_ids"].shape[1]
-    return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]
+    return generate_texts(loaded.model, loaded.tokenizer, texts, sampling.kwargs(loaded.tokenizer, loaded.model))
 
 
 def read_prompts(path: Path) -> list[tuple[dict, object]]:
@@ -315,7 +339,7 @@ def chat(
         stdout.write("model> ")
         stdout.flush()
         with torch.no_grad():
-            out = model.generate(**batch, **sampling.kwargs(tokenizer),
+            out = model.generate(**batch, **sampling.kwargs(tokenizer, model),
                                  streamer=Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True))  # fmt: skip
         answer = tokenizer.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True).strip()
         history.append({"role": "assistant", "content": answer})

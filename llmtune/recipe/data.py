@@ -106,6 +106,25 @@ class CustomFormat(Section):
     field: str | None = Field(None, description="Accepted for Axolotl's schema; unused.")
 
 
+def unfilled_placeholder(value: str, field: str) -> str | None:
+    """Why a custom format string would fail at the first row (str.format), or None: only {instruction} and {input}
+    are filled in a prompt format, {system} in system_format."""
+    import string
+
+    filled = ("system",) if field == "system_format" else ("instruction", "input")
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(value) if name is not None]
+    except ValueError as err:
+        return f"{value!r} is not a format string ({err}); write a literal brace as {{{{ or }}}}"
+    wrong = next((name for name in names if name not in filled), None)
+    shown = " and ".join(f"{{{name}}}" for name in filled)
+    return (
+        None
+        if wrong is None
+        else f"{{{wrong}}} is never filled: only {shown} are (a literal brace is written {{{{ or }}}})"
+    )
+
+
 def is_transform(kind) -> bool:
     """A dataset type that names a function in the user's file (module.function), not one of the known formats."""
     if not isinstance(kind, str) or "." not in kind or "/" in kind or ":" in kind:
@@ -184,7 +203,12 @@ class DatasetSpec(Section):
     chat_template_jinja: str | None = Field(None, description="Per-dataset Jinja template (chat_template: jinja).")
     drop_system_message: bool = Field(False, description="Drop system messages before templating.")
     shards: int | None = Field(None, gt=0, description="Keep only one of this many shards (quick trials).")
-    shards_idx: int = Field(0, ge=0, description="Which shard `shards` keeps (rows shards_idx, +shards, ...).")
+    shards_idx: int = Field(
+        0,
+        ge=0,
+        description="Which shard `shards` keeps: the rows shuffled by the recipe's "
+        "seed, then this contiguous block (Axolotl's shuffle(seed).shard()).",
+    )
     conversation: str | None = Field(
         None, description="sharegpt: the FastChat template (default vicuna_v1.1); alpaca_chat: the prompt style."
     )
@@ -260,6 +284,8 @@ class DatasetSpec(Section):
 
     @model_validator(mode="after")
     def _shard(self):
+        if self.chat_template_jinja and not self.chat_template:
+            self.chat_template = "jinja"  # the entry's own text is its template (the recipe's key does the same)
         kind = self.type if isinstance(self.type, str) else ""
         if kind.startswith("sharegpt") and "field_messages" not in self.model_fields_set:
             # ShareGPT rows keep their messages under `conversations` (ultrachat's under `messages`); set here, not

@@ -213,6 +213,8 @@ class ModelKeys(Section):
             if self.liger_glu_activation and not self.liger_swiglu:
                 raise ValueError("liger_swiglu (the older name) and liger_glu_activation disagree; keep one")
             self.liger_glu_activation = self.liger_glu_activation or self.liger_swiglu
+        if self.chat_template_jinja and not self.chat_template:
+            self.chat_template = "jinja"  # the text given is the template (Axolotl sets chat_template: jinja too)
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("chat_template: jinja needs chat_template_jinja (the template text)")
         required = MODEL_QUANTIZATION_CONFIGS.get(self.model_quantization_config or "", {})

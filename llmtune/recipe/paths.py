@@ -139,6 +139,15 @@ def check_not_an_adapter(folder: Path, recipe_path: Path) -> None:
 BUILDERS = ("json", "jsonl", "csv", "parquet", "arrow", "text")
 
 
+def one_split_only(label: str, split: str | None, where) -> UserError | None:
+    """A local file (or a builder's data_files) is one split, 'train': any other split names nothing in it."""
+    if (split or "train").split("[", 1)[0].strip() == "train":
+        return None
+    return UserError(f"{label}.split: '{split}': {where} is read as one split, 'train' (Axolotl's load_dataset "
+                     "raised for any other)", "remove split, take a slice (split: train[90%:]), or point path at a "
+                     "folder whose file names say the splits (train.jsonl, test.jsonl)")  # fmt: skip
+
+
 def check_local_paths(recipe, recipe_path: Path) -> None:
     """Replace local names in the recipe by absolute paths, failing on ones that don't exist."""
     check_output_dir(recipe.output_dir, recipe_path)
@@ -183,6 +192,9 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
             key = f"{group}[{index}].path"
             spec.path = resolve(spec.path, key, recipe_path)
             base = Path(spec.path)
+            refused = one_split_only(f"{group}[{index}]", spec.split, base) if base.is_file() else None
+            if refused:
+                raise UserError(f"{recipe_path}: {refused.message}", refused.hint)
             if base.is_dir() and spec.data_files:
                 files = [spec.data_files] if isinstance(spec.data_files, str) else spec.data_files
                 for name in files:

@@ -291,9 +291,15 @@ def _as_preference_format(kind, label: str) -> PreferenceFormat:
 
 
 def _datasets_without_rl(recipe) -> None:
+    from llmtune.recipe.data import CustomFormat, unfilled_placeholder
+
     for group in ("datasets", "test_datasets"):
         for index, spec in enumerate(getattr(recipe, group) or []):
             kind = spec.type
+            for key in ("format", "no_input_format", "system_format") if isinstance(kind, CustomFormat) else ():
+                problem = unfilled_placeholder(getattr(kind, key), key)
+                if problem:
+                    raise ValueError(f"{group}[{index}].type.{key}: {problem}")
             if spec.transform:
                 raise ValueError(f"{group}[{index}].type {kind} names a transform in your file, which GRPO's data "
                                  "takes: set rl: grpo (or gdpo), or use one of the dataset formats")  # fmt: skip

@@ -112,7 +112,12 @@ class TrainingKeys(Section):
     evals_per_epoch: int | None = Field(None, ge=0, description="Evaluations per epoch (0: no evaluation).")
     resume_from_checkpoint: str | None = Field(None, description="A checkpoint folder to resume from.")
     auto_resume_from_checkpoints: bool = Field(True, description="Resume from the last complete checkpoint found.")
-    early_stopping_patience: int | None = Field(None, gt=0, description="Stop after this many evals without gain.")
+    early_stopping_patience: int | None = Field(
+        None,
+        gt=0,
+        description="Stop after this many evals without a lower eval loss; the best checkpoint's "
+        "weights are saved (needs eval data).",
+    )
     group_by_length: bool = Field(False, description="Batch rows of similar length together.")
     curriculum_sampling: bool = Field(False, description="Train on rows in data order, not shuffled per epoch.")
     neftune_noise_alpha: float | None = Field(None, gt=0, description="NEFTune: noise on the embeddings in training.")

@@ -180,8 +180,13 @@ def closing_blocks(answers: Answers, label: str) -> list[str]:
     return blocks
 
 
-def guess_dataset_type(path: Path) -> tuple[str, dict] | None:
-    """From a local JSON/JSONL file's first row: alpaca, chat_template (with its field names) or completion."""
+# what each format the wizard offers reads from a row (chat_template: one of them)
+TYPE_FIELDS = {"alpaca": ("instruction", "output"), "chat_template": ("messages", "conversations"),
+               "completion": ("text",), "input_output": ("segments",)}  # fmt: skip
+
+
+def first_row(path: Path) -> dict | None:
+    """A local JSON/JSONL file's first row (None: not readable as one)."""
     try:
         with path.open(encoding="utf-8") as handle:
             first = handle.readline().strip()
@@ -193,7 +198,32 @@ def guess_dataset_type(path: Path) -> tuple[str, dict] | None:
                 row = json.loads(first) if first else {}
     except (OSError, ValueError, IndexError, KeyError, TypeError):
         return None
-    if not isinstance(row, dict):
+    return row if isinstance(row, dict) else None
+
+
+def format_mismatch(path: Path, kind: str, extra: dict) -> str | None:
+    """Why a local file's first row can't be read as `kind` (its fields), else None."""
+    row = first_row(path)
+    needed = TYPE_FIELDS.get(kind)
+    if row is None or needed is None:
+        return None
+    if kind == "chat_template":
+        needed = (extra["field_messages"],) if extra.get("field_messages") else needed
+        if any(name in row for name in needed):
+            return None
+        want = " or ".join(f"'{name}'" for name in needed)
+    else:
+        missing = [name for name in needed if name not in row]
+        if not missing:
+            return None
+        want = " and ".join(f"'{name}'" for name in missing)
+    return f"{path}: its first row has the fields {', '.join(map(repr, row)) or '(none)'}, and type {kind} reads {want}"
+
+
+def guess_dataset_type(path: Path) -> tuple[str, dict] | None:
+    """From a local JSON/JSONL file's first row: alpaca, chat_template (with its field names) or completion."""
+    row = first_row(path)
+    if row is None:
         return None
     if "instruction" in row and "output" in row:
         return "alpaca", {}

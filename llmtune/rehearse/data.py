@@ -120,6 +120,13 @@ def _readable(spec, label: str) -> str | None:
 def gather_sources(recipe, limit: int, folder: Path, stand_ins: dict[str, str]) -> list[Source]:
     """Each dataset entry, sampled; an entry that can't be loaded takes its stand-in, or stops the rehearsal."""
     sources = []
+    labels = [f"{group}[{index}]" for group in ("datasets", "test_datasets")
+              for index in range(len(getattr(recipe, group) or []))]  # fmt: skip
+    unknown = [label for label in stand_ins if label != "*" and label not in labels]
+    if unknown:
+        raise UserError(f"--stand-in-data {unknown[0]}=...: the recipe has no {unknown[0]} (it has "
+                        f"{', '.join(labels)})", "name an entry of the recipe's datasets or test_datasets, "
+                        "e.g. datasets[0]=FILE or 0=FILE")  # fmt: skip
     for group in ("datasets", "test_datasets"):
         for index, spec in enumerate(getattr(recipe, group) or []):
             label = f"{group}[{index}]"

@@ -37,18 +37,6 @@ def _check_rows(marker: dict, dataset, resume: str) -> None:
         )
 
 
-def _final_evaluation(trainer) -> dict:
-    """The eval metrics of the final weights: those logged at the last step when an evaluation ran there (the
-    same weights and data; evaluating again would cost the time and print the line twice), else a new one. With
-    load_best_model_at_end the final weights may be an earlier step's: evaluated anew."""
-    for entry in reversed(trainer.state.log_history):
-        if "eval_loss" in entry:
-            if entry.get("step") == trainer.state.global_step and not trainer.args.load_best_model_at_end:
-                return {k: v for k, v in entry.items() if k.startswith("eval_") or k == "epoch"}
-            break
-    return trainer.evaluate()
-
-
 def _outcome(recipe, metrics: dict) -> str:
     """The saved line's figures: the losses; online RL's is the mean reward (its loss is near 0 by construction)."""
     from llmtune.recipe.preference import ONLINE_METHODS
@@ -59,8 +47,9 @@ def _outcome(recipe, metrics: dict) -> str:
                  (("mean reward", last.get("reward")), ("eval mean reward", metrics.get("eval_reward")))
                  if isinstance(metrics_value, int | float)]  # fmt: skip
         return ", ".join(shown) or "no reward logged"
+    best = f" (best checkpoint, step {metrics['best_step']})" if "best_step" in metrics else ""
     return f"train loss {metrics['train_loss']:.4f}" + (
-        f", eval loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else "")  # fmt: skip
+        f", eval loss {metrics['eval_loss']:.4f}{best}" if "eval_loss" in metrics else "")  # fmt: skip
 
 
 def _reference_report(trainer, recipe) -> dict:
@@ -98,6 +87,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         StopOnNonFiniteLoss,
         StopOnRequest,
         TestKillAfterSave,
+        early_stopping,
+        final_evaluation,
     )  # fmt: skip
     from llmtune.train.engine.trainer import LlmtuneTrainer, Rows
     from llmtune.train.model.adapters import attach_adapter, parameter_counts
@@ -212,7 +203,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
                 PairCollator(tokenizer.pad_token_id, pad_to),
                 pairwise_loss(recipe.center_rewards_coefficient),
             )
-    callbacks = [StopOnNonFiniteLoss()] + ([TestKillAfterSave()] if any(k in os.environ for k in TEST_HOOKS) else [])
+    callbacks = [StopOnNonFiniteLoss(), *early_stopping(recipe, bool(data.eval))]
+    callbacks += [TestKillAfterSave()] if any(k in os.environ for k in TEST_HOOKS) else []
     if recipe.rl:
         from llmtune.train.rl.trainers import preference_trainer
 
@@ -278,9 +270,11 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
 
             args.ignore_data_skip = True  # (UlyssesResume skips the trained batches instead)
             trainer.add_callback(UlyssesResume(trainer, resume))
-        trainer.saved_world, trainer.rows_before = marker.get("world_size"), marker.get("rows_seen")
         from llmtune.plan.resume import started_from
+        from llmtune.plan.resume_checks import weights_only_step
 
+        trainer.saved_world, trainer.rows_before = marker.get("world_size"), marker.get("rows_seen")
+        trainer.scheduler_from_step = weights_only_step(resume, marker, plan["strategy"])
         trainer.started_from = started_from(resume, output_dir, marker)
     from llmtune.train.runtime.memory import ModelStateMeter
 
@@ -294,7 +288,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     seconds = time.time() - started
     metrics = {"train_loss": result.training_loss}
     if data.eval:
-        metrics.update(_final_evaluation(trainer))
+        metrics.update(final_evaluation(trainer))
     steady_tokens, steady_seconds = step_stats.steady()
     # the ranks of a tensor- or context-parallel group each count the rows they split (Ulysses: every row of the
     # group passes through every rank, a chunk at a time), so the sums count each row once per rank of a group

@@ -298,3 +298,28 @@ def test_a_run_killed_after_its_last_checkpoint_writes_its_final_model_when_reru
     assert f"resuming checkpoint-{steps}, the run's last step ({steps}): no step is trained" in again.stderr
     assert read_metrics(recipe)["steps"] == steps and (out / "adapter_model.safetensors").is_file()
     assert not STEP_LINE.search(again.stderr)  # no step ran
+
+
+def test_early_stopping_stops_and_saves_the_best_checkpoint(make_recipe):
+    """early_stopping_patience stops the run after that many evaluations without a better eval loss, and the saved
+    weights are the best checkpoint's (transformers' load_best_model_at_end, through llmtune's checkpoints): a
+    learning rate far too high makes the eval loss climb after its best."""
+    import torch
+
+    recipe = make_recipe("early", adapter="lora", lora_r=8, lora_alpha=16, lora_target_linear=True,
+                         learning_rate=0.05, max_steps=12, val_set_size=0.25, eval_steps=1, save_steps=1,
+                         save_strategy="steps", early_stopping_patience=1)  # fmt: skip
+    result = llmtune("train", recipe, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(recipe)
+    evals = {entry["step"]: entry["eval_loss"] for entry in metrics["log_history"] if "eval_loss" in entry}
+    best = min(evals, key=evals.get)
+    last = max(evals)
+    assert metrics["steps"] == last < 12 and last == best + 1, evals  # stopped at the first eval that got worse
+    assert metrics["eval_loss"] == evals[best] and metrics["best_step"] == best
+    assert f"early stopping at step {last} of 12" in result.stderr and f"step {best})" in result.stderr
+    output_dir = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+    saved = saved_weights(output_dir)
+    for step, same in ((best, True), (last, False)):
+        kept = saved_weights(output_dir / f"checkpoint-{step}")
+        assert all(torch.equal(saved[k], kept[k]) for k in saved) is same, step

@@ -100,3 +100,31 @@ def test_malformed_special_tokens_are_one_line_errors(value, words):
         recipe(Path("m"), special_tokens=value)
     for word in ["special_tokens", *words]:
         assert word in caught.value.message
+
+
+def test_validate_refuses_new_tokens_from_the_local_tokenizer_json_before_any_model_loads(folder, tmp_path):
+    from llmtune.plan import make_cluster, make_plan
+
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    try:
+        with pytest.raises(UserError, match="embed_in and embed_out") as caught:
+            make_plan(recipe(folder, **LORA, special_tokens={"eos_token": "<eot>"}), make_cluster(1, device="cpu"))
+        assert "special_tokens.eos_token" in caught.value.message and "<eot>" in caught.value.message
+        # known tokens, a new pad token, the embeddings in modules_to_save, a full fine-tune: planned
+        for keys in ({**LORA, "tokens": ["<|im_end|>"]}, {**LORA, "special_tokens": {"pad_token": "<p>"}},
+                     {**LORA, "tokens": ["<x>"], "lora_modules_to_save": ["embed_in", "embed_out"]},
+                     {"tokens": ["<x>"]}):  # fmt: skip
+            make_plan(recipe(folder, **keys), make_cluster(1, device="cpu"))
+        # no tokenizer.json here (a hub id not downloaded): left to the load-time check
+        make_plan(recipe(tmp_path, **LORA, tokens=["<x>"]), make_cluster(1, device="cpu"))
+    finally:
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+
+
+def test_an_adapter_loaded_from_lora_model_dir_must_train_the_embeddings_of_new_tokens(folder, tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"modules_to_save": None}))
+    with pytest.raises(UserError, match="lora_model_dir") as caught:
+        tokenizer_for(folder, adapter="lora", lora_model_dir=str(tmp_path), tokens=["<tool>"])
+    assert "lora_modules_to_save: [embed_tokens, lm_head]" in caught.value.hint
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"modules_to_save": ["embed_tokens", "lm_head"]}))
+    assert "<tool>" in tokenizer_for(folder, adapter="lora", lora_model_dir=str(tmp_path), tokens=["<tool>"]).get_vocab()

@@ -233,3 +233,24 @@ def test_large_full_fine_tunes_are_offered_background_checkpoints_where_the_stra
     assert written("--strategy", "fsdp")["async_checkpoint"] is True  # 8B: yes by default, and it plans
     assert "async_checkpoint" not in written("--strategy", "fsdp", "--no-async-checkpoint")
     assert "async_checkpoint" not in written("--strategy", "zero3")  # DeepSpeed writes its own checkpoints
+
+
+def test_a_file_the_chosen_format_cant_read_is_refused_and_nothing_is_written(run_cli, tmp_path, model_dir, chat_file):
+    rows = tmp_path / "own.jsonl"
+    rows.write_text(json.dumps({"conversation": [{"speaker": "person", "text": "hi"}], "system": "x"}) + "\n")
+    output = tmp_path / "r.yaml"
+    for flags, wanted in ((["--dataset", rows], "type alpaca reads 'instruction' and 'output'"),  # not guessed
+                          (["--dataset", chat_file, "--dataset-type", "completion"], "type completion reads 'text'")):
+        result = run_cli("config", "--yes", "-o", output, "--base-model", model_dir, *flags)
+        assert result.code == 2 and wanted in result.err and "Traceback" not in result.err, result.err
+        assert result.err.count("error:") == 1 and "--dataset-type" in result.err and not output.exists()
+
+
+def test_the_default_sequence_len_stays_within_the_models_positions(run_cli, tmp_path, model_dir, chat_file):
+    (model_dir / "config.json").write_text(json.dumps({**LLAMA_8B, "max_position_embeddings": 1024}))
+    output = tmp_path / "r.yaml"
+    assert run_cli("config", "--yes", "-o", output, "--base-model", model_dir, "--dataset", chat_file).code == 0
+    assert yaml.safe_load(output.read_text())["sequence_len"] == 1024
+    longer = run_cli("config", "--yes", "-o", tmp_path / "l.yaml", "--base-model", model_dir, "--dataset", chat_file,
+                     "--sequence-len", "4096")  # fmt: skip
+    assert longer.code == 0 and "sequence_len 4096 is beyond the 1024 positions" in longer.err

@@ -517,7 +517,14 @@ def test_builder_path_with_local_data_files_and_shards_idx(tmp_path):
     spec = DatasetSpec(path="json", data_files=[str(path)], type="completion", shards=3, shards_idx=1)
     assert not reads_with_datasets(spec)  # local JSON lines: read here, line by line, without `datasets`
     rows = list(read_rows(spec, "datasets[0]"))
-    assert [row["n"] for row, _ in rows] == [1, 4] and rows[0][1].endswith("d.jsonl line 2")
+    # the rows Axolotl keeps: datasets' shuffle by the recipe's seed, then the contiguous shard, in that order
+    from datasets import Dataset
+
+    for seed, shards, index in ((42, 3, 1), (7, 4, 3), (42, 4, 0)):
+        rows = list(read_rows(spec.model_copy(update={"shards": shards, "shards_idx": index}), "datasets[0]", seed=seed))
+        kept = Dataset.from_list([{"n": i} for i in range(6)]).shuffle(seed=seed).shard(num_shards=shards, index=index)
+        assert [row["n"] for row, _ in rows] == kept["n"] and len(kept) == 6 // shards + (index < 6 % shards)
+    assert all(where.endswith(f"d.jsonl line {row['n'] + 1}") for row, where in rows)
     assert reads_with_datasets(DatasetSpec(path="csv", data_files=[str(path)], type="completion"))
     assert reads_with_datasets(DatasetSpec(path="json", data_files=["missing.jsonl"], type="completion"))
 
@@ -804,3 +811,27 @@ def test_a_single_file_is_one_split_and_missing_builder_files_are_named(tmp_path
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(UserError, match=r"datasets\[0\].data_files: .*none.jsonl does not exist"):
         recipe_from_mapping(mapping, tmp_path / "r.yaml")
+    # and a single file's other split is named when the recipe is read (validate), not first when data is read
+    mapping["test_datasets"] = [{"path": str(path), "type": "completion", "split": "test"}]
+    mapping["datasets"] = [{"path": str(path), "type": "completion"}]
+    with pytest.raises(UserError, match=r"r.yaml: test_datasets\[0\].split: 'test': .* is read as one split"):
+        recipe_from_mapping(mapping, tmp_path / "r.yaml")
+
+
+@pytest.mark.parametrize(("key", "value", "words"), [
+    ("format", "<|user|>\n{instruction}\n{context}</s>", "{context} is never filled: only {instruction} and {input}"),
+    ("no_input_format", "{instruction} {output}", "{output} is never filled"),
+    ("system_format", "<sys>{prompt}</sys>", "{prompt} is never filled: only {system}"),
+    ("format", "{instruction} {", "is not a format string"),
+])  # fmt: skip
+def test_a_custom_format_with_a_placeholder_never_filled_is_refused_when_the_recipe_is_read(key, value, words):
+    from pathlib import Path
+
+    from llmtune.recipe.loader import recipe_from_mapping
+
+    raw = {"base_model": "x/y", "datasets": [{"path": "d.jsonl", "type": {"field_instruction": "q", key: value}}]}
+    with pytest.raises(UserError, match=rf"datasets\[0\]\.type\.{key}") as caught:
+        recipe_from_mapping(raw, Path("r.yaml"), check_files=False)
+    assert words in caught.value.message
+    fine = {**raw["datasets"][0]["type"], key: "{{literal}} " + ("{system}" if key == "system_format" else "{input}")}
+    recipe_from_mapping({**raw, "datasets": [{"path": "d.jsonl", "type": fine}]}, Path("r.yaml"), check_files=False)

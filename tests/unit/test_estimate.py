@@ -506,3 +506,19 @@ def test_estimate_labels_world_size_two_and_unmeasured_offload_modelled(run_cli,
     assert table == as_json and table.pop("single / DDP") == "measured on H100"
     assert table["ZeRO-3 + CPU offload"] == table["ZeRO-2 + CPU offload"] == "modelled"
     assert set(table.values()) == {"modelled"}
+
+
+@pytest.mark.parametrize(("config", "billions"), [
+    # config.json as each family writes it; the parameter counts of the real models (meta-device init)
+    ({"model_type": "opt", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "ffn_dim": 8192,
+      "vocab_size": 50272, "word_embed_proj_dim": 2048}, 1.316),
+    ({"model_type": "gpt2", "n_embd": 1600, "n_layer": 48, "n_head": 25, "vocab_size": 50257, "n_inner": None}, 1.558),
+    ({"model_type": "falcon", "hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads": 71,
+      "multi_query": True, "vocab_size": 65024}, 6.922),
+    ({"model_type": "gpt_neox", "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
+      "intermediate_size": 24576, "vocab_size": 50432, "tie_word_embeddings": False}, 20.55),
+])  # fmt: skip
+def test_families_without_a_gated_mlp_or_with_other_key_names_are_counted_right(config, billions):
+    from llmtune.plan.memory.facts import facts_from_config
+
+    assert facts_from_config(config).total_params() / 1e9 == pytest.approx(billions, rel=0.01)

@@ -425,3 +425,18 @@ def test_flags_train_does_not_know_are_refused_unless_accelerate_launch_takes_th
     check_launcher_flags(["--tee", "3"], ours, ["accelerate", "launch", "--config_file", "c.yaml", "-m", "x"])
     with pytest.raises(UserError, match="this plan runs python directly"):
         check_launcher_flags(["--tee", "3"], ours, ["python", "-m", "llmtune.train", "plan.json"])
+
+
+def test_a_ranks_user_error_is_said_once_last_even_when_torchrun_names_the_peer(tmp_path):
+    error = "error: lora_target_modules: 'o_prj' names no module of this model (llama) (hint: ...)"
+    console = io.StringIO()
+    for root in ((0, 2), (1, 1)):  # the erring rank named, or the peer that lost its connection to it
+        stream = (f"[rank0]:{error}\n[rank1]:{error}\n"
+                  + _traceback(1, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4001")
+                  + _report_of([(1 - root[0], 2 if root[0] else 1)], root))  # fmt: skip
+        watcher = StderrWatcher(io.StringIO(stream), out=console)
+        watcher.run()
+        out = io.StringIO()
+        assert report(watcher, tmp_path, out) == 2
+        assert out.getvalue() == error + "\n"
+    assert error not in console.getvalue()  # not shown as it came: only the report's line

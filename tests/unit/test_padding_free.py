@@ -294,3 +294,34 @@ def test_eval_loss_of_flat_batches_is_the_padded_one_with_a_partial_last_batch(t
         trainer = LlmtuneTrainer(model=model, args=args, eval_dataset=Rows(rows), data_collator=collator)
         results[name] = trainer.evaluate()["eval_loss"]
     assert results["flat"] == pytest.approx(results["padded"], abs=1e-5)
+
+
+def test_packed_rows_on_the_padded_path_are_refused_where_the_models_mask_ignores_position_ids():
+    """Packed rows without the padding-free path rely on transformers' mask factories reading the position_ids
+    restarts. OPT (like BLOOM, MPT, BioGPT, XGLM) builds its mask without them: the second example sees the first
+    (measured here, as the control), so llmtune refuses that combination; Llama keeps them apart."""
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from llmtune.train.model.kernels import batch_layout
+    from llmtune.train.model.varlen import packing_leaks
+
+    opt = OPTForCausalLM(OPTConfig(vocab_size=100, num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                   ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64)).eval()  # fmt: skip
+    llama = tiny("sdpa")
+    two = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])  # two examples packed: 3 tokens, then 4
+    for model, leaks in ((opt, True), (llama, False)):
+        with torch.no_grad():
+            packed = model(input_ids=two, position_ids=positions).logits[0, 3:]
+            alone = model(input_ids=two[:, 3:], position_ids=positions[:, 3:]).logits[0]
+        assert (not torch.allclose(packed, alone, atol=1e-4)) is leaks, type(model).__name__
+        assert bool(packing_leaks(model)) is leaks
+    keys = {"sample_packing": True, "batch_flattening": False}
+    plan = {"precision": "no", "cluster": {"device": "cpu"}}
+    with pytest.raises(UserError, match="OPTForCausalLM's modelling code builds its attention mask without") as caught:
+        batch_layout(recipe(**keys), plan, opt, lambda _: None)
+    assert caught.value.hint.startswith("remove batch_flattening: false")
+    said = []
+    assert batch_layout(recipe(**keys), plan, llama, said.append).layout == PADDED
+    assert said[0].startswith("batches: packed rows, padded to the batch, position_ids restarting at each example")

@@ -727,3 +727,10 @@ def test_a_deepspeed_json_key_deepspeed_doesn_t_know_is_refused_before_launch(tm
     check_deepspeed_schema(good, make_plan(good, make_cluster(8, device="cuda")))  # DeepSpeed's model takes it
     preset = recipe(deepspeed="zero3_offload")
     check_deepspeed_schema(preset, make_plan(preset, make_cluster(8, device="cuda")))
+
+
+def test_early_stopping_without_eval_data_is_noted_as_having_no_effect():
+    said = make_plan(recipe(early_stopping_patience=2), make_cluster(1, device="cpu")).notes
+    assert any(note.startswith("early_stopping_patience: no effect") for note in said), said
+    said = make_plan(recipe(early_stopping_patience=2, val_set_size=0.1), make_cluster(1, device="cpu")).notes
+    assert not any("early_stopping_patience" in note for note in said), said

@@ -47,6 +47,20 @@ def test_sampling_is_greedy_unless_a_temperature_is_given():
     assert sampled["do_sample"] is True and sampled["temperature"] == 0.7 and sampled["top_p"] == 0.9
 
 
+def test_generation_stops_at_the_models_eos_ids_and_the_tokenizers():
+    """An instruct model's generation config lists its turn end beside the end of text; a recipe's eos_token may
+    be neither. Generation stops at all of them (passing the tokenizer's alone dropped the config's)."""
+    from types import SimpleNamespace
+
+    class Tok:
+        pad_token_id, eos_token_id = 0, 7
+
+    for config_ids, stops in (([5, 6], [5, 6, 7]), (7, [7]), (None, [7]), ([7, 5], [7, 5])):
+        model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=config_ids))
+        assert Sampling().kwargs(Tok(), model)["eos_token_id"] == stops
+    assert Sampling().kwargs(Tok())["eos_token_id"] == [7]  # no model: the tokenizer's
+
+
 def test_curves_pick_train_and_eval_points_by_step():
     metrics = {
         "log_history": [{"loss": 2.0, "learning_rate": 1e-3, "step": 1}, {"eval_loss": 1.9, "step": 1},

@@ -4,6 +4,7 @@ accumulation and says so in one line, or refuses in one line that says what will
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -25,11 +26,13 @@ def recipe(output_dir: Path, **changes):
     return recipe_from_mapping({**base, **changes}, Path("r.yaml"), check_files=False).recipe
 
 
-def saved(output_dir: Path, step: int = 4, **info) -> Path:
+def saved(output_dir: Path, step: int = 4, weights_only: bool = False, **info) -> Path:
     folder = output_dir / f"checkpoint-{step}"
     folder.mkdir(parents=True)
     (folder / "llmtune-complete.json").write_text(json.dumps({"step": step, **info}))
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    if not weights_only:  # the schedule's state beside the weights, as every checkpoint but save_only_model's has
+        (folder / "scheduler.pt").write_bytes(b"")
     return folder
 
 
@@ -46,11 +49,13 @@ def test_a_ddp_checkpoint_resumes_on_fewer_or_more_processes_with_its_global_bat
             f"{accumulation}, global batch 8 kept") in plan.notes  # fmt: skip
 
 
-@pytest.mark.parametrize(("saved_as", "changes"), [("fsdp2", {}), ("ddp", FSDP2)])
-def test_a_checkpoint_resumes_only_under_the_strategy_that_wrote_it(tmp_path, saved_as, changes):
+@pytest.mark.parametrize("world", [4, 2])  # another world size, and the same one (where a ZeRO checkpoint resumed
+@pytest.mark.parametrize(("saved_as", "changes"), [  # by DDP restarted its optimizer silently)
+    ("fsdp2", {}), ("ddp", FSDP2), ("zero2", {}), ("ddp", {"deepspeed": "zero3"}), ("zero2", {"deepspeed": "zero3"})])
+def test_a_checkpoint_resumes_only_under_the_strategy_that_wrote_it(tmp_path, saved_as, changes, world):
     saved(tmp_path, **{**DDP_2, "strategy": saved_as})
     with pytest.raises(UserError) as caught:
-        make_plan(recipe(tmp_path, **changes), make_cluster(4, device="cpu"))
+        make_plan(recipe(tmp_path, **changes), make_cluster(world, device="cpu"))
     line = caught.value.one_line()
     assert line.startswith("checkpoint-4 was saved by ") and "a checkpoint resumes only under the strategy" in line
 
@@ -415,3 +420,38 @@ def test_the_run_a_named_checkpoint_started_is_followed_by_its_markers(tmp_path)
     assert started_from(str(attempt), out, {"started_from": str(start)}) == str(start)  # its own: carried over
     (attempt / "llmtune-complete.json").write_text(json.dumps({"step": 4, **DDP_2, "started_from": str(hf)}))
     assert resume_checkpoint(recipe(out, resume_from_checkpoint=str(hf))) == attempt
+
+
+@pytest.mark.parametrize(("changes", "strategy"), [({}, "ddp"), ({"deepspeed": "zero2"}, "zero2"), (FSDP2, "fsdp2")])
+def test_a_weights_only_checkpoint_resumes_with_a_fresh_optimizer_or_is_refused_by_an_engine(tmp_path, changes,
+                                                                                            strategy):  # fmt: skip
+    saved(tmp_path, weights_only=True, **{**DDP_2, "strategy": strategy})
+    if strategy == "ddp":  # weights, step and schedule go on; the optimizer starts afresh: said in the plan
+        notes = make_plan(recipe(tmp_path), make_cluster(2, device="cpu")).notes
+        assert any(n.startswith("resuming checkpoint-4, saved with save_only_model") and "starts afresh" in n
+                   for n in notes), notes  # fmt: skip
+        return
+    with pytest.raises(UserError, match="checkpoint-4 holds the weights only") as caught:
+        make_plan(recipe(tmp_path, **changes), make_cluster(2, device="cpu"))
+    assert "auto_resume_from_checkpoints: false" in caught.value.hint and "base_model" in caught.value.hint
+
+
+def test_a_weights_only_resume_steps_the_schedule_to_the_checkpoints_step():
+    """No scheduler.pt to load: the Trainer's fresh schedule would warm up again from 0 at the checkpoint's step."""
+    import torch
+    from transformers import TrainingArguments
+
+    from llmtune.train.engine.trainer import LlmtuneTrainer
+
+    model = torch.nn.Linear(2, 2)
+    args = TrainingArguments(output_dir="/tmp/unused", learning_rate=1e-3, warmup_steps=2, lr_scheduler_type="cosine",
+                             use_cpu=True, report_to=[])  # fmt: skip
+    rates = []
+    for steps in (0, 4):
+        trainer = LlmtuneTrainer(model=model, args=args)
+        trainer.scheduler_from_step = steps
+        trainer.create_optimizer()
+        rates.append(trainer.create_scheduler(8, trainer.optimizer).get_last_lr()[0])
+        assert trainer.scheduler_from_step == 0  # once
+    fresh, resumed = rates
+    assert fresh == 0.0 and resumed == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 2 / 6)))

@@ -183,6 +183,8 @@ def test_a_large_dataset_is_sampled_checked_and_extrapolated(tmp_path):
                                     "sequence_len": 256, "sample_packing": True, "micro_batch_size": 2,
                                     "output_dir": str(tmp_path / "out")})  # fmt: skip
     [source] = gather_sources(recipe, 20, tmp_path / "sample", {})
+    with pytest.raises(UserError, match=r"the recipe has no datasets\[3\] \(it has datasets\[0\]\)"):
+        gather_sources(recipe, 20, tmp_path / "sample", {"datasets[3]": str(data)})  # a typo is never ignored
     assert (source.rows_sampled, source.rows_total, source.stand_in) == (20, 50, None)
     assert len(open(source.spec["path"]).readlines()) == 20 and source.spec["type"] == "alpaca"
     checked = check_data(recipe, load_tokenizer(), [source], 20, tmp_path / "cache")
@@ -192,3 +194,27 @@ def test_a_large_dataset_is_sampled_checked_and_extrapolated(tmp_path):
     full = full_scale_data(recipe, plan, checked)
     assert full["train_rows_full"] == round(checked.stats["train_rows"] * 50 / 20)
     assert full["steps_per_epoch"] == -(-full["train_rows_full"] // 4) and full["token_slots_per_step"] == 4 * 256
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "opt", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "ffn_dim": 8192,
+     "vocab_size": 512, "word_embed_proj_dim": 2048},
+    {"model_type": "gpt2", "n_embd": 1600, "n_layer": 48, "n_head": 25, "vocab_size": 512},
+    {"model_type": "falcon", "hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads": 71,
+     "multi_query": True, "vocab_size": 512},
+])  # fmt: skip
+def test_older_families_shrink_under_their_own_keys_into_a_model_of_the_counted_size(config):
+    """GPT-2's n_embd/n_layer/n_head, OPT's ffn_dim, Falcon's multi-query head (its head_dim a read-only property):
+    the shrunken config is written in the family's keys, loads, and has the parameters the estimate counts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shrunk = shrink_config(config)
+    loaded = AutoConfig.for_model(**shrunk.config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(loaded)
+    # learned position tables (OPT's, GPT-2's) are left out of the estimate: a few MB at full size, most of a
+    # shrunken model
+    counted = sum(p.numel() for n, p in model.named_parameters() if "pos" not in n and "wpe" not in n)
+    assert shrunk.shrunk.total_params() == pytest.approx(counted, rel=0.05)
+    assert shrunk.shrunk.num_layers == 2 and shrunk.shrunk.hidden_size < 256

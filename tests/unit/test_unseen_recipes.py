@@ -100,6 +100,11 @@ def test_older_recipe_forms_of_data_keys(tmp_path):
     entry = {"path": str(tmp_path / "rows.jsonl"), "type": "chat_template", "chat_template": "jinja",
              "chat_template_jinja": str(tmp_path / "t.jinja")}  # fmt: skip
     assert recipe(tmp_path, datasets=[entry]).recipe.datasets[0].chat_template_jinja == template
+    # the text alone, without chat_template: that text is the template (Axolotl sets chat_template: jinja too)
+    alone = recipe(tmp_path, chat_template_jinja=str(tmp_path / "t.jinja")).recipe
+    assert (alone.chat_template, alone.chat_template_jinja) == ("jinja", template)
+    spec = recipe(tmp_path, datasets=[{**entry, "chat_template": None}]).recipe.datasets[0]
+    assert (spec.chat_template, spec.chat_template_jinja) == ("jinja", template)
     with pytest.raises(UserError, match="chat_template_jinja: .*missing.jinja is not a file"):
         recipe(tmp_path, chat_template="jinja", chat_template_jinja=str(tmp_path / "missing.jinja"))
     # a dataset entry's chat_template is checked when the recipe is read, naming the entry

@@ -35,6 +35,7 @@ class ModelFacts:
     shared_intermediate_size: int = 0  # the always-on shared experts' MLP width, summed
     moe_layers: int = 0  # how many of the layers are mixture-of-experts ones
     latent_attention_params: int = 0  # one layer's attention under multi-head latent attention (DeepSeek), else 0
+    mlp_matrices: int = 3  # a dense MLP's weight matrices: gate, up and down (2 where it has no gate: OPT, GPT-2)
 
     @property
     def head_dim(self) -> int:
@@ -58,7 +59,9 @@ class ModelFacts:
         return self.layers_params() // self.num_layers
 
     def largest_layer_params(self) -> int:
-        mlp = self._moe_mlp_params() if self.moe_layers else 3 * self.hidden_size * self.intermediate_size
+        mlp = (
+            self._moe_mlp_params() if self.moe_layers else self.mlp_matrices * self.hidden_size * self.intermediate_size
+        )
         return self._attention_params() + mlp + 2 * self.hidden_size
 
     def largest_tensor_params(self) -> int:
@@ -78,7 +81,10 @@ class ModelFacts:
 
     def layers_params(self) -> int:
         dense = self.num_layers - self.moe_layers
-        mlp = dense * 3 * self.hidden_size * self.intermediate_size + self.moe_layers * self._moe_mlp_params()
+        mlp = (
+            dense * self.mlp_matrices * self.hidden_size * self.intermediate_size
+            + self.moe_layers * self._moe_mlp_params()
+        )
         return self.num_layers * (self._attention_params() + 2 * self.hidden_size) + mlp
 
     @property
@@ -110,15 +116,39 @@ TIED_BY_DEFAULT = frozenset({
 })  # fmt: skip
 
 
+# Decoder families whose MLP is two matrices (up, down) with no gate
+UNGATED_MLP = frozenset({"opt", "gpt2", "gpt_neox", "gpt_neox_japanese", "falcon", "bloom", "mpt", "gpt_bigcode",
+                         "gpt_neo", "gptj", "phi", "starcoder2", "biogpt", "xglm", "codegen"})  # fmt: skip
+# the same shape under other config keys (GPT-2's n_head / n_embd / n_layer, MPT's d_model, Falcon's num_kv_heads)
+KEYS = {"heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+        "hidden": ("hidden_size", "n_embd", "d_model"), "layers": ("num_hidden_layers", "n_layer", "num_layers",
+        "n_layers"), "mlp": ("intermediate_size", "ffn_dim", "ffn_hidden_size", "n_inner")}  # fmt: skip
+
+
+def _first(text: dict, kind: str, required: bool = True):
+    found = next((text[key] for key in KEYS[kind] if isinstance(text.get(key), int)), None)
+    if found is None and required:
+        raise KeyError(KEYS[kind][0])
+    return found
+
+
+def _kv_heads(text: dict, heads: int) -> int:
+    if text.get("num_key_value_heads"):
+        return text["num_key_value_heads"]
+    if text.get("model_type") == "falcon" and not text.get("new_decoder_architecture"):
+        return 1 if text.get("multi_query", True) else heads  # multi-query: one key/value head
+    return text.get("num_kv_heads") or heads
+
+
 def facts_from_config(config: dict) -> ModelFacts:
     """ModelFacts of a decoder-only LM's config.json mapping (a multimodal one's text_config); KeyError/TypeError
     when it has no decoder's shape."""
     text = config.get("text_config") or config
-    heads, hidden, layers = text["num_attention_heads"], text["hidden_size"], text["num_hidden_layers"]
+    heads, hidden, layers = _first(text, "heads"), _first(text, "hidden"), _first(text, "layers")
     model_type = text.get("model_type") or config.get("model_type") or "unknown"
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT))
     head_dim = text.get("head_dim") if isinstance(text.get("head_dim"), int) else 0
-    dense = text.get("intermediate_size") or 4 * hidden
+    dense = _first(text, "mlp", required=False) or 4 * hidden
     experts = next((text[k] for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
                     if isinstance(text.get(k), int) and text[k] > 1), 0)  # fmt: skip
     expert = text.get("moe_intermediate_size") or dense
@@ -127,7 +157,7 @@ def facts_from_config(config: dict) -> ModelFacts:
         dense, shared = text.get("intermediate_size_mlp") or dense, expert
     return ModelFacts(
         model_type=model_type, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=text.get("num_key_value_heads") or heads, intermediate_size=dense,
+        num_kv_heads=_kv_heads({**text, "model_type": model_type}, heads), intermediate_size=dense,
         vocab_size=text["vocab_size"], tie_word_embeddings=bool(tied),
         explicit_head_dim=0 if head_dim == hidden // heads else head_dim, num_experts=experts,
         expert_intermediate_size=expert if experts else 0,
@@ -135,6 +165,7 @@ def facts_from_config(config: dict) -> ModelFacts:
         shared_intermediate_size=shared if experts else 0,
         moe_layers=sum(_is_moe_layer(text, i) for i in range(layers)) if experts else 0,
         latent_attention_params=_latent_attention(text, hidden, heads),
+        mlp_matrices=2 if model_type in UNGATED_MLP and not experts else 3,
     )  # fmt: skip
 
 
@@ -175,6 +206,16 @@ def model_file(name: str, filename: str) -> Path | None:
     snapshots = hub.expanduser() / f"models--{name.replace('/', '--')}" / "snapshots"
     found = sorted(snapshots.glob(f"*/{filename}")) if snapshots.is_dir() else []
     return found[-1] if found else None
+
+
+def model_positions(name: str) -> int | None:
+    """max_position_embeddings of a model whose config.json is on this machine (None: not known here)."""
+    found = model_file(name, "config.json")
+    try:
+        value = json.loads(found.read_text()).get("max_position_embeddings") if found else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 # Shapes of common base models (from their public config.json), so estimates work before any download.

@@ -96,10 +96,15 @@ class Report:
 
 def model_facts_for(recipe) -> ModelFacts:
     from llmtune.errors import UserError
-    from llmtune.plan.memory.facts import read_model_facts
+    from llmtune.plan.memory.facts import find_config_json, read_model_facts
 
-    facts = read_model_facts(recipe.base_model_config or recipe.base_model, fetch=True)
+    name = recipe.base_model_config or recipe.base_model
+    facts = read_model_facts(name, fetch=True)
     if facts is None:
+        found = find_config_json(name)
+        if found is not None:  # there, but not the shape of a decoder this estimate knows
+            raise UserError(f"{found} doesn't give a decoder's shape that the estimate reads (its heads, hidden size, "
+                            "layers and vocabulary)", "point base_model_config at a causal LM's config.json")  # fmt: skip
         raise UserError(f"can't read the config of {recipe.base_model} (not local, not cached, Hub unreachable)",
                         "point base_model_config at a local config.json, or download the model first")  # fmt: skip
     return facts

@@ -43,7 +43,8 @@ def lora_parameters(facts: ModelFacts, rank: int, targets: list[str] | str | Non
         return copies * sum(rank * (a + b) for name, (a, b) in shapes.items() if chosen is None or name in chosen)
 
     def mlp(width: int) -> dict:
-        return {"gate_proj": (h, width), "up_proj": (h, width), "down_proj": (width, h)}
+        gate = {"gate_proj": (h, width)} if facts.mlp_matrices == 3 or width != facts.intermediate_size else {}
+        return {**gate, "up_proj": (h, width), "down_proj": (width, h)}
 
     attention = adapted({"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)})
     dense = facts.num_layers - facts.moe_layers

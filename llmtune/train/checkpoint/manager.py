@@ -109,11 +109,14 @@ class CheckpointManager:
     # --- saving --------------------------------------------------------------------------------------------------
 
     def save(self, step: int, write: Callable[[Path], None], marker: Callable[[], dict], *, model=None,
-             later: bool = False, best: str | None = None, waited: float = 0.0) -> str | None:  # fmt: skip
+             later: bool = False, best: Callable[[], str | None] | None = None,
+             waited: float = 0.0) -> str | None:  # fmt: skip
         """Every rank: `write(staged)` writes this rank's files of checkpoint-`step` into the staging folder; then the
         checkpoint is published (`marker()`, a collective, gives its marker), or, `later`, once every rank's
         background write has finished (publish_deferred). `model`: the unwrapped model, whose weights each machine
-        with its own disk keeps a copy of. Returns the best checkpoint's path, moved out of staging if it was."""
+        with its own disk keeps a copy of. `best` reads the best checkpoint's path once `write` has run (the
+        Trainer's own save names the best, in staging when it is this one). Returns that path, moved out of staging
+        if it was."""
         began = time.perf_counter()
         staged, final = self.staging / f"checkpoint-{step}", self.output_dir / f"checkpoint-{step}"
         if self.machines > 1 and manifest.own_disk() and model is not None:
@@ -129,6 +132,7 @@ class CheckpointManager:
             raise UserError(f"disk full while writing checkpoint-{step} in {self.output_dir}; {kept}",
                             "free some space (or lower save_total_limit) and run the same command again") from None  # fmt: skip
         test_kill("LLMTUNE_TEST_KILL_IN_SAVE", step)
+        best = best() if best is not None else None
         record = {"step": step, "async": later, "waited_seconds": round(waited, 4)}
         self.times.append(record)
         info = marker()

@@ -54,7 +54,7 @@ def read_group(specs, group: str, recipe, tokenizer, functions: dict, stats: dic
         function = functions.get(f"{label}.type")
         transform_fn, options = _transform(function, recipe, f"{label}.type") if function else (None, {})
         drop = set(options.get("remove_columns") or [])
-        for row, where in progress(read_rows(spec, label, recipe.streaming), f"reading {label}"):
+        for row, where in progress(read_rows(spec, label, recipe.streaming, recipe.seed), f"reading {label}"):
             stats["rows"] += 1
             if transform_fn is not None:
                 try:

@@ -59,7 +59,7 @@ def read_group(specs, group: str, recipe, tokenizer, stats: dict, progress) -> l
         options = {key: getattr(spec, key) for key in OPTION_KEYS if getattr(spec, key, None) is not None}
         ctx = context_for(recipe.rl, kind, tokenizer, _template(spec, recipe, tokenizer), options, label)
         convert = converter_for(recipe.rl, preference_type(kind), label)
-        read = progress(read_rows(spec, label, recipe.streaming), f"reading {label}")
+        read = progress(read_rows(spec, label, recipe.streaming, recipe.seed), f"reading {label}")
         for number, row in enumerate(convert_rows(read, convert, ctx, label, preference_type(kind)), 1):
             stats["rows"] += 1
             prompt, reply = _lengths(row, tokenizer)

@@ -22,9 +22,9 @@ from llmtune.train.data.reward import converter, fit_pair
 from llmtune.train.data.rows import TokenRows
 from llmtune.train.data.sources import fingerprint_source, read_rows
 
-CACHE_FORMAT = 5  # bump when tokenization or the cache layout changes (2: flat numpy arrays; 3: eot_tokens;
+CACHE_FORMAT = 6  # bump when tokenization or the cache layout changes (2: flat numpy arrays; 3: eot_tokens;
 # 4: chat_template labels a space-fused first word, train_on_inputs per turn, no empty answers; 5: rows whose tool
-# calls the chat template drops are refused: a cache made before may hold them)
+# calls the chat template drops are refused: a cache made before may hold them; 6: `shards` keeps Axolotl's rows)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -57,6 +57,7 @@ def cache_key(recipe, tokenizer) -> str:
             )
         },  # fmt: skip
         "streamed_rows": stream_budget(recipe),
+        "shard_seed": recipe.seed if any(s.shards for specs in groups.values() for s in specs) else None,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -137,15 +138,15 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
                             _template_for(spec, recipe, tokenizer), eot_ids, recipe.num_labels or 2,
                             _default_system(recipe), template_name=_template_name(spec, recipe))  # fmt: skip
         to_examples = converter(spec)
-        taken = 0
-        for row, where in progress(read_rows(spec, label, recipe.streaming), f"tokenizing {label}"):
+        taken, rows_before, kept_before = 0, stats["rows"], len(examples)
+        for row, where in progress(read_rows(spec, label, recipe.streaming, recipe.seed), f"tokenizing {label}"):
             if budget is not None and taken >= budget:
                 break  # streamed: max_steps needs no more
 
             try:
                 pieces = to_examples(row, ctx)
             except RowError as err:
-                raise UserError(f"{where}: {err} ({label}.type is {spec.type or 'pretokenized'})", err.hint
+                raise UserError(f"{where}: {err} ({label}.type is {shown_type(spec.type)})", err.hint
                                 or "fix the row, or set the dataset's type/fields to match the data") from None  # fmt: skip
             stats["rows"] += 1
             for ids, labels in pieces:
@@ -172,14 +173,30 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
                     continue
                 examples.append({"input_ids": ids, "labels": labels})
                 taken += len(ids) if recipe.sample_packing else 1
+        read = stats["rows"] - rows_before
+        stats.setdefault("per_dataset", {})[label] = {"rows": read, "examples": len(examples) - kept_before}
+        if not read and len(specs) > 1 and os.environ.get("RANK", "0") == "0":  # one empty source among several
+            print(f"[llmtune] warning: {label} ({spec.path}) has no rows: the run trains on the other "
+                  f"{group} only", file=sys.stderr, flush=True)  # fmt: skip
     return examples
+
+
+def shown_type(kind) -> str:
+    """A dataset type as a message names it: its name, or a custom mapping's field names as the recipe set them
+    (its formats left out: long, and not what a row's error is about)."""
+    if kind is None:
+        return "pretokenized"
+    if isinstance(kind, str):
+        return kind
+    given = {k: v for k, v in kind.model_dump(exclude_unset=True).items() if k.startswith("field")}
+    return "a mapping {" + ", ".join(f"{key}: {value}" for key, value in given.items()) + "}"
 
 
 def too_long(recipe, where: str, label: str, spec, what: str) -> None:
     """excess_length_strategy: raise: a row longer than sequence_len stops preparation, named like a malformed row."""
     if recipe.excess_length_strategy == "raise":
         raise UserError(f"{where}: {what} sequence_len {recipe.sequence_len} ({label}.type is "
-                        f"{spec.type or 'pretokenized'}; excess_length_strategy is raise)",
+                        f"{shown_type(spec.type)}; excess_length_strategy is raise)",
                         "shorten or remove the row, raise sequence_len, or set excess_length_strategy: drop or "
                         "truncate")  # fmt: skip
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from llmtune.errors import UserError
 from llmtune.recipe.paths import BUILDERS as BUILDER_NAMES
-from llmtune.recipe.paths import is_glob
+from llmtune.recipe.paths import is_glob, one_split_only
 
 BUILDERS = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
 # compressed files as `datasets` reads them (Axolotl's sources): opened by Python's own modules
@@ -269,16 +269,17 @@ def _kind(path: Path, ds_type: str | None) -> str | None:
     return ds_type or {".jsonl": "jsonl", ".json": "json"}.get(suffix) or BUILDERS.get(suffix)
 
 
-def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict, str]]:
+def read_rows(spec, label: str, streaming: bool = False, seed: int = 42) -> Iterator[tuple[dict, str]]:
     """Rows of one dataset entry; `label` names the entry (e.g. 'datasets[0]') in errors.
 
-    streaming: a hub dataset is read in datasets' streaming mode (rows arrive as they download)."""
+    streaming: a hub dataset is read in datasets' streaming mode (rows arrive as they download).
+    seed: the recipe's; `shards` keeps the rows Axolotl keeps with it (shuffled by it, then one contiguous shard)."""
     path, builder = Path(spec.path), _builder_files(spec)  # (builder: path: json with local data_files)
-    if (path.is_file() or builder) and split_name(spec.split) != "train":
-        raise UserError(f"{label}.split: '{spec.split}': {spec.data_files if builder else path} is read "
-                        "as one split, 'train' (Axolotl's load_dataset raised for any other)",
-                        "remove split, take a slice (split: train[90%:]), or point path at a folder whose file "
-                        "names say the splits (train.jsonl, test.jsonl)")  # fmt: skip
+    refused = (
+        one_split_only(label, spec.split, spec.data_files if builder else path) if path.is_file() or builder else None
+    )
+    if refused:
+        raise refused
     if path.is_file():
         rows = _file_rows(path, spec.ds_type, label)
     elif path.is_dir():
@@ -297,9 +298,23 @@ def read_rows(spec, label: str, streaming: bool = False) -> Iterator[tuple[dict,
         rows = iter(split_slice(list(rows), spec.split, label))
     if spec.skip:
         rows = itertools.islice(rows, spec.skip, None)
-    if spec.shards:
+    if spec.shards and streaming and not (path.exists() or builder):  # rows as they arrive: every shards-th one
         rows = (item for index, item in enumerate(rows) if index % spec.shards == spec.shards_idx)
+    elif spec.shards:
+        rows = iter(shard_of(list(rows), spec.shards, spec.shards_idx, seed))
     return rows
+
+
+def shard_of(rows: list, shards: int, index: int, seed: int) -> list:
+    """The rows Axolotl's `dataset.shuffle(seed=seed).shard(shards, index)` keeps, in its order: datasets' shuffle
+    is numpy's default_rng(seed).permutation, and a shard is a contiguous block (the first len % shards one row
+    longer)."""
+    import numpy as np
+
+    order = np.random.default_rng(seed).permutation(len(rows))
+    size, longer = divmod(len(rows), shards)
+    start = size * index + min(index, longer)
+    return [rows[i] for i in order[start : start + size + (1 if index < longer else 0)]]
 
 
 def fingerprint_source(spec) -> str:

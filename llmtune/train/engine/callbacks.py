@@ -238,3 +238,44 @@ class UlyssesResume(TrainerCallback):
         for _ in range(done * accumulation):
             next(train_dataloader)
         self.trainer._load_rng_state(self.checkpoint)
+
+
+def early_stopping(recipe, has_eval: bool) -> list:
+    """transformers' EarlyStoppingCallback for early_stopping_patience (with eval data; the plan notes it has no
+    effect without), saying on rank 0 when it stops the run."""
+    if not (recipe.early_stopping_patience and has_eval):
+        return []
+    from transformers import EarlyStoppingCallback
+
+    class EarlyStop(EarlyStoppingCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            super().on_evaluate(args, state, control, metrics=metrics, **kwargs)
+            if control.should_training_stop and state.is_world_process_zero:
+                from llmtune.train.runtime.progress import log
+
+                log(f"early stopping at step {state.global_step} of {state.max_steps}: eval loss has not improved "
+                    f"for {self.early_stopping_patience} evaluation{'s' if self.early_stopping_patience > 1 else ''} (best {state.best_metric:.4f} at step "
+                    f"{state.best_global_step}); the best checkpoint's weights are saved")  # fmt: skip
+
+    return [EarlyStop(early_stopping_patience=recipe.early_stopping_patience)]
+
+
+def final_evaluation(trainer) -> dict:
+    """The eval metrics of the saved weights: those logged at the step they are from when an evaluation ran there
+    (the same weights and data; evaluating again would cost the time and print the line twice), else a new one.
+    With load_best_model_at_end the saved weights are the best checkpoint's: its step's logged evaluation, with
+    best_step added when that is not the last step."""
+    import re
+
+    step = trainer.state.global_step
+    best = trainer.state.best_model_checkpoint if trainer.args.load_best_model_at_end else None
+    if trainer.args.load_best_model_at_end:
+        found = re.search(r"checkpoint-(\d+)$", str(best or "").rstrip("/"))
+        step = int(found.group(1)) if found else None
+    for entry in reversed(trainer.state.log_history):
+        if "eval_loss" in entry and step is not None and entry.get("step") == step:
+            metrics = {k: v for k, v in entry.items() if k.startswith("eval_") or k == "epoch"}
+            if step != trainer.state.global_step:
+                metrics["best_step"] = step
+            return metrics
+    return trainer.evaluate()

@@ -210,7 +210,7 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
         marker = lambda: {"step": step, "world_size": self.accelerator.num_processes, **self._allocation()}  # noqa: E731
         self.state.best_model_checkpoint = self.checkpoints.save(
             step, write, marker, model=unwrapped, later=self.async_saver is not None,
-            best=self.state.best_model_checkpoint, waited=waited,
+            best=lambda: self.state.best_model_checkpoint, waited=waited,  # as the Trainer's save left it
         )  # fmt: skip
 
     @property
@@ -315,6 +315,8 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
             return self.optimizer
         return super().create_optimizer(model)
 
+    scheduler_from_step = 0  # a weights-only checkpoint's step (save_only_model): its schedule goes on from there
+
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         from llmtune.train.objectives.schedule import make_scheduler, own_schedule
 
@@ -322,7 +324,16 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
             warmup = self.args.get_warmup_steps(num_training_steps)
             self.lr_scheduler = make_scheduler(self.recipe, optimizer or self.optimizer, warmup, num_training_steps)
             self._created_lr_scheduler = True
-        return super().create_scheduler(num_training_steps, optimizer)
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        steps, self.scheduler_from_step = self.scheduler_from_step, 0
+        if steps:  # no scheduler.pt to load: stepped to where the checkpoint was
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch: a scheduler step before any optimizer step
+                for _ in range(steps):
+                    scheduler.step()
+        return scheduler
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if isinstance(inputs, dict):  # (online RL's inputs are the prompt rows, a list)

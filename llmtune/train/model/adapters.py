@@ -82,6 +82,7 @@ def _with_adapter(model, recipe):
                 param.data = param.data.to(fused[name])
     if recipe.lora_model_dir:
         return PeftModel.from_pretrained(model, recipe.lora_model_dir, is_trainable=True)
+    check_module_names(model, recipe)
     config = lora_config(recipe)
     if config.target_modules == "all-linear":
         left_out = all_linear_exclusions(model)
@@ -94,6 +95,33 @@ def _with_adapter(model, recipe):
                 if recipe.lora_target_linear else
                 "set lora_target_modules to module names of this model, or lora_target_linear: true")  # fmt: skip
         raise UserError(f"LoRA could not be attached: {str(err).splitlines()[0][:200]}", hint) from None
+
+
+def check_module_names(model, recipe) -> None:
+    """Every plain name in lora_target_modules and lora_modules_to_save must name a module of this model: peft
+    adapts what matches and says nothing of an entry that matches nothing (a typo, or another family's name, would
+    train without that layer)."""
+    import torch
+
+    names = [name for name, _ in model.named_modules()]
+    for key in ("lora_target_modules", "lora_modules_to_save"):
+        entries = getattr(recipe, key) or []
+        if key == "lora_target_modules" and (recipe.lora_target_linear or not isinstance(entries, list)):
+            continue  # all-linear, or one regex string: peft says when it matches nothing
+        for entry in entries:
+            if REGEX_CHARS & set(entry) or any(n == entry or n.endswith(f".{entry}") for n in names):
+                continue
+            if key == "lora_target_modules" and any(n.endswith(f".{entry}") for n, _ in model.named_parameters()):
+                raise UserError(f"{key}: '{entry}' is a parameter of this model (fused experts' weights), not a "
+                                "module: peft can't wrap it as a layer and would leave it out silently",
+                                "list it under lora_target_parameters instead")  # fmt: skip
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # fmt: skip
+            kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+            raise UserError(f"{key}: '{entry}' names no module of this model ({kind}); peft would leave it out "
+                            "silently and train without it",
+                            f"its linear layers are named {', '.join(linear[:12]) or 'differently'}"
+                            + ("" if key == "lora_modules_to_save" else "; or set lora_target_linear: true"))  # fmt: skip
 
 
 # peft refuses LoRA on these modules of state-space models (its own all-linear selects out_proj there)

@@ -165,5 +165,17 @@ def batch_layout(recipe, plan: dict, model, log):
         if recipe.batch_flattening is True:
             raise UserError(f"batch_flattening: true can't run with this model: {why}", "remove batch_flattening")
         batches = Batches(PADDED, reason=why)
+    if batches.layout == PADDED and recipe.sample_packing:
+        from llmtune.train.model.varlen import packing_leaks
+
+        leak = packing_leaks(model)
+        if leak:
+            hint = ("remove batch_flattening: false (padding-free batches keep the examples apart in this model), "
+                    "or set sample_packing: false" if recipe.batch_flattening is False and not unsupported(model)
+                    else "set sample_packing: false")  # fmt: skip
+            raise UserError(f"sample_packing on padded rows can't run with this model: {leak}", hint)
+        log("batches: packed rows, padded to the batch, position_ids restarting at each example, which the model's "
+            f"causal mask reads to keep the examples apart ({batches.reason})")  # fmt: skip
+        return batches
     log(f"batches: {batches.describe()}")
     return batches

@@ -64,27 +64,17 @@ def load_tokenizer(recipe, source: str):
     return tokenizer
 
 
-# The input and output embedding modules by config model_type (Axolotl's get_linear_embedding_layers)
-EMBEDDING_MODULES = {"gpt_neox": ("embed_in", "embed_out"), "falcon": ("word_embeddings", "lm_head"),
-                     "nemotron_h": ("embeddings", "lm_head")}  # fmt: skip
-DEFAULT_EMBEDDING_MODULES = ("embed_tokens", "lm_head")
-
-
 def add_recipe_tokens(recipe, tokenizer, name: str, source: str) -> None:
     """special_tokens, then tokens, then special_tokens.additional_special_tokens (Axolotl's order). A token new
     to the vocabulary gets a freshly initialised embedding row: with an adapter it trains only if the embedding
     and output layers are in lora_modules_to_save, so (as Axolotl does) anything else is refused."""
-    from llmtune.recipe.model import ADDITIONAL_SPECIAL_TOKENS
+    from llmtune.plan.vocabulary import ADDITIONAL_SPECIAL_TOKENS, check_modules_to_save, new_tokens
 
-    known = set(tokenizer.get_vocab())
+    new = new_tokens(recipe, set(tokenizer.get_vocab()))
+    if new and recipe.adapter:
+        check_modules_to_save(recipe, new, name, embedding_modules(recipe, source))
     named = {k: v for k, v in (recipe.special_tokens or {}).items() if k != ADDITIONAL_SPECIAL_TOKENS}
     additional = (recipe.special_tokens or {}).get(ADDITIONAL_SPECIAL_TOKENS) or []
-    # a new pad token's row is never read by the loss (labels and attention mask it out)
-    wanted = [*named.items(), *(("tokens", t) for t in recipe.tokens or []),
-              *((ADDITIONAL_SPECIAL_TOKENS, t) for t in additional)]  # fmt: skip
-    new = [(key, token) for key, token in wanted if token not in known and key != "pad_token"]
-    if new and recipe.adapter:
-        _check_modules_to_save(recipe, new, name, source)
     if named:
         tokenizer.add_special_tokens(named)
     if recipe.tokens:
@@ -93,20 +83,10 @@ def add_recipe_tokens(recipe, tokenizer, name: str, source: str) -> None:
         tokenizer.add_special_tokens({ADDITIONAL_SPECIAL_TOKENS: list(additional)})
 
 
-def _check_modules_to_save(recipe, new: list[tuple[str, str]], name: str, source: str) -> None:
-    modules = embedding_modules(recipe, source)
-    if all(module in (recipe.lora_modules_to_save or []) for module in modules):
-        return
-    keys = list(dict.fromkeys(key if key == "tokens" else f"special_tokens.{key}" for key, _ in new))
-    shown = ", ".join(dict.fromkeys(token for _, token in new))
-    raise UserError(f"{' and '.join(keys)} add{'s' if len(keys) == 1 else ''} tokens the vocabulary of {name} lacks "
-                    f"({shown}) with adapter: {recipe.adapter}, but lora_modules_to_save doesn't hold "
-                    f"{' and '.join(modules)}: their new embedding rows would train frozen at random values",
-                    f"set lora_modules_to_save: [{', '.join(modules)}] (or use tokens the vocabulary has)")  # fmt: skip
-
-
 def embedding_modules(recipe, source: str) -> tuple[str, str]:
     """The names of the model's input and output embedding modules, as lora_modules_to_save wants them."""
+    from llmtune.plan.vocabulary import DEFAULT_EMBEDDING_MODULES, embedding_modules_of
+
     try:
         import transformers
 
@@ -114,7 +94,7 @@ def embedding_modules(recipe, source: str) -> tuple[str, str]:
                                                          trust_remote_code=recipe.trust_remote_code)  # fmt: skip
     except Exception:  # unreadable here: the common names
         return DEFAULT_EMBEDDING_MODULES
-    return EMBEDDING_MODULES.get(getattr(config, "model_type", None), DEFAULT_EMBEDDING_MODULES)
+    return embedding_modules_of(getattr(config, "model_type", None))
 
 
 def weights_dtype(recipe, precision: str, frozen: bool = False):

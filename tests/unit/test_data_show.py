@@ -1,0 +1,57 @@
+"""`llmtune preprocess --debug`: the first examples as spans of trained (+) and masked (-) tokens, read from the same
+tokenization a run trains on."""
+
+from __future__ import annotations
+
+import json
+
+from tiny import TOKENIZER_DIR, write_jsonl
+
+from llmtune.train.data.formats import IGNORE
+from llmtune.train.data.show import spans
+
+
+def test_spans_are_runs_of_trained_or_masked_tokens():
+    assert spans([5, 6, 7, 8, 9], [IGNORE, IGNORE, 7, 8, IGNORE]) == [(False, [5, 6]), (True, [7, 8]), (False, [9])]
+    assert spans([], []) == []
+
+
+def test_preprocess_debug_shows_what_each_format_trains(run_cli, write_recipe, tmp_path):
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "Four."}, {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "Six."}]}])  # fmt: skip
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "Name a colour", "input": "", "output": "Red"}])
+    recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "datasets": [{"path": str(chat), "type": "chat_template"}],
+                           "test_datasets": [{"path": str(alpaca), "type": "alpaca"}],
+                           "dataset_prepared_path": str(tmp_path / "prep")})  # fmt: skip
+    done = run_cli("preprocess", recipe, "--debug")
+    assert done.code == 0, done.err
+    lines = done.out.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("train example 1 of 1:")))
+    shown = [(line.split()[0], int(line.split()[1]), json.loads(line.split(maxsplit=2)[2]))
+             for line in lines[start + 1 : start + 6]]  # fmt: skip
+    # assistant turns (and their turn end) train; system, user and the template's scaffolding don't
+    assert [(sign, text) for sign, _, text in shown] == [
+        ("-", "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"),
+        ("+", "Four.<|im_end|>"), ("-", "\n<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n"),
+        ("+", "Six.<|im_end|>"), ("-", "\n")]  # fmt: skip
+    header = lines[start].split(": ")[1]
+    assert header == f"{sum(n for _, n, _ in shown)} tokens, {sum(n for s, n, _ in shown if s == '+')} trained"
+    eval_lines = lines[lines.index(next(line for line in lines if line.startswith("eval example 1 of 1:"))) + 1 :]
+    assert eval_lines[0].startswith("  - ") and eval_lines[0].endswith('### Response:\\n"')  # alpaca: the answer
+    assert eval_lines[1] == '  +    3 "Red<|im_end|>"' and not eval_lines[2].startswith("  ")  # and eos, only
+    text_only = run_cli("preprocess", recipe, "--debug", "--debug-text-only").out  # a cache hit: the same spans
+    assert '  + "Four.<|im_end|>"' in text_only and "cache hit" in text_only
+
+
+def test_preprocess_counts_each_dataset_and_warns_of_an_empty_one(run_cli, write_recipe, tmp_path):
+    rows = write_jsonl(tmp_path / "a.jsonl", [{"instruction": f"say {i}", "input": "", "output": "ok"} for i in range(3)])
+    (tmp_path / "empty.jsonl").write_text("")
+    recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "dataset_prepared_path": None,
+                           "datasets": [{"path": str(rows), "type": "alpaca"},
+                                        {"path": str(tmp_path / "empty.jsonl"), "type": "alpaca"}]})  # fmt: skip
+    done = run_cli("preprocess", recipe)
+    assert done.code == 0, done.err
+    assert "  datasets[0]: 3 rows, 3 examples" in done.out and "  datasets[1]: 0 rows, 0 examples" in done.out
+    assert f"warning: datasets[1] ({tmp_path / 'empty.jsonl'}) has no rows" in done.err

@@ -1,0 +1,57 @@
+"""LoRA target and modules_to_save names against the model's own modules: peft adapts what matches and says nothing
+of an entry that matches nothing, so a typo or another family's name would train without that layer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny import tiny_llama_config
+
+from llmtune.errors import UserError
+from llmtune.recipe.loader import recipe_from_mapping
+from llmtune.train.model.adapters import attach_adapter
+
+
+def recipe(**keys):
+    raw = {"base_model": "tiny", "datasets": [{"path": "x.jsonl", "type": "alpaca"}], "adapter": "lora", **keys}
+    return recipe_from_mapping(raw, Path("r.yaml"), check_files=False).recipe
+
+
+@pytest.fixture
+def model():
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(tiny_llama_config(64))
+
+
+@pytest.mark.parametrize(("keys", "named"), [
+    ({"lora_target_modules": ["q_proj", "o_prj"]}, "lora_target_modules: 'o_prj'"),
+    ({"lora_target_modules": ["c_attn"]}, "lora_target_modules: 'c_attn'"),  # GPT-2's name on a Llama
+    ({"lora_target_linear": True, "lora_modules_to_save": ["embed_tokens", "wte"]}, "lora_modules_to_save: 'wte'"),
+])  # fmt: skip
+def test_a_name_that_matches_no_module_is_refused(model, keys, named):
+    with pytest.raises(UserError) as caught:
+        attach_adapter(model, recipe(**keys))
+    assert named in caught.value.message and "llama" in caught.value.message
+    assert "q_proj" in caught.value.hint and "\n" not in caught.value.message
+
+
+@pytest.mark.parametrize("keys", [
+    {"lora_target_modules": ["q_proj", "self_attn.v_proj"]},  # peft's suffix match, with a dotted path too
+    {"lora_target_modules": ["q_proj", "mlp.(gate|up)_proj"]},  # a regex entry: peft's own matching decides
+    {"lora_target_linear": True, "lora_modules_to_save": ["embed_tokens", "lm_head"]},
+])  # fmt: skip
+def test_names_of_this_model_attach(model, keys):
+    adapted = attach_adapter(model, recipe(**keys))
+    targets = adapted.peft_config["default"].target_modules
+    assert targets and adapted.base_model.targeted_module_names
+
+
+def test_a_fused_experts_parameter_named_as_a_module_points_at_lora_target_parameters(model):
+    import torch
+
+    model.model.layers[0].mlp.register_parameter("gate_up_proj", torch.nn.Parameter(torch.zeros(2, 4, 4)))
+    with pytest.raises(UserError, match="'gate_up_proj' is a parameter") as caught:
+        attach_adapter(model, recipe(lora_target_modules=["q_proj", "gate_up_proj"]))
+    assert caught.value.hint == "list it under lora_target_parameters instead"
