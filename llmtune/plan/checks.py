@@ -196,8 +196,11 @@ def _modelling_classes(model_type: str) -> tuple[frozenset[str], tuple[str, ...]
     from pathlib import Path
 
     spec = importlib.util.find_spec("transformers")
-    folder = Path(spec.origin).parent / "models" / model_type if spec and spec.origin else None
-    files = sorted(folder.glob("modeling_*.py")) if folder and folder.is_dir() else []
+    models = Path(spec.origin).parent / "models" if spec and spec.origin else None
+    # a text model type lives in its family's folder (gemma3_text in gemma3/)
+    folder = next((models / name for name in (model_type, model_type.removesuffix("_text"))
+                   if models and (models / name).is_dir()), None)  # fmt: skip
+    files = sorted(folder.glob("modeling_*.py")) if folder else []
     if not files:
         return None
     source = "\n".join(file.read_text(encoding="utf-8", errors="replace") for file in files)
@@ -239,3 +242,26 @@ def fsdp2_notes(recipe, settings) -> list[str]:
         notes.append(f"fsdp_config: {', '.join(unused)} {'are FSDP1 keys' if len(unused) > 1 else 'is an FSDP1 key'}"
                      " with no FSDP2 counterpart: not used")  # fmt: skip
     return notes
+
+
+def soft_capped(recipe: Recipe, batches):
+    """Padded batches where the model's config.json, on this machine, soft-caps attention logits (Gemma 2): no varlen
+    kernel does, and the rank would fall back after loading where the plan had promised padding-free ones."""
+    import json
+
+    from llmtune.plan.memory.facts import model_file
+    from llmtune.recipe.batches import PADDED, Batches
+
+    if not batches.padding_free:
+        return batches
+    found = model_file(recipe.base_model_config or recipe.base_model, "config.json")
+    try:
+        config = json.loads(found.read_text()) if found else {}
+    except (OSError, ValueError):
+        return batches
+    if not any((c or {}).get("attn_logit_softcapping") for c in (config, config.get("text_config"))):
+        return batches
+    why = "its attention soft-caps the logits (no varlen kernel here does)"
+    if recipe.batch_flattening is True:
+        raise UserError(f"batch_flattening: true can't run with this model: {why}", "remove batch_flattening")
+    return Batches(PADDED, reason=why)

@@ -102,9 +102,15 @@ NVME_BUFFER = 100_000_000  # DeepSpeed's offload_param.buffer_size default (elem
 
 
 def build_deepspeed_config(
-    recipe, data_parallel_size: int, precision: str, facts: ModelFacts | None, rehearsal: bool = False
+    recipe,
+    data_parallel_size: int,
+    precision: str,
+    facts: ModelFacts | None,
+    rehearsal: bool = False,
+    accumulation: int | None = None,
 ) -> tuple[dict, list[str]]:
-    """The resolved DeepSpeed config and notes about what was filled or replaced."""
+    """The resolved DeepSpeed config and notes about what was filled or replaced. `accumulation`: a resume's on
+    another world size (it keeps the checkpoint's global batch), else the recipe's."""
     user, preset_name = load_user_config(recipe.deepspeed)
     user = _check_sections(user, recipe)
     notes: list[str] = []
@@ -114,7 +120,7 @@ def build_deepspeed_config(
                 user = {**user, key: {**user[key], "enabled": "auto"}}
                 notes.append(f"CPU rehearsal: the deepspeed config's {key}.enabled becomes fp32 (the GPU run "
                              f"keeps {key})")  # fmt: skip
-    micro, accumulation = recipe.micro_batch_size, recipe.gradient_accumulation_steps
+    micro, accumulation = recipe.micro_batch_size, accumulation or recipe.gradient_accumulation_steps
     resolved: dict[str, Any] = {
         "train_batch_size": micro * accumulation * data_parallel_size,
         "train_micro_batch_size_per_gpu": micro,
@@ -141,6 +147,15 @@ def build_deepspeed_config(
         for key, value in list(zero.items()):
             if value == "auto":
                 zero[key] = auto_zero.get(key, DEFAULT_BUCKET)
+        gather = "stage3_gather_16bit_weights_on_model_save"
+        if int(zero.get("stage") or 0) == 3 and gather not in zero:  # DeepSpeed's default is false: no model file
+            zero[gather] = True
+            notes.append(f"deepspeed: {gather} set true (not in the file; DeepSpeed's default, false, saves the final "
+                         "model as ZeRO shards only, with no model file)")  # fmt: skip
+        elif int(zero.get("stage") or 0) == 3 and zero.get(gather) is False:
+            notes.append(f"deepspeed: {gather} is false: the final model is saved as ZeRO-3 shards (global_step*) "
+                         "with no model file (DeepSpeed's zero_to_fp32.py beside them rebuilds one); set it true for "
+                         "a model file")  # fmt: skip
         config["zero_optimization"] = zero
     if config.get("fp16", {}).get("enabled"):
         config["fp16"] = {"loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,

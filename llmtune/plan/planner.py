@@ -24,6 +24,7 @@ from llmtune.plan.checks import (
     check_wrap_class,
     fsdp2_notes,
     gptq_check,
+    soft_capped,
 )
 from llmtune.plan.cluster import Cluster
 from llmtune.plan.commands import ELASTIC, _command, _environment
@@ -124,6 +125,19 @@ def _precision(recipe: Recipe, cluster: Cluster, notes: list[str]) -> str:
     return "bf16"
 
 
+def _resumed_batch(recipe, resume: bool, world: int, data_parallel: int) -> int | None:
+    """The gradient accumulation a resume on another world size will keep the checkpoint's global batch with, for
+    a DeepSpeed file that pins train_batch_size to it (checked before the resume's own arithmetic, which says more)."""
+    from llmtune.plan.resume import resume_checkpoint, saved_allocation
+
+    checkpoint = resume_checkpoint(recipe) if resume else None
+    saved = saved_allocation(recipe, checkpoint) if checkpoint else None
+    per_step = recipe.micro_batch_size * data_parallel
+    if saved is None or saved.world_size == world or not saved.global_batch_size or saved.global_batch_size % per_step:
+        return None
+    return saved.global_batch_size // per_step
+
+
 def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, resume: bool = False) -> Plan:
     """Resolve the recipe for this cluster. Raises UserError for sizes or combinations that can't work.
 
@@ -172,7 +186,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
                         f"runs {STRATEGY_TITLES[strategy]}", "add fsdp_version: 2, or remove them")  # fmt: skip
     ds_path = None
     if strategy == "zero":
-        deepspeed_config, ds_notes = build_deepspeed_config(recipe, data_parallel, precision, facts, cluster.rehearsal)
+        deepspeed_config, ds_notes = build_deepspeed_config(recipe, data_parallel, precision, facts, cluster.rehearsal,
+                                                            _resumed_batch(recipe, resume, world, data_parallel))  # fmt: skip
         notes += ds_notes
         zero = deepspeed_config["zero_optimization"]
         stage = int(zero.get("stage", 0))
@@ -194,8 +209,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
             # torch 2.13 segfaults gathering an FSDP1 full state dict on CPU (the final save): a rehearsal that can't
             # save proves nothing. (Its sharded resume: tests/integration/test_fsdp1_resume.py.)
             raise UserError("fsdp_version: 1 can't be rehearsed on CPU (its state dict can't be saved there)",
-                            "rehearse with fsdp_version: 2 (FSDP1 is deprecated in transformers); to check the plan for GPU "
-                            "machines from this one, add --device cuda")  # fmt: skip
+                            "rehearse with fsdp_version: 2 (FSDP1 is deprecated in transformers); `llmtune plan` or "
+                            "`validate` with --device cuda checks the FSDP1 plan for GPU machines without running it")  # fmt: skip
         if recipe.model_recomputes_for_fsdp:
             settings = settings.model_copy(update={"activation_checkpointing": False})
             notes.append("fsdp_config.activation_checkpointing with an adapter: the model's own activation "
@@ -224,6 +239,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
                      if cluster.rehearsal else "activation offloading: each checkpointed layer's input is held in "
                      "pinned CPU memory (transformers' checkpoint offload); slower steps, less GPU memory")  # fmt: skip
     kernels = _kernels(recipe, cluster, precision, strategy, mesh)
+    kernels.batches = soft_capped(recipe, kernels.batches)
     kernels.optimizer = fused_optimizer(recipe, cluster.device, strategy, deepspeed_config)
     if recipe.rl in ONLINE_METHODS:
         kernels.generation, kernels.vllm_share = _generation(recipe, cluster, facts, data_parallel, precision)

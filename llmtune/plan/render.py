@@ -61,7 +61,10 @@ def summary_lines(plan: Plan, recipe) -> list[tuple[str, str]]:
                      f"offload params: {(zero.get('offload_param') or {}).get('device', 'none')}"))  # fmt: skip
     if plan.accelerate_config and "fsdp_config" in plan.accelerate_config:
         fsdp = plan.accelerate_config["fsdp_config"]
-        wrap = fsdp.get("fsdp_transformer_layer_cls_to_wrap", "the model's _no_split_modules")
+        policy = fsdp.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
+        wrap = (f"every module of {fsdp.get('fsdp_min_num_params', 100_000_000):,}+ parameters (size-based)"
+                if policy == "SIZE_BASED_WRAP" else "nothing (NO_WRAP)" if policy == "NO_WRAP"
+                else fsdp.get("fsdp_transformer_layer_cls_to_wrap", "the model's _no_split_modules"))  # fmt: skip
         rows.append(("fsdp", f"version {fsdp['fsdp_version']}, wrap {wrap}, state dict {fsdp['fsdp_state_dict_type']}"))
     if plan.pipeline:
         pipe = plan.pipeline

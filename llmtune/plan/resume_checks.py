@@ -106,6 +106,10 @@ def _check_files(checkpoint: Path, marker: dict) -> None:
         missing = []
     else:
         missing = ["trainer_state.json"]
+    parent = checkpoint.parent
+    if missing and listed is None and (parent / "trainer_state.json").is_file():  # a folder inside a checkpoint
+        raise UserError(f"{checkpoint.name} is a folder inside the checkpoint {parent.name} (DeepSpeed's or FSDP's "
+                        "state), not a checkpoint itself", f"set resume_from_checkpoint: {parent}")  # fmt: skip
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         what = (" (the optimizer's or the schedule's state: the Trainer would restart them without a word)"

@@ -159,7 +159,10 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return Loaded(model, tokenizer, label, trained_prompt_format(prompt_folder) if prompt_folder else None)
+    prompt_format = trained_prompt_format(prompt_folder) if prompt_folder else None
+    if tokenizer.chat_template is None and prompt_format is None:
+        print(f"note: {label} has no chat template: prompts go in as plain text, as with --raw", file=sys.stderr)
+    return Loaded(model, tokenizer, label, prompt_format)
 
 
 def base_of(recipe, fallback: str) -> str:
@@ -197,6 +200,21 @@ def stop_ids(model, tokenizer) -> list[int]:
     return ids
 
 
+def within_positions(model, prompt_tokens: int, options: dict) -> dict:
+    """generate()'s options with max_new_tokens cut to the positions a model with a learned position table has
+    (GPT-2's, OPT's): past them its embedding lookup fails. Rotary and ALiBi models have no such table."""
+    config = getattr(model, "config", None)
+    rotary = any(getattr(config, key, None) is not None for key in ("rope_theta", "rope_scaling", "rope_parameters"))
+    table = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if rotary or getattr(config, "alibi", False) or not isinstance(table, int):
+        return options
+    left = table - prompt_tokens
+    if left < 1:
+        raise UserError(f"the prompt is {prompt_tokens} tokens, and the model has {table} positions",
+                        "shorten the prompt (or, in chat, /reset the conversation)")  # fmt: skip
+    return {**options, "max_new_tokens": min(options.get("max_new_tokens") or left, left)}
+
+
 def generate_ids(model, tokenizer, prompts: list[list[int]], options: dict) -> list[list[int]]:
     """The tokens generated after each prompt (token ids), the batch left-padded; `options`: generate()'s
     (Sampling.kwargs)."""
@@ -206,6 +224,7 @@ def generate_ids(model, tokenizer, prompts: list[list[int]], options: dict) -> l
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    options = within_positions(model, width, options)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, **{"pad_token_id": pad, **options})
     return out[:, width:].cpu().tolist()
@@ -339,7 +358,8 @@ def chat(
         stdout.write("model> ")
         stdout.flush()
         with torch.no_grad():
-            out = model.generate(**batch, **sampling.kwargs(tokenizer, model),
+            out = model.generate(**batch, **within_positions(model, batch["input_ids"].shape[1],
+                                                             sampling.kwargs(tokenizer, model)),
                                  streamer=Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True))  # fmt: skip
         answer = tokenizer.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True).strip()
         history.append({"role": "assistant", "content": answer})

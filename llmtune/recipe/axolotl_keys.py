@@ -56,10 +56,11 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         model_config_type
     """,
     ),
+    **_no_effect("Axolotl's dump of which tokens train: `llmtune preprocess RECIPE --debug` shows them", "debug"),
     **_no_effect(
         TRACKING,
         """
-        debug comet_experiment_config comet_experiment_key comet_mode comet_online comet_project_name
+        comet_experiment_config comet_experiment_key comet_mode comet_online comet_project_name
         comet_workspace use_comet trackio_project_name trackio_run_name trackio_space_id use_trackio
         use_otel_metrics otel_metrics_host otel_metrics_port mlflow_run_name hf_mlflow_log_artifacts
         include_tokens_per_second include_tkps eval_table_size

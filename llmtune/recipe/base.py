@@ -67,3 +67,22 @@ def jinja_text(value: str | None, key: str) -> str | None:
     if path.suffix in (".jinja", ".j2", ".jinja2"):
         raise ValueError(f"{key}: {value} is not a file (a path to a .jinja file, or the template text itself)")
     return value
+
+
+def unfilled_placeholder(value: str, field: str) -> str | None:
+    """Why a custom format string would fail at the first row (str.format), or None: only {instruction} and {input}
+    are filled in a prompt format, {system} in system_format."""
+    import string
+
+    filled = ("system",) if field == "system_format" else ("instruction", "input")
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(value) if name is not None]
+    except ValueError as err:
+        return f"{value!r} is not a format string ({err}); write a literal brace as {{{{ or }}}}"
+    wrong = next((name for name in names if name not in filled), None)
+    shown = " and ".join(f"{{{name}}}" for name in filled)
+    return (
+        None
+        if wrong is None
+        else f"{{{wrong}}} is never filled: only {shown} are (a literal brace is written {{{{ or }}}})"
+    )

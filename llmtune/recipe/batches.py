@@ -52,7 +52,7 @@ class Batches:
                     + (f"{KERNELS[self.kernel]}, per example (the boundaries read from position_ids) ({self.reason})"
                        if self.kernel else self.reason))  # fmt: skip
         if not self.padding_free:
-            return f"padded rows with an attention mask ({self.reason})"
+            return f"padded rows: an attention mask, or position_ids restarting per example when packed ({self.reason})"
         return f"padding-free (rows concatenated, no pad tokens, no mask); attention: {KERNELS[self.kernel]}" + (
             f" ({self.reason})" if self.reason else ""
         )

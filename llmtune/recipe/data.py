@@ -106,25 +106,6 @@ class CustomFormat(Section):
     field: str | None = Field(None, description="Accepted for Axolotl's schema; unused.")
 
 
-def unfilled_placeholder(value: str, field: str) -> str | None:
-    """Why a custom format string would fail at the first row (str.format), or None: only {instruction} and {input}
-    are filled in a prompt format, {system} in system_format."""
-    import string
-
-    filled = ("system",) if field == "system_format" else ("instruction", "input")
-    try:
-        names = [name for _, name, _, _ in string.Formatter().parse(value) if name is not None]
-    except ValueError as err:
-        return f"{value!r} is not a format string ({err}); write a literal brace as {{{{ or }}}}"
-    wrong = next((name for name in names if name not in filled), None)
-    shown = " and ".join(f"{{{name}}}" for name in filled)
-    return (
-        None
-        if wrong is None
-        else f"{{{wrong}}} is never filled: only {shown} are (a literal brace is written {{{{ or }}}})"
-    )
-
-
 def is_transform(kind) -> bool:
     """A dataset type that names a function in the user's file (module.function), not one of the known formats."""
     if not isinstance(kind, str) or "." not in kind or "/" in kind or ":" in kind:

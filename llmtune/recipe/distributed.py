@@ -58,6 +58,8 @@ class FsdpConfig(Section):
             data = {
                 (k[len("fsdp_") :] if isinstance(k, str) and k.startswith("fsdp_") else k): v for k, v in data.items()
             }
+            if "backward_prefetch_policy" in data and "backward_prefetch" not in data:  # accelerate's older name
+                data["backward_prefetch"] = data.pop("backward_prefetch_policy")
         return data
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from llmtune.errors import did_you_mean
-from llmtune.recipe.base import Section, empty_to_none
+from llmtune.recipe.base import Section, empty_to_none, unfilled_placeholder
 from llmtune.recipe.trl_trainers import INERT, refuse_clashes
 
 RL_METHODS = ("dpo", "ipo", "orpo", "kto", "simpo")  # preference training: fixed pairs or labelled completions
@@ -291,12 +291,11 @@ def _as_preference_format(kind, label: str) -> PreferenceFormat:
 
 
 def _datasets_without_rl(recipe) -> None:
-    from llmtune.recipe.data import CustomFormat, unfilled_placeholder
-
     for group in ("datasets", "test_datasets"):
         for index, spec in enumerate(getattr(recipe, group) or []):
             kind = spec.type
-            for key in ("format", "no_input_format", "system_format") if isinstance(kind, CustomFormat) else ():
+            custom = getattr(kind, "no_input_format", None) is not None  # SFT's custom mapping (recipe/data.py)
+            for key in ("format", "no_input_format", "system_format") if custom else ():
                 problem = unfilled_placeholder(getattr(kind, key), key)
                 if problem:
                     raise ValueError(f"{group}[{index}].type.{key}: {problem}")

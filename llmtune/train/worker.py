@@ -48,7 +48,9 @@ def _outcome(recipe, metrics: dict) -> str:
                  if isinstance(metrics_value, int | float)]  # fmt: skip
         return ", ".join(shown) or "no reward logged"
     best = f" (best checkpoint, step {metrics['best_step']})" if "best_step" in metrics else ""
-    return f"train loss {metrics['train_loss']:.4f}" + (
+    span = metrics.get("train_loss_steps")
+    steps = f" (steps {span[0]}-{span[1]}, since the resume)" if span else ""
+    return f"train loss {metrics['train_loss']:.4f}{steps}" + (
         f", eval loss {metrics['eval_loss']:.4f}{best}" if "eval_loss" in metrics else "")  # fmt: skip
 
 
@@ -79,6 +81,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     from llmtune.train.checkpoint.manager import CheckpointManager, full_state_dict_for_final_save
     from llmtune.train.data.collate import Collator, FlatCollator
     from llmtune.train.data.prepare import prepare_data
+    from llmtune.train.data.rows import even_rows
     from llmtune.train.engine.arguments import training_arguments
     from llmtune.train.engine.callbacks import (
         LossWatchdog,
@@ -211,7 +214,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         trainer = preference_trainer(recipe, plan, model, args, data, tokenizer, source, callbacks, log)
     else:
         trainer = LlmtuneTrainer(
-            model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(data.eval) if data.eval else None,
+            model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(even_rows(data.eval, args, plan, tokenizer)) if data.eval else None,
             data_collator=collator, processing_class=tokenizer, compute_loss_func=loss_func,
             compute_metrics=metrics_func, callbacks=callbacks,
         )  # fmt: skip
@@ -287,6 +290,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         return stopped(stop.stopped_at)
     seconds = time.time() - started
     metrics = {"train_loss": result.training_loss}
+    if resume:  # the Trainer's train loss is the mean over this launch's steps only
+        metrics["train_loss_steps"] = [int(marker.get("step") or 0) + 1, trainer.state.global_step]
     if data.eval:
         metrics.update(final_evaluation(trainer))
     steady_tokens, steady_seconds = step_stats.steady()

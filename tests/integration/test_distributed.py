@@ -21,7 +21,14 @@ def workspace(tmp_path_factory, tiny_model):
 
 
 def run(workspace, name: str, processes: int, **changes) -> tuple[dict, Path]:
-    return train_run(workspace, name, processes, gradient_accumulation_steps=2 // processes, **changes)
+    """With 5 eval rows: batches of 4 and 1 on one process, and on 2 ranks 4 real rows on one and 1 on the other,
+    which the Trainer evens out by repeating rows (llmtune fills with label-free rows and weighs by token)."""
+    from tiny import write_jsonl
+
+    held_out = write_jsonl(workspace[0] / "eval.jsonl", [{"instruction": f"Repeat {w}", "output": " ".join([w] * n)}
+                                                         for n, w in enumerate(["sun", "moon", "star", "sky", "sea"], 1)])  # fmt: skip
+    return train_run(workspace, name, processes, gradient_accumulation_steps=2 // processes,
+                     test_datasets=[{"path": str(held_out), "type": "alpaca"}], **changes)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +140,9 @@ def test_two_ranks_match_single_process(workspace, reference, name, changes, kin
     if name.startswith("zero") and "offload" not in name:
         assert all(r["optimizer"] != "DeepSpeedCPUAdam" for r in ranks)
     assert losses(metrics) == pytest.approx(losses(ref_metrics), abs=2e-5)
+    # the eval loss: the mean over every label token of the eval set, as one process's (no row counted twice)
+    assert metrics["eval_loss"] == pytest.approx(ref_metrics["eval_loss"], abs=1e-4)
+    assert metrics["eval_tokens"] == ref_metrics["eval_tokens"] > 0
     # the logged learning rate is the step's own, as one process logs it (DeepSpeed's was the next step's)
     rates = [[e["learning_rate"] for e in m["log_history"] if "loss" in e] for m in (metrics, ref_metrics)]
     assert rates[0] == pytest.approx(rates[1], rel=1e-6) and len(set(rates[1])) > 1, rates

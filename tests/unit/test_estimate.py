@@ -74,6 +74,10 @@ def test_estimate_command_recommends_by_the_seeds_rules(run_cli, tmp_path):
                     "sequence_len: 2048\ngradient_checkpointing: true\n")  # fmt: skip
     one = run_cli("estimate", path, "--gpus-per-machine", "1", "--gpu-memory", "80GB")
     assert one.code == 0 and "8.03B parameters" in one.out
+    # the settings every row is for, said under the table
+    said = " ".join(one.out.split())
+    assert ("for: full, sequence_len 2048, micro_batch_size 1, gradient checkpointing on, optimizer adamw_torch, "
+            "precision bf16") in said, said  # fmt: skip
     assert "recommended: ZeRO-2 + CPU offload" in one.out  # 16 bytes x 8B = 128 GB of states can't fit one 80 GB GPU
     eight = run_cli("estimate", path, "--gpus-per-machine", "8", "--gpu-memory", "80GB")
     assert "recommended: ZeRO-1" in eight.out

@@ -440,3 +440,47 @@ def test_a_ranks_user_error_is_said_once_last_even_when_torchrun_names_the_peer(
         assert report(watcher, tmp_path, out) == 2
         assert out.getvalue() == error + "\n"
     assert error not in console.getvalue()  # not shown as it came: only the report's line
+
+
+def test_the_launched_process_dies_with_its_launcher(tmp_path):
+    """The ranks run in their own session (nothing else stops them): killed with -9, the launcher takes them along
+    (Linux's parent-death signal, armed for the process it launches)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    launcher = (
+        "import os, subprocess, sys, time\n"
+        "from llmtune.launch.runner import die_with\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True,"
+        " preexec_fn=die_with(os.getpid()))\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", launcher])
+    try:
+        for _ in range(200):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        for _ in range(100):  # the child is reparented and gets SIGTERM at once
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{child}/stat") as stat:
+                if stat.read().split()[2] == "Z":  # exited, not yet reaped by its new parent
+                    break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            raise AssertionError("the launched process outlived its launcher")
+    finally:
+        if parent.poll() is None:
+            parent.kill()

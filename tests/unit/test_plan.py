@@ -734,3 +734,33 @@ def test_early_stopping_without_eval_data_is_noted_as_having_no_effect():
     assert any(note.startswith("early_stopping_patience: no effect") for note in said), said
     said = make_plan(recipe(early_stopping_patience=2, val_set_size=0.1), make_cluster(1, device="cpu")).notes
     assert not any("early_stopping_patience" in note for note in said), said
+
+
+def test_a_zero3_file_without_the_gather_key_saves_a_model_file_and_the_size_wrap_is_shown(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    plan = make_plan(recipe(deepspeed=str(config)), make_cluster(2, device="cuda"))
+    assert plan.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert any("stage3_gather_16bit_weights_on_model_save set true" in note for note in plan.notes)
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}}))
+    plan = make_plan(recipe(deepspeed=str(config)), make_cluster(2, device="cuda"))
+    assert any("is false: the final model is saved as ZeRO-3 shards" in note for note in plan.notes)
+    from llmtune.plan.render import summary_lines
+
+    keys = recipe(fsdp=["full_shard", "auto_wrap"], fsdp_config={"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+                  "fsdp_min_num_params": 1000, "fsdp_backward_prefetch_policy": "BACKWARD_POST"})  # fmt: skip
+    sized = make_plan(keys, make_cluster(2, device="cuda"))
+    assert "wrap every module of 1,000+ parameters (size-based)" in dict(summary_lines(sized, keys))["fsdp"]
+    assert sized.accelerate_config["fsdp_config"]["fsdp_backward_prefetch"] == "BACKWARD_POST"  # the older name
+
+
+def test_a_text_model_types_wrap_class_is_checked_in_its_familys_modelling_files():
+    from llmtune.plan.checks import check_wrap_class
+    from llmtune.plan.memory.facts import facts_from_config
+
+    facts = facts_from_config({"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
+                               "num_attention_heads": 2, "vocab_size": 100})  # fmt: skip
+    with pytest.raises(UserError, match="LlamaDecoderLayer is not a class of gemma3_text") as caught:
+        check_wrap_class("LlamaDecoderLayer", facts)
+    assert "Gemma3DecoderLayer" in caught.value.hint
+    check_wrap_class("Gemma3DecoderLayer", facts)

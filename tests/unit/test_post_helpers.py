@@ -149,3 +149,22 @@ def test_exact_match_scores_the_last_turn_given_everything_before_it(tmp_path):
     assert split_prompt(example, 0) == ([5, 6, 7], [8])
     assert split_prompt({"input_ids": [5, 6], "labels": [5, 6]}, 0) is None
     assert split_prompt({"input_ids": [5, 6], "labels": [IGNORE, IGNORE]}, 0) is None
+
+
+def test_generation_stays_within_a_learned_position_table():
+    """GPT-2 and OPT look positions up in a table: past its end generation fails with an IndexError. Rotary models
+    have no such limit."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from llmtune.errors import UserError
+    from llmtune.post.generate import within_positions
+
+    learned = SimpleNamespace(config=SimpleNamespace(n_positions=256))
+    assert within_positions(learned, 100, {"max_new_tokens": 300})["max_new_tokens"] == 156
+    assert within_positions(learned, 100, {"max_new_tokens": 20})["max_new_tokens"] == 20
+    rotary = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256, rope_theta=10000.0))
+    assert within_positions(rotary, 100, {"max_new_tokens": 300})["max_new_tokens"] == 300
+    with pytest.raises(UserError, match="the prompt is 256 tokens, and the model has 256 positions"):
+        within_positions(learned, 256, {"max_new_tokens": 1})

@@ -455,3 +455,27 @@ def test_a_weights_only_resume_steps_the_schedule_to_the_checkpoints_step():
         assert trainer.scheduler_from_step == 0  # once
     fresh, resumed = rates
     assert fresh == 0.0 and resumed == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 2 / 6)))
+
+
+def test_a_deepspeed_file_pinning_the_global_batch_resumes_on_another_world_size(tmp_path):
+    """The file's train_batch_size is the checkpoint's global batch, which the resume keeps: it was refused as
+    disagreeing with the recipe's own accumulation, checked before the resume's."""
+    checkpoint = saved(tmp_path, **{**DDP_2, "strategy": "zero2"})
+    (checkpoint / "latest").write_text("global_step4")
+    (checkpoint / "global_step4").mkdir()
+    for rank in range(2):  # each rank's optimizer slice, as DeepSpeed names them
+        (checkpoint / "global_step4" / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 2}}))
+    for world, accumulation in ((1, 4), (4, 1)):
+        plan = make_plan(recipe(tmp_path, deepspeed=str(config)), make_cluster(world, device="cpu"))
+        assert (plan.gradient_accumulation_steps, plan.deepspeed_config["train_batch_size"]) == (accumulation, 8)
+
+
+def test_a_folder_inside_a_checkpoint_is_pointed_at_its_checkpoint(tmp_path):
+    checkpoint = saved(tmp_path, **{**DDP_2, "strategy": "zero2"})
+    (checkpoint / "global_step4").mkdir()
+    with pytest.raises(UserError, match="global_step4 is a folder inside the checkpoint checkpoint-4") as caught:
+        make_plan(recipe(tmp_path / "other", deepspeed="zero2", resume_from_checkpoint=str(checkpoint / "global_step4")),
+                  make_cluster(2, device="cpu"))  # fmt: skip
+    assert caught.value.hint == f"set resume_from_checkpoint: {checkpoint}"

@@ -79,6 +79,7 @@ class Report:
     choice: tuple[Estimate, str] | None = None
     preference: str = ""  # what a preference step runs through the model (estimate_preference.batch_note)
     remedy: str = "add GPUs"  # what would lower the figures, of what the recipe doesn't do already
+    assumes: str = ""  # the recipe's settings the figures are for
 
     def fits(self, row: Estimate) -> bool:
         return row.fits(self.gpu_memory, self.cpu_memory)
@@ -132,7 +133,16 @@ def report_for(recipe, facts: ModelFacts, gpus_per_machine: int, num_machines: i
     choice = recommend(rows, gpu_memory, num_machines, interconnect, cpu_memory)
     return Report(recipe.base_model, facts.total_params(), trainable_parameters(recipe, facts), gpus_per_machine,
                   num_machines, gpu_memory, cpu_memory, interconnect, rows, choice,
-                  preference.batch_note(recipe), remedy(recipe))  # fmt: skip
+                  preference.batch_note(recipe), remedy(recipe), assumptions(recipe))  # fmt: skip
+
+
+def assumptions(recipe) -> str:
+    """The recipe's settings every row is computed for."""
+    packed = ", packed" if recipe.sample_packing else ""
+    method = {"lora": f"LoRA r={recipe.lora_r}", "qlora": f"QLoRA r={recipe.lora_r}"}.get(recipe.adapter, "full")
+    return (f"for: {method}, sequence_len {recipe.sequence_len}{packed}, micro_batch_size {recipe.micro_batch_size}, "
+            f"gradient checkpointing {'on' if recipe.gradient_checkpointing else 'off'}, optimizer {recipe.optimizer}, "
+            f"precision {recipe.precision or 'auto'}")  # fmt: skip
 
 
 def remedy(recipe) -> str:

@@ -43,11 +43,19 @@ REFERENCE_NOTE = ("ref: the frozen reference model (no gradients, no optimizer s
                   "step; counted in peak at every phase")  # fmt: skip
 
 
+def _count(n: int) -> str:
+    """A parameter count at a readable scale: 8.03B, 41.9M, 147.8K."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:,.{2 if suffix == 'B' else 1}f}{suffix}"
+    return str(n)
+
+
 def basis_notes(rows) -> list[str]:
     """Which rows a recorded GPU run checks, and one line per reason the others are only modelled."""
     measured = [row for row in rows if not row.basis_reason]
-    lines = [f"{measured[0].basis} ({', '.join(row.name for row in measured)}): a recorded GPU run of this "
-             "configuration checks these rows (docs/estimate.md)"] if measured else []  # fmt: skip
+    lines = [f"{measured[0].basis} ({', '.join(row.name for row in measured)}): recorded GPU runs of this "
+             "method and strategy, on other models, checked the arithmetic of these rows (docs/estimate.md)"] if measured else []  # fmt: skip
     reasons: dict[str, list[str]] = {}
     for row in rows:
         if row.basis_reason:
@@ -84,8 +92,8 @@ def print_estimate(report) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{report.model}: {report.total_params / 1e9:.2f}B parameters "
-                        f"({report.trainable_params / 1e6:,.1f}M trainable), {report.num_machines} x "
+    table = Table(title=f"{report.model}: {_count(report.total_params)} parameters "
+                        f"({_count(report.trainable_params)} trainable), {report.num_machines} x "
                         f"{report.gpus_per_machine} GPUs of {report.gpu_memory / GB:.0f} GB")  # fmt: skip
     reference = bool(report.preference)  # a preference recipe: a column for its reference model, 0 where it has none
     columns = ("strategy (GB per GPU)", "params", "grads", "optim", *(["ref"] if reference else []), "buffers",
@@ -100,6 +108,8 @@ def print_estimate(report) -> None:
     console.print(table)
     for note in [*ESTIMATE_NOTES, *([REFERENCE_NOTE] if reference else []), *reference_notes(report)]:
         console.print(note, highlight=False)
+    if report.assumes:
+        console.print(report.assumes, highlight=False)
     for line in basis_notes(report.rows):
         console.print(line, highlight=False)
     console.print(f"fits: total under {FIT_FRACTION:.0%} of the GPU's {report.gpu_memory / GB:.0f} GB "

@@ -129,3 +129,14 @@ class PackedRows(Sequence):
         )
 
     __hash__ = None
+
+
+def even_rows(rows: list, args, plan: dict, tokenizer) -> list:
+    """The eval rows, with label-free one-token rows added to fill the ranks' last batches: accelerate would repeat
+    real rows to even them out, counting them twice in the eval loss."""
+    per_step = (plan.get("data_parallel_size") or 1) * args.per_device_eval_batch_size
+    missing = -len(rows) % per_step if (plan.get("world_size") or 1) > 1 else 0
+    if not missing:
+        return rows
+    filler = {"input_ids": [tokenizer.pad_token_id or 0], "labels": [-100]}
+    return list(rows) + [dict(filler) for _ in range(missing)]

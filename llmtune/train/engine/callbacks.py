@@ -104,7 +104,7 @@ class ProgressLines(TrainerCallback):
         evals = {k: v for k, v in logs.items() if k.startswith("eval_") and isinstance(v, (int, float))}
         if "eval_loss" in evals:
             shown = "  ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in evals.items()
-                              if not k.endswith(("_runtime", "_per_second")))  # fmt: skip
+                              if not k.endswith(("_runtime", "_per_second", "_tokens")))  # fmt: skip
             log(f"eval at step {state.global_step}: {shown}")
 
 

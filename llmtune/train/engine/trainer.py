@@ -304,6 +304,8 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
             world = self.accelerator.num_processes
             averaged_over = world if (self.plan or {}).get("strategy") == "zero3" else world // size
             return ulysses_loss(model, inputs, num_items_in_batch, averaged_over, world // size, return_outputs)
+        if self._token_eval is not None and not model.training:  # an evaluation: this batch's own mean, which
+            num_items_in_batch = None  # evaluation_loop weighs by its tokens (not the ranks' summed count)
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def create_optimizer(self, model=None):
@@ -351,4 +353,40 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
                 return loss.detach(), None, None
             margins = pair_margins(outputs.logits.detach(), labels)
             return loss.detach(), margins, torch.ones_like(margins)
-        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        labels = inputs.get("labels") if isinstance(inputs, dict) else None
+        loss, logits, out_labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if self._token_eval is not None and loss is not None and labels is not None:
+            count = (labels[..., 1:] != -100).sum()  # the tokens the batch's mean loss is over (labels shift by one)
+            weighted = loss.detach().double() * count
+            self._token_eval[0] += weighted.where(count > 0, weighted.new_zeros(()))  # (a filler-only batch: 0/0)
+            self._token_eval[1] += count
+        return loss, logits, out_labels
+
+    _token_eval = None  # (loss sum, tokens) of an evaluation in progress, on the rank's device
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):  # fmt: skip
+        """eval_loss as the mean over every label token of the eval set, summed over the ranks: what `llmtune eval`
+        reports, the same on any world size (the Trainer's is a mean of batch means, and on several ranks counts the
+        rows it repeats to even the ranks' batches; the worker pads the eval set with label-free rows instead)."""
+        import torch
+
+        from llmtune.train.runtime import collectives
+
+        sft = self.recipe is None or not (
+            self.recipe.rl or self.recipe.reward_model or self.recipe.process_reward_model
+        )
+        if sft:
+            self._token_eval = [torch.zeros((), dtype=torch.float64, device=self.args.device),
+                                torch.zeros((), dtype=torch.int64, device=self.args.device)]  # fmt: skip
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)  # fmt: skip
+            if sft:
+                total, tokens = collectives.sum_values([self._token_eval[0].item(), self._token_eval[1].item()])
+                if tokens:
+                    output.metrics[f"{metric_key_prefix}_loss"] = total / tokens
+                    output.metrics[f"{metric_key_prefix}_tokens"] = int(tokens)
+        finally:
+            self._token_eval = None
+        return output
