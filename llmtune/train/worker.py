@@ -214,7 +214,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         trainer = preference_trainer(recipe, plan, model, args, data, tokenizer, source, callbacks, log)
     else:
         trainer = LlmtuneTrainer(
-            model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(even_rows(data.eval, args, plan, tokenizer)) if data.eval else None,
+            model=model, args=args, train_dataset=Rows(data.train), eval_dataset=Rows(even_rows(data.eval, args, plan, tokenizer, bool(recipe.reward_model or recipe.process_reward_model))) if data.eval else None,
             data_collator=collator, processing_class=tokenizer, compute_loss_func=loss_func,
             compute_metrics=metrics_func, callbacks=callbacks,
         )  # fmt: skip

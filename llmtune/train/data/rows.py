@@ -131,10 +131,15 @@ class PackedRows(Sequence):
     __hash__ = None
 
 
-def even_rows(rows: list, args, plan: dict, tokenizer) -> list:
+def even_rows(rows: list, args, plan: dict, tokenizer, own_loss: bool = False) -> list:
     """The eval rows, with label-free one-token rows added to fill the ranks' last batches: accelerate would repeat
-    real rows to even them out, counting them twice in the eval loss."""
-    per_step = (plan.get("data_parallel_size") or 1) * args.per_device_eval_batch_size
+    real rows to even them out, counting them twice in the eval loss. `own_loss`: a reward model's pairs (and
+    their own metrics) are left as they are."""
+    if own_loss:
+        return rows
+    # every rank's share, whichever ranks split the eval rows (under Ulysses all of them do, though training splits
+    # only among data-parallel groups): a multiple of the world's is a multiple of any of them
+    per_step = (plan.get("world_size") or 1) * args.per_device_eval_batch_size
     missing = -len(rows) % per_step if (plan.get("world_size") or 1) > 1 else 0
     if not missing:
         return rows

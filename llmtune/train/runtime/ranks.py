@@ -130,9 +130,18 @@ class SequenceSeen:
 
 
 def local_parameter_numel(model) -> int:
-    """Parameters this rank actually holds: its ZeRO-3 partition or FSDP shard, else the full tensor."""
+    """Parameters this rank actually holds: its ZeRO-3 partition or FSDP shard, else the full tensor. FSDP2 keeps
+    the root module's parameters gathered after a forward without backward (an evaluation's): they are sharded
+    again first (FSDPModule.reshard), as the next step would."""
     from llmtune.train.runtime.memory import local_tensor
 
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        FSDPModule = ()  # noqa: N806
+    for module in model.modules():
+        if FSDPModule and isinstance(module, FSDPModule):
+            module.reshard()
     return sum(local_tensor(param).numel() for param in model.parameters())
 
 
