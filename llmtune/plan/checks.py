@@ -247,18 +247,12 @@ def fsdp2_notes(recipe, settings) -> list[str]:
 def soft_capped(recipe: Recipe, batches):
     """Padded batches where the model's config.json, on this machine, soft-caps attention logits (Gemma 2): no varlen
     kernel does, and the rank would fall back after loading where the plan had promised padding-free ones."""
-    import json
-
-    from llmtune.plan.memory.facts import model_file
+    from llmtune.plan.memory.facts import local_config
     from llmtune.recipe.batches import PADDED, Batches
 
     if not batches.padding_free:
         return batches
-    found = model_file(recipe.base_model_config or recipe.base_model, "config.json")
-    try:
-        config = json.loads(found.read_text()) if found else {}
-    except (OSError, ValueError):
-        return batches
+    config = local_config(recipe.base_model_config or recipe.base_model)
     if not any((c or {}).get("attn_logit_softcapping") for c in (config, config.get("text_config"))):
         return batches
     why = "its attention soft-caps the logits (no varlen kernel here does)"

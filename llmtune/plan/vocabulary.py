@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.plan.memory.facts import model_file
+from llmtune.plan.memory.facts import local_config, model_file
 from llmtune.recipe.model import ADDITIONAL_SPECIAL_TOKENS
 
 # The input and output embedding modules by config model_type (Axolotl's get_linear_embedding_layers)
@@ -98,11 +98,5 @@ def check_new_tokens(recipe) -> None:
     new = new_tokens(recipe, known)
     if not new:
         return
-    model_type = None
-    config = model_file(recipe.base_model_config or recipe.base_model, "config.json")
-    if config is not None:
-        try:
-            model_type = json.loads(config.read_text()).get("model_type")
-        except (OSError, ValueError, AttributeError):
-            pass
+    model_type = local_config(recipe.base_model_config or recipe.base_model).get("model_type")
     check_modules_to_save(recipe, new, name, embedding_modules_of(model_type))

@@ -208,13 +208,20 @@ def model_file(name: str, filename: str) -> Path | None:
     return found[-1] if found else None
 
 
+def local_config(name: str) -> dict:
+    """A model's config.json already on this machine (found as find_config_json finds it), or {} where there is
+    none or it can't be read: the plan's checks that only sharpen what loading would find."""
+    found = find_config_json(name)
+    try:
+        config = json.loads(found.read_text()) if found else {}
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def model_positions(name: str) -> int | None:
     """max_position_embeddings of a model whose config.json is on this machine (None: not known here)."""
-    found = model_file(name, "config.json")
-    try:
-        value = json.loads(found.read_text()).get("max_position_embeddings") if found else None
-    except (OSError, ValueError, AttributeError):
-        return None
+    value = local_config(name).get("max_position_embeddings")
     return value if isinstance(value, int) and value > 0 else None
 
 
