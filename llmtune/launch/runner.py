@@ -122,8 +122,8 @@ def _run(plan: Plan, extra_launcher_args: list[str] | None, rdzv_timeout: float,
     # every rank of this machine, unfiltered, in the order printed; appended, so a resumed run keeps the first's
     with open(log_dir / f"machine-{cluster.machine_rank}.log", "a", encoding="utf-8") as log:
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
-        process = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, preexec_fn=die_with(os.getpid()))  # fmt: skip
+        process = subprocess.Popen(dies_with_launcher(argv), env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT)  # fmt: skip
         watcher = StderrWatcher(
             process.stdout, console=console, log=log, hold_tracebacks=torchrun and "--standalone" not in command
         )
@@ -207,22 +207,9 @@ class _Report:
             _log(self.result)
 
 
-def die_with(launcher: int):
-    """For Popen's preexec_fn: the launched process (torchrun's agent, or the one rank) gets SIGTERM when llmtune's
-    launcher dies however it dies (kill -9, the OOM killer), and stops its ranks; in their own session, nothing else
-    would stop them (Linux's parent-death signal; elsewhere nothing changes)."""
-
-    def arm() -> None:
-        import ctypes
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != launcher:  # the launcher died before the signal was armed
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return arm
+def dies_with_launcher(argv: list[str]) -> list[str]:
+    """`argv` started through llmtune.launch.parent_death: it gets SIGTERM when this launcher dies, however it dies."""
+    return [sys.executable, "-m", "llmtune.launch.parent_death", str(os.getpid()), *argv]
 
 
 def supervise(process: subprocess.Popen, grace: float = 10.0, stop_when=None) -> int:
