@@ -242,20 +242,3 @@ def fsdp2_notes(recipe, settings) -> list[str]:
         notes.append(f"fsdp_config: {', '.join(unused)} {'are FSDP1 keys' if len(unused) > 1 else 'is an FSDP1 key'}"
                      " with no FSDP2 counterpart: not used")  # fmt: skip
     return notes
-
-
-def soft_capped(recipe: Recipe, batches):
-    """Padded batches where the model's config.json, on this machine, soft-caps attention logits (Gemma 2): no varlen
-    kernel does, and the rank would fall back after loading where the plan had promised padding-free ones."""
-    from llmtune.plan.memory.facts import local_config
-    from llmtune.recipe.batches import PADDED, Batches
-
-    if not batches.padding_free:
-        return batches
-    config = local_config(recipe.base_model_config or recipe.base_model)
-    if not any((c or {}).get("attn_logit_softcapping") for c in (config, config.get("text_config"))):
-        return batches
-    why = "its attention soft-caps the logits (no varlen kernel here does)"
-    if recipe.batch_flattening is True:
-        raise UserError(f"batch_flattening: true can't run with this model: {why}", "remove batch_flattening")
-    return Batches(PADDED, reason=why)

@@ -24,13 +24,13 @@ from llmtune.plan.checks import (
     check_wrap_class,
     fsdp2_notes,
     gptq_check,
-    soft_capped,
 )
 from llmtune.plan.cluster import Cluster
 from llmtune.plan.commands import ELASTIC, _command, _environment
 from llmtune.plan.deepspeed import build_deepspeed_config
 from llmtune.plan.memory.facts import read_model_facts
 from llmtune.plan.mesh import plan_mesh
+from llmtune.plan.padding_free import planned_batches
 from llmtune.plan.pipeline import PipelinePlan, pipeline_plan
 from llmtune.plan.resume import length_line, resumed_accumulation
 from llmtune.plan.resume_checks import check_resume, check_weights_only
@@ -239,7 +239,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
                      if cluster.rehearsal else "activation offloading: each checkpointed layer's input is held in "
                      "pinned CPU memory (transformers' checkpoint offload); slower steps, less GPU memory")  # fmt: skip
     kernels = _kernels(recipe, cluster, precision, strategy, mesh)
-    kernels.batches = soft_capped(recipe, kernels.batches)
+    kernels.batches = planned_batches(recipe, kernels.batches)
     kernels.optimizer = fused_optimizer(recipe, cluster.device, strategy, deepspeed_config)
     if recipe.rl in ONLINE_METHODS:
         kernels.generation, kernels.vllm_share = _generation(recipe, cluster, facts, data_parallel, precision)

@@ -49,7 +49,7 @@ FLOORS = {
     ],
     "llmtune.plan": [
         ["memory", "checkpoint_layout", "hostfile", "generation"],
-        ["cluster", "deepspeed", "resume", "shrink", "pipeline", "vocabulary"],
+        ["cluster", "deepspeed", "resume", "shrink", "pipeline", "vocabulary", "padding_free"],
         ["commands", "resume_checks"],
         ["accelerate_config", "mesh", "smallest_cluster", "checks"],
         ["planner"],

@@ -325,17 +325,3 @@ def test_packed_rows_on_the_padded_path_are_refused_where_the_models_mask_ignore
     said = []
     assert batch_layout(recipe(**keys), plan, llama, said.append).layout == PADDED
     assert said[0].startswith("batches: packed rows, padded to the batch, position_ids restarting at each example")
-
-
-def test_the_plan_pads_a_model_whose_config_soft_caps_attention(tmp_path):
-    import json
-
-    from llmtune.plan import make_cluster, make_plan
-
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "hidden_size": 64, "vocab_size": 100,
-                                                      "num_hidden_layers": 2, "num_attention_heads": 2,
-                                                      "attn_logit_softcapping": 50.0}))  # fmt: skip
-    plan = make_plan(recipe(base_model=str(tmp_path)), make_cluster(1, device="cpu"))
-    assert plan.kernels["batches"]["layout"] == PADDED and "soft-caps" in plan.kernels["batches"]["reason"]
-    with pytest.raises(UserError, match="batch_flattening: true can't run with this model: its attention soft-caps"):
-        make_plan(recipe(base_model=str(tmp_path), batch_flattening=True), make_cluster(1, device="cpu"))

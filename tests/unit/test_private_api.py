@@ -831,6 +831,24 @@ def test_no_split_modules_layers():
            "no longer shows a self_attn(..., **kwargs) call llmtune can read")  # fmt: skip
 
 
+def test_modelling_source_text():
+    """transformers' files, read as text by the plan, still say what its classes say."""
+    from transformers import FalconForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM
+
+    from llmtune.plan.padding_free import _layers, modelling_source
+
+    for model_type, model_class in (("llama", LlamaForCausalLM), ("gemma3_text", Gemma3ForCausalLM),
+                                    ("falcon", FalconForCausalLM)):  # fmt: skip
+        source = modelling_source(model_type)
+        expect(source is not None, "modelling-source-text", "transformers", f"models/.../modeling_*.py of {model_type}",
+               "is no longer where SPECIAL_MODEL_TYPE_TO_MODULE_NAME or the model type puts it")  # fmt: skip
+        expect(("_supports_attention_backend = True" in source) == model_class.is_backend_compatible(),
+               "modelling-source-text", "transformers", f"{model_class.__name__}._supports_attention_backend",
+               "is no longer set by a `_supports_attention_backend = True` line in its modelling file")  # fmt: skip
+        expect(set(model_class._no_split_modules) <= set(_layers(source)) | {None}, "modelling-source-text",
+               "transformers", f"{model_class.__name__}._no_split_modules", "is no longer a literal list in its file")  # fmt: skip
+
+
 def test_tensor_flatten():
     import torch
     from torch import nn

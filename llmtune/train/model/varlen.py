@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtune.plan.memory.facts import NOT_ATTENTION_ONLY
+from llmtune.plan.padding_free import passes_boundaries, text_layer
 from llmtune.recipe.batches import VARLEN_ATTENTION
 from llmtune.train.runtime.ranks import SEQUENCE_MIXERS
 
@@ -141,25 +142,13 @@ def _base(model):
 
 @functools.cache
 def _passes_boundaries(layer_class) -> bool:
-    """Whether a decoder layer hands its keyword arguments (cu_seq_lens_q, ...) on to its attention call; some
-    modelling code drops them (transformers' Nemotron), so the kernel would see one sequence. True where the source
-    can't be read or has no such call."""
+    """plan/padding_free.passes_boundaries on a loaded decoder layer's forward; True where its source can't be read."""
     import inspect
-    import re
 
     try:
-        source = inspect.getsource(layer_class.forward)
+        return passes_boundaries(inspect.getsource(layer_class.forward))
     except (OSError, TypeError):
         return True
-    found = re.search(r"self\.(?:self_attn|attn|attention)\(", source)
-    if found is None:
-        return True
-    depth, end = 0, found.end() - 1
-    for end in range(found.end() - 1, len(source)):
-        depth += {"(": 1, ")": -1}.get(source[end], 0)
-        if depth == 0:
-            break
-    return "**" in source[found.end() : end]
 
 
 def unsupported(model) -> str | None:
@@ -175,7 +164,8 @@ def unsupported(model) -> str | None:
         return f"{model.config.model_type} mixes tokens outside attention (linear or state-space layers)"
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if kind in (getattr(model, "_no_split_modules", None) or ()) and not _passes_boundaries(type(module)):
+        layers = getattr(model, "_no_split_modules", None) or ()
+        if kind in layers and text_layer(kind) and not _passes_boundaries(type(module)):
             return f"{kind} doesn't pass the batch's row boundaries on to its attention (the rows would attend to " \
                    "each other)"  # fmt: skip
         if any(word in kind for word in SEQUENCE_MIXERS):

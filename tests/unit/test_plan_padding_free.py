@@ -1,0 +1,112 @@
+"""The plan promises the batch layout the ranks run (llmtune/plan/padding_free.py): it reads the model's config.json
+and transformers' modelling source as text (nothing imported) with the rules the ranks apply to the loaded classes
+(train/model/varlen.unsupported), so a model that can't take padding-free batches is planned padded, with the
+reason, instead of falling back after loading."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from llmtune.errors import UserError
+from llmtune.plan import make_cluster, make_plan
+from llmtune.plan.padding_free import _class_forward, _layers, blocker, modelling_source, passes_boundaries
+from llmtune.recipe.batches import PADDED, PADDING_FREE
+from llmtune.recipe.loader import recipe_from_mapping
+
+# Families with and without padding-free attention in transformers 5 (Falcon and StableLM: no attention
+# backends, nor BLOOM and MPT; Nemotron: its layer drops the row boundaries; gpt-oss: attention sinks; Jamba: state-space layers)
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "opt",
+            "mixtral", "qwen2_moe", "olmoe", "llama4_text", "falcon", "stablelm", "bloom", "mpt", "nemotron",
+            "gpt_oss", "jamba"]  # fmt: skip
+
+
+def recipe(**keys):
+    mapping = {"base_model": "m", "datasets": [{"path": "x", "type": "alpaca"}], **keys}
+    return recipe_from_mapping(mapping, Path("r.yaml"), check_files=False).recipe
+
+
+def test_the_text_rules_agree_with_the_loaded_classes():
+    """For each family, the modelling file read as text says what its classes say: transformers'
+    _supports_attention_backend, and each decoder layer passing the row boundaries on to its attention."""
+    from llmtune.train.model.varlen import _passes_boundaries
+
+    planned = {}
+    for model_type in FAMILIES:
+        source = modelling_source(model_type)
+        assert source is not None, model_type
+        folder = {"gemma3_text": "gemma3", "llama4_text": "llama4"}.get(model_type, model_type)
+        module = importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
+        classes = [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module.__name__]
+        backends = all(c.is_backend_compatible() for c in classes if hasattr(c, "is_backend_compatible"))
+        layers = [getattr(module, name) for name in _layers(source)]
+        assert layers, model_type
+        boundaries = all(_passes_boundaries(layer) for layer in layers)
+        assert boundaries == all(passes_boundaries(_class_forward(source, c.__name__)) for c in layers), model_type
+        why = blocker({"model_type": model_type})
+        planned[model_type] = why
+        if model_type not in ("gpt_oss", "jamba"):  # sinks and state-space layers: asserted below
+            assert (why is None) == (backends and boundaries), model_type
+    assert planned["falcon"] == "transformers' falcon modelling code doesn't take its attention backends"
+    assert planned["stablelm"] == "transformers' stablelm modelling code doesn't take its attention backends"
+    assert planned["nemotron"].startswith("NemotronDecoderLayer doesn't pass the batch's row boundaries")
+    assert planned["gpt_oss"] == "gpt_oss has attention sinks (no varlen kernel here takes them)"
+    assert planned["jamba"] == "jamba mixes tokens outside attention (linear or state-space layers)"
+    assert [t for t, why in planned.items() if why is None] == [
+        "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "opt", "mixtral",
+        "qwen2_moe", "olmoe", "llama4_text"]  # fmt: skip
+    assert planned["bloom"] == "transformers' bloom modelling code doesn't take its attention backends"
+
+
+def write_config(folder: Path, **keys) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"hidden_size": 32, "vocab_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, **keys}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_the_plan_pads_what_the_rank_would_pad_and_says_why(tmp_path):
+    """A tiny Falcon and a tiny Llama: the plan's layout is the one batch_layout picks on the loaded model, and the
+    reason reaches the plan; batch_flattening: true on Falcon is refused at plan time, not after loading."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtune.train.model.kernels import batch_layout
+
+    for model_type, layout in (("falcon", PADDED), ("llama", PADDING_FREE)):
+        folder = write_config(tmp_path / model_type, model_type=model_type, intermediate_size=64)
+        plan = make_plan(recipe(base_model=folder), make_cluster(1, device="cpu"))
+        assert plan.kernels["batches"]["layout"] == layout, model_type
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+        ranked = batch_layout(recipe(base_model=folder), {"precision": "no", "cluster": {"device": "cpu"}}, model,
+                              lambda _: None)  # fmt: skip
+        assert ranked.layout == layout, model_type
+    assert "modelling code" not in plan.kernels["batches"]["reason"]  # llama: only the CPU kernel's note
+    falcon = str(tmp_path / "falcon")
+    reason = make_plan(recipe(base_model=falcon), make_cluster(1, device="cpu")).kernels["batches"]["reason"]
+    assert reason == "transformers' falcon modelling code doesn't take its attention backends"
+    with pytest.raises(UserError, match="batch_flattening: true can't run with this model: transformers' falcon"):
+        make_plan(recipe(base_model=falcon, batch_flattening=True), make_cluster(1, device="cpu"))
+
+
+def test_the_plan_pads_a_model_whose_config_soft_caps_attention(tmp_path):
+    folder = write_config(tmp_path, model_type="gemma2", attn_logit_softcapping=50.0)
+    plan = make_plan(recipe(base_model=folder), make_cluster(1, device="cpu"))
+    assert plan.kernels["batches"]["layout"] == PADDED and "soft-caps" in plan.kernels["batches"]["reason"]
+    with pytest.raises(UserError, match="batch_flattening: true can't run with this model: its attention soft-caps"):
+        make_plan(recipe(base_model=folder, batch_flattening=True), make_cluster(1, device="cpu"))
+
+
+def test_unknown_models_keep_the_plan_as_it_was(tmp_path):
+    """No config here (a hub id not downloaded), remote code, or a type transformers doesn't have: nothing is
+    known at plan time; the rank decides on the loaded model."""
+    assert blocker({}) is None
+    assert blocker({"model_type": "falcon", "auto_map": {"AutoModelForCausalLM": "modeling.Falcon"}}) is None
+    assert blocker({"model_type": "no_such_family"}) is None
+    assert blocker({"model_type": "../../etc"}) is None
+    plan = make_plan(recipe(base_model="org/not-downloaded"), make_cluster(1, device="cpu"))
+    assert plan.kernels["batches"]["layout"] == PADDING_FREE
