@@ -55,3 +55,33 @@ def test_a_fused_experts_parameter_named_as_a_module_points_at_lora_target_param
     with pytest.raises(UserError, match="'gate_up_proj' is a parameter") as caught:
         attach_adapter(model, recipe(lora_target_modules=["q_proj", "gate_up_proj"]))
     assert caught.value.hint == "list it under lora_target_parameters instead"
+
+
+def qwen2_moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                              num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+                                              num_experts_per_tok=2, moe_intermediate_size=16,
+                                              shared_expert_intermediate_size=32))  # fmt: skip
+
+
+def test_fused_experts_left_frozen_are_said_with_the_key_that_trains_them():
+    """peft's all-linear reaches Qwen2-MoE's shared expert but not its routed experts (3D tensors): the run says so,
+    and the key it names, used as said, adapts them (and then nothing is said)."""
+    from llmtune.train.model.adapters import frozen_experts
+
+    adapted = attach_adapter(qwen2_moe(), recipe(lora_target_linear=True))
+    said = frozen_experts(adapted)
+    assert said == ("the routed experts stay frozen: 2 fused expert modules (Qwen2MoeExperts, e.g. "
+                    "model.layers.0.mlp.experts) hold their weights as 3D tensors, which this adapter's target "
+                    "modules don't reach; to train them add lora_target_parameters: [mlp.experts.gate_up_proj, "
+                    "mlp.experts.down_proj]")  # fmt: skip
+    assert not any(p.requires_grad for n, p in adapted.named_parameters() if "experts" in n)
+    keys = {"lora_target_linear": True, "lora_target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    adapted = attach_adapter(qwen2_moe(), recipe(**keys))
+    assert frozen_experts(adapted) is None
+    assert sum(1 for n, p in adapted.named_parameters() if "experts" in n and "lora_" in n and p.requires_grad) == 8
+    from transformers import LlamaForCausalLM
+
+    assert frozen_experts(attach_adapter(LlamaForCausalLM(tiny_llama_config(64)), recipe(lora_target_linear=True))) is None

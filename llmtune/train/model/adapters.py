@@ -145,6 +145,36 @@ def all_linear_exclusions(model) -> list[str]:
     return names
 
 
+def frozen_experts(model) -> str | None:
+    """What an adapter leaves frozen of a mixture of experts' fused expert weights (3D tensors, one slice per expert:
+    no nn.Linear for all-linear or a module name to reach; peft wraps them for some families and not others), said
+    with the recipe key that trains them; None where every expert tensor is adapted or there are none."""
+    import re
+
+    owners: dict[str, list[str]] = {}
+    adapted: set[str] = set()
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            adapted.add(re.sub(r"\.lora_.*$", "", name))
+        elif param.ndim == 3 and not param.requires_grad:
+            owner, _, leaf = name.removeprefix(PEFT_PREFIX).replace(".base_layer", "").rpartition(".")
+            owners.setdefault(owner, []).append(leaf)
+    frozen = {o: leaves for o, leaves in owners.items()
+              if not any(a.removeprefix(PEFT_PREFIX).replace(".base_layer", "") == o for a in adapted)}  # fmt: skip
+    if not frozen:
+        return None
+    first = next(iter(frozen))
+    module = model.get_submodule(first if not hasattr(model, "get_base_model") else PEFT_PREFIX + first)
+    kind = type(getattr(module, "base_layer", module)).__name__
+    suffix = re.sub(r"^.*?\.\d+\.", "", first)  # model.layers.0.mlp.experts -> mlp.experts
+    targets = ", ".join(f"{suffix}.{leaf}" for leaf in frozen[first])
+    return (
+        f"the routed experts stay frozen: {len(frozen)} fused expert modules ({kind}, e.g. {first}) hold their "
+        "weights as 3D tensors, which this adapter's target modules don't reach; to train them add "
+        f"lora_target_parameters: [{targets}]"
+    )
+
+
 def parameter_counts(model) -> tuple[int, int]:
     """(trainable, total) parameters; 4-bit packed weights count as their logical (unpacked) size."""
     import math
