@@ -117,7 +117,7 @@ def _summary(run: Path, metrics: dict, plan: dict, recipe: dict, data: dict | No
         ("global batch", f"{plan.get('global_batch_size')} = micro-batch {plan.get('micro_batch_size')} x "
                          f"accumulation {plan.get('gradient_accumulation_steps')} x data-parallel {plan.get('data_parallel_size')}"),
         ("steps", metrics.get("steps")),
-        ("tokens seen", f"{metrics.get('tokens_seen'):,}" if metrics.get("tokens_seen") is not None else None),
+        ("tokens seen", _tokens_seen(metrics)),
         ("training time", f"{minutes:.1f} min ({_throughput(metrics)})"),
         ("peak GPU memory", _gpu_memory(metrics)),
         ("final train loss", _fmt(metrics.get("final_loss"))),
@@ -135,6 +135,14 @@ def _summary(run: Path, metrics: dict, plan: dict, recipe: dict, data: dict | No
         "## Curves\n\n![loss](loss.png)\n\n![throughput](throughput.png)\n\n"
         "The plotted numbers are in `curves.json`; the full recipe and plan in `../llmtune/`.\n"
     )
+
+
+def _tokens_seen(metrics: dict) -> str | None:
+    if metrics.get("tokens_seen") is not None:
+        return f"{metrics['tokens_seen']:,}"
+    if metrics.get("tokens_seen_this_run") is not None:  # resumed from a checkpoint that didn't count them
+        return f"{metrics['tokens_seen_this_run']:,} since the resume"
+    return None
 
 
 def _fmt(value) -> str | None:

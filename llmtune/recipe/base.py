@@ -30,7 +30,7 @@ def unknown_key_message(key: Any, known: list[str]) -> str:
 class Section(BaseModel):
     """A pydantic model that refuses keys it does not define, with a did-you-mean."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)  # .inf and .nan: no setting
 
     @model_validator(mode="before")
     @classmethod

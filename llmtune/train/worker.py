@@ -280,6 +280,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         from llmtune.plan.resume_checks import weights_only_step
 
         trainer.saved_world, trainer.rows_before = marker.get("world_size"), marker.get("rows_seen")
+        trainer.tokens_before = marker.get("tokens_seen")
         trainer.scheduler_from_step = weights_only_step(resume, marker, plan["strategy"])
         trainer.started_from = started_from(resume, output_dir, marker)
     from llmtune.train.runtime.memory import ModelStateMeter
@@ -329,7 +330,8 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         final_loss=losses[-1] if losses else None, steps=trainer.state.global_step,
         # rows: over the whole run, the resumed checkpoint's included (None when its marker didn't count them)
         rows_seen=trainer.rows_before + round(rows) if trainer.rows_before is not None else None,
-        rows_seen_this_run=round(rows), tokens_seen=round(tokens),
+        rows_seen_this_run=round(rows), tokens_seen_this_run=round(tokens),
+        tokens_seen=trainer.tokens_before + round(tokens) if trainer.tokens_before is not None else None,
         # the whole train() call (engine start, first-step compilation included) and the steps after the warm-up
         tokens_per_second_whole_run=round(tokens / seconds, 2) if seconds else None, train_seconds=round(seconds, 2),
         tokens_per_second_steady=round(steady_tokens / steady_seconds, 2) if steady_seconds else None,

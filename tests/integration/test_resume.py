@@ -156,8 +156,11 @@ def resume_elsewhere(workspace, straight, checkpoint: Path, strategy: str, proce
     assert ran == [engine] * processes, metrics["ranks"]
     assert metrics["resumed_from"] == str(out / "checkpoint-6")
     assert (metrics["rows_seen"], metrics["rows_seen_this_run"]) == (64, 16)  # 2 epochs of 32 rows
+    # tokens too: the whole run's, as the uninterrupted run counted them, the checkpoint's included
+    assert metrics["tokens_seen"] == reference["tokens_seen"] > metrics["tokens_seen_this_run"] > 0
     marker = json.loads((out / "checkpoint-8" / "llmtune-complete.json").read_text())
     assert (marker["world_size"], marker["global_batch_size"], marker["rows_seen"]) == (processes, 8, 64)
+    assert marker["tokens_seen"] == metrics["tokens_seen"]
     if strategy.startswith("zero"):  # converted once, in place, before the engine loaded it
         assert ("converted checkpoint-6 to DeepSpeed's universal checkpoint" in resumed.stderr) != ahead
         assert (out / "checkpoint-6" / "latest_universal").read_text() == "global_step6_universal"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -117,3 +118,15 @@ def test_a_5000_character_path_names_its_key():
                 assert err.one_line().startswith(f"{path}: {key}:"), err.one_line()[:200]
             else:
                 raise AssertionError(f"{key}: a 5000-character path was accepted")
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "INFINITY"])
+def test_infinite_and_nan_numbers_are_one_line(tmp_path, value):
+    """YAML's .inf and .nan are numbers to yaml.safe_load: no recipe setting means them (logging_steps: .inf crashed
+    in int(), found by the fuzz test above)."""
+    for key in ("logging_steps", "learning_rate", "val_set_size", "num_epochs"):
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump({"base_model": "m", "datasets": [{"path": "x", "type": "alpaca"}]})
+                        + f"{key}: {value}\n")  # fmt: skip
+        with pytest.raises(UserError, match=f"{key}: Input should be a finite number"):
+            load_recipe(path, check_files=False)

@@ -229,16 +229,19 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
         from llmtune.plan.mesh import ranks_per_batch
 
         # every rank saves, so every rank sums; a tensor- or context-parallel group's ranks each count its rows
-        (rows,) = collectives.sum_values([self.rows_seen / ranks_per_batch(self.plan.get("mesh"))])
+        group = ranks_per_batch(self.plan.get("mesh"))
+        rows, tokens = collectives.sum_values([self.rows_seen / group, self.tokens_seen / group])
         return {"strategy": self.plan["strategy"], "data_parallel_size": data_parallel,
                 "global_batch_size": micro * accumulation * data_parallel, "mesh": self.plan.get("mesh"),
                 # the rows trained up to here, the resumed checkpoint's included (unknown when its marker is older)
                 **({"rows_seen": self.rows_before + round(rows)} if self.rows_before is not None else {}),
+                **({"tokens_seen": self.tokens_before + round(tokens)} if self.tokens_before is not None else {}),
                 "rows_per_epoch": len(self.train_dataset), "started_from": self.started_from,
                 # what a later resume checks the recipe against (llmtune/plan/resume_checks.py)
                 **(marker_keys(self.recipe) if self.recipe is not None else {})}  # fmt: skip
 
     rows_before: int | None = 0  # rows the checkpoint this run resumed had trained (None: its marker didn't say)
+    tokens_before: int | None = 0  # the same in tokens (padding excluded)
     started_from: str | None = None  # the checkpoint this run (and the runs it resumes) started from
     saved_world: int | None = None  # the world size of the checkpoint this run resumed
 

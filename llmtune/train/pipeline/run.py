@@ -45,7 +45,8 @@ def run_pipeline(
     metrics = {
         "train_loss": sum(e["loss"] for e in history) / len(history), "final_loss": history[-1]["loss"],
         "steps": result["steps"], "rows_seen": result["rows_seen"],
-        "rows_seen_this_run": result["rows_seen_this_run"], "tokens_seen": result["tokens_seen"],
+        "rows_seen_this_run": result["rows_seen_this_run"], "tokens_seen_this_run": result["tokens_seen"],
+        "tokens_seen": None if result["resumed_from"] else result["tokens_seen"],  # the checkpoint doesn't count them
         "resumed_from": result["resumed_from"], "steps_run": result["steps_run"],
         "tokens_per_second_whole_run": round(result["tokens_seen"] / result["seconds"], 2),
         "train_seconds": round(result["seconds"], 2),
