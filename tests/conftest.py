@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+# The tests' own torch (set before it loads OpenMP): threads sleep between parallel regions rather than spin, as the
+# plan sets for the ranks of a CPU rehearsal; two pytest workers share two cores
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 

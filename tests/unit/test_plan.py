@@ -134,10 +134,19 @@ def test_multi_node_commands_differ_only_in_machine_rank():
     assert plan.accelerate_config["num_machines"] == 2 and plan.accelerate_config["num_processes"] == 4
 
 
-def test_cpu_rehearsal_environment():
+def test_cpu_rehearsal_environment(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     plan = make_plan(recipe(deepspeed="zero2", bf16=True), make_cluster(2, device="cpu"))
     assert plan.env["DS_ACCELERATOR"] == "cpu"
     assert plan.precision == "no" and any("rehearsal" in n for n in plan.notes)
+    # OpenMP's threads sleep rather than spin between regions (benchmarks/rehearsal_threads.py: spinning cost 5x the
+    # CPU of two runs sharing two cores); a user's own setting stays, and a GPU run's environment has none
+    assert plan.env["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    assert "OMP_WAIT_POLICY" not in make_plan(recipe(), make_cluster(2, device="cpu")).env
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    assert "OMP_WAIT_POLICY" not in make_plan(recipe(), make_cluster(2, device="cuda")).env
 
 
 def test_pipeline_split_and_bubble(tmp_path):
