@@ -30,8 +30,8 @@ def _environment(cluster: Cluster, strategy: str) -> dict[str, str]:
     if cluster.rehearsal:
         cores = os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = str(max(1, cores // cluster.processes_per_machine))
-        # OpenMP's threads sleep between parallel regions instead of spinning: the ranks share the machine's cores,
-        # and spinning threads took ~40% of a CPU rehearsal's time from the ranks doing the work
+        # OpenMP's threads sleep between parallel regions instead of spinning: processes sharing the machine's cores
+        # took 5x the CPU time with libgomp's default spinning (benchmarks/rehearsal_threads.py)
         if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):  # unless the user tuned it
             env["OMP_WAIT_POLICY"] = "PASSIVE"
         env["CUDA_VISIBLE_DEVICES"] = ""

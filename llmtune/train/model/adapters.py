@@ -151,16 +151,18 @@ def frozen_experts(model) -> str | None:
     with the recipe key that trains them; None where every expert tensor is adapted or there are none."""
     import re
 
+    def base_name(name: str) -> str:  # the base model's name of a parameter or module, peft's wrapping removed
+        return name.removeprefix(PEFT_PREFIX).replace(".base_layer", "")
+
     owners: dict[str, list[str]] = {}
     adapted: set[str] = set()
     for name, param in model.named_parameters():
         if "lora_" in name:
-            adapted.add(re.sub(r"\.lora_.*$", "", name))
+            adapted.add(base_name(re.sub(r"\.lora_.*$", "", name)))
         elif param.ndim == 3 and not param.requires_grad:
-            owner, _, leaf = name.removeprefix(PEFT_PREFIX).replace(".base_layer", "").rpartition(".")
+            owner, _, leaf = base_name(name).rpartition(".")
             owners.setdefault(owner, []).append(leaf)
-    frozen = {o: leaves for o, leaves in owners.items()
-              if not any(a.removeprefix(PEFT_PREFIX).replace(".base_layer", "") == o for a in adapted)}  # fmt: skip
+    frozen = {owner: leaves for owner, leaves in owners.items() if owner not in adapted}
     if not frozen:
         return None
     first = next(iter(frozen))
