@@ -38,6 +38,19 @@ PRESETS = {
 DEFAULT_BUCKET = 500_000_000
 
 
+# DeepSpeed's ZeRO fields and the stage3_ aliases it reads them by (deepspeed/runtime/zero/config.py): a file may
+# use either spelling
+ZERO3_ALIASES = {name: f"stage3_{name}" for name in (
+    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
+    "max_reuse_distance", "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params", "allgather_sequential")}  # fmt: skip
+GATHER_SPELLINGS = (
+    "stage3_gather_16bit_weights_on_model_save",
+    "gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+)  # the last one deprecated, still read
+
+
 def load_user_config(value: str | dict) -> tuple[dict, str | None]:
     """The recipe's deepspeed value as (config mapping, preset name or None)."""
     if isinstance(value, dict):
@@ -146,12 +159,14 @@ def build_deepspeed_config(
         auto_zero = _preset_zero(ZeroPreset(int(zero.get("stage", 0)) or 1), recipe, facts)
         for key, value in list(zero.items()):
             if value == "auto":
-                zero[key] = auto_zero.get(key, DEFAULT_BUCKET)
-        gather = "stage3_gather_16bit_weights_on_model_save"
-        if int(zero.get("stage") or 0) == 3 and gather not in zero:  # DeepSpeed's default is false: no model file
-            zero[gather] = True
-            notes.append(f"deepspeed: {gather} set true (not in the file; DeepSpeed's default, false, saves the final "
-                         "model as ZeRO shards only, with no model file)")  # fmt: skip
+                zero[key] = auto_zero.get(ZERO3_ALIASES.get(key, key), DEFAULT_BUCKET)
+        # DeepSpeed reads the field by its name or its stage3_ alias (and the old fp16 spelling): whichever the file
+        # uses is the setting, and adding the other spelling beside it would make DeepSpeed refuse the section
+        gather = next((key for key in GATHER_SPELLINGS if key in zero), None)
+        if int(zero.get("stage") or 0) == 3 and gather is None:  # DeepSpeed's default is false: no model file
+            zero[GATHER_SPELLINGS[0]] = True
+            notes.append(f"deepspeed: {GATHER_SPELLINGS[0]} set true (not in the file; DeepSpeed's default, false, "
+                         "saves the final model as ZeRO shards only, with no model file)")  # fmt: skip
         elif int(zero.get("stage") or 0) == 3 and zero.get(gather) is False:
             notes.append(f"deepspeed: {gather} is false: the final model is saved as ZeRO-3 shards (global_step*) "
                          "with no model file (DeepSpeed's zero_to_fp32.py beside them rebuilds one); set it true for "

@@ -56,7 +56,7 @@ FLOORS = {
         ["render", "files", "__init__"],
     ],
     "llmtune.plan.memory": [
-        ["__init__", "facts", "compute"],
+        ["__init__", "facts", "compute", "experts"],
         ["states", "activations", "buffers"],
         ["parallel", "preference"],
         ["peak", "basis", "table"],

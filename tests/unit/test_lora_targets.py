@@ -85,3 +85,37 @@ def test_fused_experts_left_frozen_are_said_with_the_key_that_trains_them():
     from transformers import LlamaForCausalLM
 
     assert frozen_experts(attach_adapter(LlamaForCausalLM(tiny_llama_config(64)), recipe(lora_target_linear=True))) is None
+
+
+def tiny_moe(model_type: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=4,
+                                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(("model_type", "names"), [
+    ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ("mixtral", ["q_proj", "v_proj", "w1", "w2", "w3"]),
+])  # fmt: skip
+def test_transformers_4_expert_names_attach_to_the_fused_experts(model_type, names):
+    """A recipe written for transformers 4 names each expert's linear layers; transformers 5 fuses them into 3D
+    tensors and peft maps the names onto them: the run adapts the experts (it was refused as 'names no module')."""
+    from llmtune.train.model.adapters import frozen_experts
+
+    adapted = attach_adapter(tiny_moe(model_type), recipe(lora_target_modules=names))
+    trained = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert any("experts" in n and "lora_" in n for n in trained) and any("q_proj.lora_A" in n for n in trained)
+    assert frozen_experts(adapted) is None
+
+
+def test_half_of_a_fused_pair_and_an_expert_name_peft_cant_map_are_one_line():
+    with pytest.raises(UserError) as caught:  # gate_proj and up_proj are one tensor in transformers 5
+        attach_adapter(tiny_moe("qwen3_moe"), recipe(lora_target_modules=["q_proj", "gate_proj", "down_proj"]))
+    assert "without also targeting up_proj" in caught.value.message and "add the missing name" in caught.value.hint
+    with pytest.raises(UserError) as caught:  # peft maps no per-expert names for PhiMoE: its experts are parameters
+        attach_adapter(tiny_moe("phimoe"), recipe(lora_target_modules=["q_proj", "w1"]))
+    assert "'w1' names no module of this model (phimoe)" in caught.value.message
+    assert "lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]" in caught.value.hint

@@ -763,6 +763,33 @@ def test_a_zero3_file_without_the_gather_key_saves_a_model_file_and_the_size_wra
     assert sized.accelerate_config["fsdp_config"]["fsdp_backward_prefetch"] == "BACKWARD_POST"  # the older name
 
 
+def test_zero3_keys_by_deepspeeds_field_names_are_kept_as_written(tmp_path):
+    """Axolotl's zero3_bf16.json writes gather_16bit_weights_on_model_save and max_live_parameters, DeepSpeed's
+    field names for the stage3_ aliases: the file's setting stands (no alias added beside it, which DeepSpeed
+    refuses), and "auto" resolves under either spelling."""
+    from llmtune.launch.preflight import check_deepspeed_schema
+
+    config = tmp_path / "zero3_bf16.json"
+    zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 0,
+            "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto", "prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto", "max_live_parameters": 0, "max_reuse_distance": 0,
+            "gather_16bit_weights_on_model_save": True}  # fmt: skip
+    del zero["prefetch_bucket_size"]
+    config.write_text(json.dumps({"zero_optimization": zero, "bf16": {"enabled": "auto"}}))
+    keys = recipe(deepspeed=str(config), bf16=True)
+    plan = make_plan(keys, make_cluster(8, device="cuda"))
+    written = plan.deepspeed_config["zero_optimization"]
+    assert written["gather_16bit_weights_on_model_save"] is True and "stage3_gather_16bit_weights_on_model_save" not in written
+    assert not any("set true (not in the file" in note for note in plan.notes), plan.notes
+    check_deepspeed_schema(keys, plan)  # DeepSpeed's own model takes the written section
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "prefetch_bucket_size": "auto",
+                                                        "gather_16bit_weights_on_model_save": False}}))  # fmt: skip
+    keys = recipe(deepspeed=str(config))
+    plan = make_plan(keys, make_cluster(8, device="cuda"))
+    assert isinstance(plan.deepspeed_config["zero_optimization"]["prefetch_bucket_size"], int)
+    assert any("gather_16bit_weights_on_model_save is false" in note for note in plan.notes), plan.notes
+    check_deepspeed_schema(keys, plan)
+
 def test_a_text_model_types_wrap_class_is_checked_in_its_familys_modelling_files():
     from llmtune.plan.checks import check_wrap_class
     from llmtune.plan.memory.facts import facts_from_config

@@ -849,6 +849,20 @@ def test_modelling_source_text():
                "transformers", f"{model_class.__name__}._no_split_modules", "is no longer a literal list in its file")  # fmt: skip
 
 
+def test_conversion_table_text():
+    """transformers' conversion table, read as text by the estimate, is the one it imports; peft maps the layouts
+    llmtune mirrors."""
+    from llmtune.plan.memory.experts import PEFT_MAPPED_LAYOUTS, conversion_layouts
+
+    table = imported("conversion-table-text", "transformers", "transformers.conversion_mapping",
+                     "_MODEL_TO_CONVERSION_PATTERN")  # fmt: skip
+    expect(conversion_layouts() == table, "conversion-table-text", "transformers",
+           "conversion_mapping._MODEL_TO_CONVERSION_PATTERN", "is no longer a literal dict assigned in the file")
+    peft_table = imported("conversion-table-text", "peft", "peft.utils.transformers_weight_conversion",
+                          "_MOE_TARGET_MODULE_MAPPING")  # fmt: skip
+    expect(set(peft_table) == set(PEFT_MAPPED_LAYOUTS), "conversion-table-text", "peft",
+           "transformers_weight_conversion._MOE_TARGET_MODULE_MAPPING", f"now maps {sorted(peft_table)}")
+
 def test_tensor_flatten():
     import torch
     from torch import nn

@@ -36,6 +36,7 @@ class ModelFacts:
     moe_layers: int = 0  # how many of the layers are mixture-of-experts ones
     latent_attention_params: int = 0  # one layer's attention under multi-head latent attention (DeepSeek), else 0
     mlp_matrices: int = 3  # a dense MLP's weight matrices: gate, up and down (2 where it has no gate: OPT, GPT-2)
+    shared_expert_gate: bool = False  # a linear layer gating the shared expert's output (Qwen2-MoE style)
 
     @property
     def head_dim(self) -> int:
@@ -166,6 +167,7 @@ def facts_from_config(config: dict) -> ModelFacts:
         moe_layers=sum(_is_moe_layer(text, i) for i in range(layers)) if experts else 0,
         latent_attention_params=_latent_attention(text, hidden, heads),
         mlp_matrices=2 if model_type in UNGATED_MLP and not experts else 3,
+        shared_expert_gate=bool(experts and text.get("shared_expert_intermediate_size")),
     )  # fmt: skip
 
 

@@ -34,8 +34,14 @@ def state_bytes(optimizer: str, mixed: bool, master: bool | None = None) -> Byte
     return Bytes(width, width, master + moments)
 
 
-def lora_parameters(facts: ModelFacts, rank: int, targets: list[str] | str | None) -> int:
-    """Adapter parameters: r·(in + out) per adapted linear layer (each expert's, in a mixture-of-experts layer)."""
+def lora_parameters(
+    facts: ModelFacts, rank: int, targets: list[str] | str | None, parameters: list[str] | None = None
+) -> int:
+    """Adapter parameters: r·(in + out) per adapted linear layer; a mixture of experts' routed experts as peft adapts
+    them (memory/experts.py: fused 3D tensors in transformers 5, reached in some families only; each expert's linear
+    layers in transformers 4); `parameters`: lora_target_parameters."""
+    from llmtune.plan.memory.experts import fused_expert_lora, peft_maps_experts
+
     h, kv, q = facts.hidden_size, facts.num_kv_heads * facts.head_dim, facts.num_heads * facts.head_dim
     chosen = None if targets in (None, "all-linear") or isinstance(targets, str) else set(targets)
 
@@ -43,21 +49,30 @@ def lora_parameters(facts: ModelFacts, rank: int, targets: list[str] | str | Non
         return copies * sum(rank * (a + b) for name, (a, b) in shapes.items() if chosen is None or name in chosen)
 
     def mlp(width: int) -> dict:
+        if not width:  # no shared expert
+            return {}
         gate = {"gate_proj": (h, width)} if facts.mlp_matrices == 3 or width != facts.intermediate_size else {}
         return {**gate, "up_proj": (h, width), "down_proj": (width, h)}
 
     attention = adapted({"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)})
     dense = facts.num_layers - facts.moe_layers
-    moe = adapted(mlp(facts.expert_intermediate_size), facts.num_experts) + adapted(mlp(facts.shared_intermediate_size))
+    mapped = peft_maps_experts(facts.model_type) if facts.num_experts else None
+    if mapped is None:  # experts as linear layers
+        experts = adapted(mlp(facts.expert_intermediate_size), facts.num_experts)
+    else:
+        width = facts.expert_intermediate_size
+        experts = facts.num_experts * fused_expert_lora(h, width, rank, chosen, parameters or [], mapped)
+    router = adapted({"gate": (h, facts.num_experts)}) if mapped is not False else 0  # where peft maps it too
+    shared_gate = adapted({"shared_expert_gate": (h, 1)}) if facts.shared_expert_gate else 0
+    moe = experts + router + adapted(mlp(facts.shared_intermediate_size)) + shared_gate
     return facts.num_layers * attention + dense * adapted(mlp(facts.intermediate_size)) + facts.moe_layers * moe
 
 
 def trainable_parameters(recipe, facts: ModelFacts) -> int:
     if not recipe.adapter:
         return facts.total_params()
-    return lora_parameters(
-        facts, recipe.lora_r, "all-linear" if recipe.lora_target_linear else recipe.lora_target_modules
-    )
+    targets = "all-linear" if recipe.lora_target_linear else recipe.lora_target_modules
+    return lora_parameters(facts, recipe.lora_r, targets, recipe.lora_target_parameters)
 
 
 NF4_BLOCK = 64  # bitsandbytes' default blocksize for 4-bit weights: one absmax per 64 weights

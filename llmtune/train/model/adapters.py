@@ -82,46 +82,86 @@ def _with_adapter(model, recipe):
                 param.data = param.data.to(fused[name])
     if recipe.lora_model_dir:
         return PeftModel.from_pretrained(model, recipe.lora_model_dir, is_trainable=True)
-    check_module_names(model, recipe)
+    layout = ModuleLayout.of(model)  # before peft wraps it
+    check_module_names(recipe, layout, key="lora_modules_to_save")
     config = lora_config(recipe)
     if config.target_modules == "all-linear":
         left_out = all_linear_exclusions(model)
         if left_out:
             config.exclude_modules = sorted({*(config.exclude_modules or ()), *left_out})
     try:
-        return get_peft_model(model, config)
+        adapted = get_peft_model(model, config)
     except ValueError as err:
+        if "not found in the base model" in str(err):  # nothing matched: name the entry that matches no module
+            check_module_names(recipe, layout, key="lora_target_modules")
         hint = ("set lora_target_modules to the module names to adapt (lora_target_linear: true is what failed)"
                 if recipe.lora_target_linear else
+                "add the missing name: transformers 5 holds both in one fused experts tensor, which LoRA adapts "
+                "whole" if "without also targeting" in str(err) else
                 "set lora_target_modules to module names of this model, or lora_target_linear: true")  # fmt: skip
         raise UserError(f"LoRA could not be attached: {str(err).splitlines()[0][:200]}", hint) from None
+    # peft maps the per-expert names of transformers 4 (gate_proj, up_proj, down_proj; Mixtral's w1, w3, w2) onto
+    # transformers 5's fused expert tensors where it knows the family: what it converted is no unmatched name
+    kept = next(iter(adapted.peft_config.values())).target_modules
+    converted = set() if isinstance(kept, str) or kept is None else set(recipe.lora_target_modules or ()) - set(kept)
+    check_module_names(recipe, layout, key="lora_target_modules", converted=converted)
+    return adapted
 
 
-def check_module_names(model, recipe) -> None:
-    """Every plain name in lora_target_modules and lora_modules_to_save must name a module of this model: peft
-    adapts what matches and says nothing of an entry that matches nothing (a typo, or another family's name, would
-    train without that layer)."""
-    import torch
+class ModuleLayout:
+    """What the name checks need of a model, taken before peft wraps it: its module names, its linear layers' short
+    names, its fused experts' lora_target_parameters entries, its parameter names and family."""
 
-    names = [name for name, _ in model.named_modules()]
-    for key in ("lora_target_modules", "lora_modules_to_save"):
-        entries = getattr(recipe, key) or []
-        if key == "lora_target_modules" and (recipe.lora_target_linear or not isinstance(entries, list)):
-            continue  # all-linear, or one regex string: peft says when it matches nothing
-        for entry in entries:
-            if REGEX_CHARS & set(entry) or any(n == entry or n.endswith(f".{entry}") for n in names):
-                continue
-            if key == "lora_target_modules" and any(n.endswith(f".{entry}") for n, _ in model.named_parameters()):
-                raise UserError(f"{key}: '{entry}' is a parameter of this model (fused experts' weights), not a "
-                                "module: peft can't wrap it as a layer and would leave it out silently",
-                                "list it under lora_target_parameters instead")  # fmt: skip
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                             if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # fmt: skip
-            kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
-            raise UserError(f"{key}: '{entry}' names no module of this model ({kind}); peft would leave it out "
-                            "silently and train without it",
-                            f"its linear layers are named {', '.join(linear[:12]) or 'differently'}"
-                            + ("" if key == "lora_modules_to_save" else "; or set lora_target_linear: true"))  # fmt: skip
+    def __init__(self, names, linear, experts, parameters, kind):
+        self.names, self.linear, self.experts, self.parameters, self.kind = names, linear, experts, parameters, kind
+
+    @classmethod
+    def of(cls, model) -> ModuleLayout:
+        import torch
+
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # fmt: skip
+        kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+        return cls([n for n, _ in model.named_modules()], linear, fused_expert_tensors(model),
+                   [n for n, _ in model.named_parameters()], kind)  # fmt: skip
+
+
+def check_module_names(recipe, layout: ModuleLayout, key: str, converted: set[str] = frozenset()) -> None:
+    """Every plain name in `key` (lora_target_modules, lora_modules_to_save) must name a module of the model, or be
+    one peft `converted` onto fused expert tensors: peft adapts what matches and says nothing of an entry that
+    matches nothing (a typo, or another family's name, would train without that layer)."""
+    entries = getattr(recipe, key) or []
+    if key == "lora_target_modules" and (recipe.lora_target_linear or not isinstance(entries, list)):
+        return  # all-linear, or one regex string: peft says when it matches nothing
+    for entry in entries:
+        if (entry in converted or REGEX_CHARS & set(entry)
+                or any(n == entry or n.endswith(f".{entry}") for n in layout.names)):  # fmt: skip
+            continue
+        if key == "lora_target_modules" and any(n.endswith(f".{entry}") for n in layout.parameters):
+            raise UserError(f"{key}: '{entry}' is a parameter of this model (fused experts' weights), not a "
+                            "module: peft can't wrap it as a layer and would leave it out silently",
+                            "list it under lora_target_parameters instead")  # fmt: skip
+        experts = layout.experts if key == "lora_target_modules" else []
+        raise UserError(f"{key}: '{entry}' names no module of this model ({layout.kind}); peft would leave it out "
+                        "silently and train without it",
+                        f"its linear layers are named {', '.join(layout.linear[:12]) or 'differently'}"
+                        + ("" if key == "lora_modules_to_save" else "; or set lora_target_linear: true")
+                        + (f"; its experts' weights are parameters: lora_target_parameters: [{', '.join(experts)}]"
+                           if experts else ""))  # fmt: skip
+
+
+def fused_expert_tensors(model) -> list[str]:
+    """The lora_target_parameters entries of a mixture of experts' fused expert tensors (3D, one slice per
+    expert), e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]; [] for a dense model."""
+    import re
+
+    found = []
+    for name, param in model.named_parameters():
+        if param.ndim == 3 and "lora_" not in name:
+            entry = re.sub(r"^.*?\.\d+\.", "", name.replace(".base_layer", ""))
+            if entry not in found:
+                found.append(entry)
+    return found
 
 
 # peft refuses LoRA on these modules of state-space models (its own all-linear selects out_proj there)
