@@ -160,17 +160,24 @@ def estimate(
         raise UserError(f"--interconnect {interconnect!r} is not fast or slow")
     if num_machines < 1:
         raise UserError(f"--num-machines {num_machines} is not a machine count", "give 1 or more")
-    loaded = load_recipe(recipe).recipe
+    from llmtune.recipe.axolotl_keys import MEMORY_REASONS
+
+    found = load_recipe(recipe)
+    loaded = found.recipe
     report = estimate_recipe(
         loaded, gpus_per_machine, num_machines, parse_size_option("--gpu-memory", gpu_memory),
         parse_size_option("--cpu-memory", cpu_memory) if cpu_memory else None, interconnect,
     )  # fmt: skip
+    # Axolotl's keys llmtune accepts without doing what they do to GPU memory: said with the figures they change
+    memory_notes = [note for note in found.notes if any(reason in note for reason in MEMORY_REASONS)]
     if json_output:
         import json
 
-        typer.echo(json.dumps(report.to_dict(), indent=2))
+        typer.echo(json.dumps({**report.to_dict(), "notes": memory_notes}, indent=2))
     else:
         print_estimate(report)
+        for note in memory_notes:
+            typer.echo(f"note: {note}")
 
 
 def _ask_option(flag: str, help_text: str, kind=str):

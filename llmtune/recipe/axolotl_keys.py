@@ -39,11 +39,21 @@ def _refused(capability: str, hint: str, keys: str, accepted: tuple = ()) -> dic
 PERFORMANCE = "performance/memory only: a GPU kernel or memory saver llmtune doesn't use (same training maths)"
 TRACKING = "logging, tracking or evaluation only; it doesn't change training (llmtune eval / llmtune infer run after)"
 DECIDED = "llmtune decides this itself"
+LOW_PRECISION = (
+    "llmtune doesn't apply this lower-precision form: those weights (a mixture of experts' fused experts, most of "
+    "its size, for quantize_moe_experts) stay in the compute dtype, 16 bits, which takes more GPU memory than the "
+    "recipe expects; `llmtune estimate` counts them as they load"
+)
+EXPERT_PARALLEL = (
+    "llmtune doesn't split the experts over ranks: each rank holds every expert unless FSDP or ZeRO-3 shards the "
+    "model (deepspeed: zero3 or fsdp_version: 2); `llmtune estimate` counts what each GPU holds"
+)
 AUTH = "credentials come from HF_TOKEN or `huggingface-cli login`, never from the recipe"
 PUSH = (
     "nothing is pushed; upload the output folder with `huggingface-cli upload <hub_model_id> <output_dir>` "
     "(credentials from HF_TOKEN in the environment, never written to disk)"
 )
+MEMORY_REASONS = (LOW_PRECISION, EXPERT_PARALLEL)  # accepted keys whose absence changes what a GPU holds
 
 # Key lists are whitespace-separated names.
 AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
@@ -87,20 +97,25 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         flex_attn_compile_kwargs use_kernels use_scattermoe use_sonicmoe experts_implementation
         expert_backend moe_bnb_fast moe_dequant_chunk_size moe_grouped_backend use_dsv4_kernels
         use_glm_dsa_kernels dsv4_bf16_all dsv4_fp4_grouped_mode dsv4_fp8_lora_kernel dsv4_fp8_nonexpert_mode
-        dsv4_shared_mlp_lora_kernel gemma4_fp8_nonexpert gemma4_nf4_nonexpert nonexpert_quantization
-        quantize_moe_experts liger_rms_norm_gated tiled_mlp tiled_mlp_num_shards tiled_mlp_use_original_mlp
+        dsv4_shared_mlp_lora_kernel liger_rms_norm_gated tiled_mlp tiled_mlp_num_shards tiled_mlp_use_original_mlp
         chunked_cross_entropy chunked_cross_entropy_num_chunks flash_attn_cross_entropy flash_attn_rms_norm
         flash_attn_fuse_mlp flash_attn_fuse_qkv flash_optimum flash_attn_d512 large_head_attention
         gemma4_hybrid_attn_impl sdpa_varlen layer_offloading selective_checkpointing
         embeddings_skip_upcast lora_on_cpu qlora_sharded_model_loading low_cpu_mem_usage
         experimental_skip_move_to_device gc_steps gc_collect_steps torch_empty_cache_steps gpu_memory_limit
-        max_memory deepcompile torch_compile_options fp8 fp8_enable_fsdp_float8_all_gather fp32_norms
-        fp32_norm_classes expert_parallel_size expert_parallel_backend
+        max_memory deepcompile torch_compile_options fp32_norms
+        fp32_norm_classes expert_parallel_backend
         expert_parallel_fallback_on_unsupported expert_parallel_num_nvl_bytes expert_parallel_num_rdma_bytes
         expert_parallel_token_capacity accelerator_config heads_k_stride ring_attn_func
         ddp_broadcast_buffers torchdistx_path
     """,
     ),
+    **_no_effect(
+        LOW_PRECISION,
+        "quantize_moe_experts nonexpert_quantization gemma4_fp8_nonexpert gemma4_nf4_nonexpert "
+        "dsv4_fp8_nonexpert_mode fp8 fp8_enable_fsdp_float8_all_gather",
+    ),
+    **_no_effect(EXPERT_PARALLEL, "expert_parallel_size"),
     **_no_effect(
         "the weights' dtype follows bf16/fp16 and the adapter (full fine-tunes keep fp32 master weights under mixed precision)",
         "bfloat16 float16 float32 bloat16 torch_dtype",

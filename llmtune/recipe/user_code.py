@@ -1,5 +1,6 @@
 """Functions a recipe names from the user's own files, as Axolotl writes them: `module.function`, where the module
-is a .py file in the recipe's folder (then anywhere on the Python path). GRPO's reward functions
+is a .py file in the recipe's folder, else in the working directory (where Axolotl's examples put it: it runs
+`python -m` there), else anywhere on the Python path. GRPO's reward functions
 (`trl.reward_funcs: [rwd.correctness_reward]`) and dataset transforms (`datasets[].type: rwd.gsm8k_transform`).
 
 Resolving one imports the module: the recipe's own code runs, as it does under Axolotl. A name that doesn't resolve
@@ -22,10 +23,13 @@ def looks_like_function(name: str) -> bool:
 
 
 def resolve(name: str, folder: Path | None, key: str):
-    """The callable `name` names: <folder>/<module>.py first, then the Python path. UserError naming `key`."""
+    """The callable `name` names: <folder>/<module>.py first, then <working directory>/<module>.py, then the Python
+    path. UserError naming `key`."""
     module_name, _, function = name.rpartition(".")
     module = None
-    candidate = (folder / Path(*module_name.split("."))).with_suffix(".py") if folder else None
+    relative = Path(*module_name.split(".")).with_suffix(".py")
+    places = list(dict.fromkeys(str(Path(place).resolve() / relative) for place in (folder, Path.cwd()) if place))
+    candidate = next((Path(place) for place in places if Path(place).is_file()), None)
     try:
         if candidate is not None and candidate.is_file():
             module = sys.modules.get(f"llmtune_user.{module_name}")
@@ -38,9 +42,10 @@ def resolve(name: str, folder: Path | None, key: str):
             module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name and module_name.startswith(err.name):
-            where = f"not {candidate}, nor" if candidate is not None else "not"
+            where = f"not {', '.join(places)}, nor" if places else "not"
             raise UserError(f"{key}: {name}: no module {module_name} ({where} on the Python path)",
-                            f"put {module_name.split('.')[-1]}.py beside the recipe") from None  # fmt: skip
+                            f"put {module_name.split('.')[-1]}.py beside the recipe or in the working "
+                            "directory") from None  # fmt: skip
         raise UserError(
             f"{key}: {name}: importing {module_name} failed: {err}", "fix the import in that file"
         ) from None

@@ -70,9 +70,10 @@ def test_an_online_rl_example_validates_as_written_with_its_reward_file(path, ru
     assert result.code == 0, result.err
     recipe = load_recipe(path).recipe
     assert recipe.trl["reward_funcs"] == raw(path)["trl"]["reward_funcs"]
-    # without its Python file beside it, the recipe is one line naming the function it can't find
+    # without its Python file beside it or in the working directory, one line names the function it can't find
     alone = tmp_path / path.name
     alone.write_text(path.read_text())
+    monkeypatch.chdir(tmp_path)
     missing = run_cli("validate", alone)
     assert missing.code == 2 and missing.err.count("\n") == 1 and "trl.reward_funcs[0]" in missing.err
 

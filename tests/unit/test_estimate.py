@@ -526,3 +526,26 @@ def test_families_without_a_gated_mlp_or_with_other_key_names_are_counted_right(
     from llmtune.plan.memory.facts import facts_from_config
 
     assert facts_from_config(config).total_params() / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_an_axolotl_memory_key_llmtune_does_not_apply_is_said_under_the_estimate(run_cli, tmp_path):
+    """quantize_moe_experts (4-bit fused experts in Axolotl) does nothing here: the experts load in 16 bits, and the
+    estimate, which counts them so, says it beside its figures rather than only among validate's notes."""
+    import json
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+              "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+              "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+              "vocab_size": 151936}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "r.yaml"
+    path.write_text(f"base_model: {tmp_path}\ndatasets:\n  - path: org/d\n    type: alpaca\nbf16: true\nadapter: qlora\n"
+                    "load_in_4bit: true\nquantize_moe_experts: true\nlora_target_modules: [q_proj, v_proj]\n")  # fmt: skip
+    table = run_cli("estimate", path, "--gpus-per-machine", "1")
+    assert table.code == 0 and "note: quantize_moe_experts: accepted, has no effect" in table.out
+    assert "stay in the compute dtype, 16 bits" in " ".join(table.out.split())
+    as_json = json.loads(run_cli("estimate", path, "--json").out)
+    assert [note.split(":")[0] for note in as_json["notes"]] == ["quantize_moe_experts"]
+    without = path.read_text().replace("quantize_moe_experts: true\n", "")
+    path.write_text(without)
+    assert "quantize_moe_experts" not in run_cli("estimate", path, "--gpus-per-machine", "1").out

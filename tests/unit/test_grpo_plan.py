@@ -153,3 +153,22 @@ def test_a_function_module_of_the_same_name_in_another_folder_is_that_folders(tm
     assert resolve("rwd.f_a", tmp_path / "a", "k")() == 1
     assert resolve("rwd.f_b", tmp_path / "b", "k")() == 2
     assert resolve("rwd.f_a", tmp_path / "a", "k")() == 1
+
+
+def test_a_reward_module_in_the_working_directory_resolves_as_under_axolotl(tmp_path, monkeypatch):
+    """Axolotl's GRPO examples keep rwd.py in the directory `axolotl train examples/...yaml` runs from, not beside
+    the recipe: the recipe's folder first, then the working directory, then the Python path; missing, one line names
+    both places."""
+    from llmtune.recipe.user_code import resolve
+
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "rwd.py").write_text("def format_reward(**kwargs):\n    return 'cwd'\n")
+    monkeypatch.chdir(tmp_path)
+    assert resolve("rwd.format_reward", tmp_path / "examples", "trl.reward_funcs[0]")() == "cwd"
+    (tmp_path / "examples" / "rwd.py").write_text("def format_reward(**kwargs):\n    return 'beside'\n")
+    assert resolve("rwd.format_reward", tmp_path / "examples", "trl.reward_funcs[0]")() == "beside"
+    with pytest.raises(UserError) as caught:
+        resolve("rewards_missing.f", tmp_path / "examples", "trl.reward_funcs[1]")
+    assert str(tmp_path / "examples" / "rewards_missing.py") in caught.value.message
+    assert str(tmp_path / "rewards_missing.py") in caught.value.message
+    assert caught.value.hint == "put rewards_missing.py beside the recipe or in the working directory"
