@@ -208,7 +208,9 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
         if version == 1 and cluster.rehearsal:
             # torch 2.13 segfaults gathering an FSDP1 full state dict on CPU (the final save): a rehearsal that can't
             # save proves nothing. (Its sharded resume: tests/integration/test_fsdp1_resume.py.)
-            raise UserError("fsdp_version: 1 can't be rehearsed on CPU (its state dict can't be saved there)",
+            said = ("fsdp_version: 1" if recipe.fsdp_version or settings.version else
+                    "FSDP1 (the fsdp: word list without fsdp_version runs FSDP1, as in Axolotl)")  # fmt: skip
+            raise UserError(f"{said} can't be rehearsed on CPU (its state dict can't be saved there)",
                             "rehearse with fsdp_version: 2 (FSDP1 is deprecated in transformers); `llmtune plan` or "
                             "`validate` with --device cuda checks the FSDP1 plan for GPU machines without running it")  # fmt: skip
         if recipe.model_recomputes_for_fsdp:

@@ -58,6 +58,10 @@ MEMORY_REASONS = (LOW_PRECISION, EXPERT_PARALLEL)  # accepted keys whose absence
 # Key lists are whitespace-separated names.
 AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     **_no_effect("llmtune is always strict", "strict"),
+    **_no_effect(
+        "not in Axolotl's schema either: Axolotl drops it (two of its own examples carry it), as llmtune does",
+        "test_value",
+    ),
     **_no_effect("set by the launcher", "local_rank world_size device device_map ddp"),
     **_no_effect(
         "Axolotl's model-family hints; llmtune reads the model's config",
