@@ -124,6 +124,8 @@ def plan(
         loaded.recipe = loaded.recipe.model_copy(update={"rdzv_endpoint": rdzv_endpoint})
     cluster = cluster_from_flags(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, device,
                                  rehearse, launcher, hostfile, no_ssh)  # fmt: skip
+    if not cluster_flags_given(num_processes, num_machines, machine_rank, main_process_ip, main_process_port, hostfile):
+        cluster = _at_least_the_recipes_world(loaded, cluster)
     the_plan = make_plan(loaded.recipe, cluster, config_dir=str(write) if write else None, resume=True)
     files = plan_files(the_plan, loaded.recipe.model_dump(mode="json"), str(recipe), loaded.notes)
     if json_output:
@@ -178,6 +180,23 @@ def estimate(
         print_estimate(report)
         for note in memory_notes:
             typer.echo(f"note: {note}")
+
+
+def _at_least_the_recipes_world(loaded, cluster):
+    """With no cluster flags, this machine's default world; where that can't hold the recipe's own sizes
+    (dp_shard_size 2 on a machine that starts 1 process), the smallest world that can, as `validate` plans, said in
+    a note (`train` then needs --num-processes)."""
+    from dataclasses import replace
+
+    from llmtune.plan.smallest_cluster import smallest_cluster
+
+    smallest, _ = smallest_cluster(loaded.recipe, replace(cluster, num_processes=1, num_machines=1, machine_rank=0))
+    if smallest.num_machines > 1 or cluster.num_machines > 1 or cluster.num_processes % smallest.num_processes == 0:
+        return cluster
+    loaded.notes.append(f"no cluster flags: this machine starts {cluster.num_processes} process"
+                        f"{'es' if cluster.num_processes > 1 else ''}, fewer than the recipe's sizes need; planned for "
+                        f"{smallest.num_processes} (`llmtune train` needs --num-processes {smallest.num_processes})")  # fmt: skip
+    return smallest
 
 
 def _ask_option(flag: str, help_text: str, kind=str):

@@ -84,3 +84,21 @@ def test_deepspeed_json_with_a_fixed_batch_plans_its_data_parallel_size(run_cli,
     assert "world size 8, global batch 64" in result.out
     mismatch = run_cli("validate", path, "--num-processes", "2", "--device", "cpu")
     assert mismatch.code == 2 and "train_batch_size = 64" in mismatch.err
+
+
+def test_plan_without_flags_takes_the_recipes_own_world_where_this_machine_s_is_too_small(run_cli, write_recipe,
+                                                                                          monkeypatch):
+    """`plan` on a machine with no GPU starts one CPU process; a recipe whose sizes need two (dp_shard_size: 2) is
+    planned for two, as `validate` plans it, with a note that says so; a flag given is kept, and refused."""
+    monkeypatch.setenv("COLUMNS", "300")
+    path = write_recipe({"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}, "dp_shard_size": 2})
+    shown = run_cli("plan", path, "--json")
+    assert shown.code == 0, shown.err
+    assert json.loads(shown.out)["world_size"] == 2
+    said = run_cli("plan", path)
+    assert ("no cluster flags: this machine starts 1 process, fewer than the recipe's sizes need; planned for 2 "
+            "(`llmtune train` needs --num-processes 2)") in " ".join(said.out.split())  # fmt: skip
+    refused = run_cli("plan", path, "--num-processes", "1")
+    assert refused.code == 2 and "dp_shard_size 2" in refused.err
+    plain = run_cli("plan", write_recipe({}), "--json")
+    assert json.loads(plain.out)["world_size"] == 1
