@@ -291,11 +291,11 @@ def read_prompts(path: Path) -> list[tuple[dict, object]]:
 
 def infer(target: str, prompts: list[str], file: Path | None, output: Path | None, sampling: Sampling,
           batch_size: int = 8, raw: bool = False, progress=lambda items, _d, total=None: items) -> list[dict]:  # fmt: skip
-    from transformers import set_seed
-
     rows = read_prompts(file) if file is not None else [({"prompt": p}, p) for p in prompts]
     if not rows:
         raise UserError("no prompt given", "pass --prompt TEXT (repeatable) or --file prompts.jsonl")
+    from transformers import set_seed  # after the rows are read: a malformed one is said before torch loads
+
     loaded = load_for_generation(target)
     set_seed(sampling.seed)
     texts = [prompt_text(loaded, row, prompt, raw) for row, prompt in rows]
