@@ -61,6 +61,11 @@ NOISE = (
            "transformers asks DDP to look for unused parameters whenever gradient checkpointing is off, and torch "
            "then says it found none; llmtune keeps that default, since MoE and partly frozen models do leave some "
            "unused and a wrong false stops the run (ddp_find_unused_parameters: false takes the faster path)"),
+    _noise(r"Token indices sequence length is longer than the specified maximum sequence length for this model "
+           r"\(\d+ > \d+\)\. Running this sequence through the model will result in indexing errors",
+           "a tokenizer warns once when a row is longer than its model_max_length, saying the model will fail on it; "
+           "llmtune measures each row against sequence_len and drops or truncates it first (its data line says how "
+           "many), so no such row reaches the model"),
     _noise(r"^DeepSpeed deepspeed\.ops\.comm\.deepspeed_shm_comm_op built successfully",
            "DeepSpeed's CPU accelerator loads its shared-memory collectives op in every rank of a rehearsal"),
     _noise(r"^\[RANK \d+\] Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config "

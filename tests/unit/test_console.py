@@ -28,6 +28,8 @@ NOISY = [
     "[rank0]:[W1125 03:30:37.043346355 reducer.cpp:1529] Warning: find_unused_parameters=True was specified in DDP "
     "constructor, but did not find any unused parameters in the forward pass.",
     "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully",
+    "[transformers] Token indices sequence length is longer than the specified maximum sequence length for this model "
+    "(9700 > 256). Running this sequence through the model will result in indexing errors",
     "/x/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: `torch.distributed.all_gather_into_tensor` "
     "is deprecated. Please use `torch.distributed.all_gather_single` instead.",
     "/x/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: `torch.distributed.reduce_scatter_tensor` is "

@@ -50,3 +50,27 @@ def test_preprocess_and_eval_name_the_empty_file(run_cli, tmp_path):
         result.err
     )
     assert "sequence_len" not in result.err
+
+
+def test_a_row_longer_than_the_tokenizers_maximum_is_counted_not_warned_about(tmp_path, capfd):
+    """transformers warns that such a row 'will result in indexing errors'; llmtune drops it (or truncates) before any
+    model sees it and says so in its data line: the warning is not passed on."""
+    import json
+
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.data.prepare import prepare_data
+
+    path = tmp_path / "rows.jsonl"
+    rows = [{"instruction": "Repeat", "input": "", "output": "apple " * (600 if i == 0 else 3)} for i in range(4)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    recipe = recipe_from_mapping({"base_model": "m", "datasets": [{"path": str(path), "type": "alpaca"}],
+                                  "dataset_prepared_path": None, "sequence_len": 256}, tmp_path / "r.yaml",
+                                 check_files=False).recipe  # fmt: skip
+    tok = load_tokenizer()
+    tok.model_max_length = 128
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_warning()  # as a run has it: warnings shown
+    prepared = prepare_data(recipe, tok)
+    assert prepared.stats["dropped_too_long"] == 1, prepared.stats
+    assert "Token indices sequence length" not in capfd.readouterr().err

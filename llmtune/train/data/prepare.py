@@ -128,7 +128,17 @@ def _deduplicate(groups: dict[str, list[dict]], stats: dict) -> None:
             groups[name] = kept
 
 
+def _no_length_warning(record) -> bool:
+    """transformers' tokenizer warns that a row longer than its model_max_length "will result in indexing errors";
+    llmtune measures every row against sequence_len and drops or truncates it before the model sees it (the data line
+    says how many), so the warning is dropped (a filter on transformers' logger: public logging)."""
+    return "Token indices sequence length is longer than the specified maximum" not in record.getMessage()
+
+
 def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) -> list[dict]:
+    import logging
+
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(_no_length_warning)
     examples: list[dict] = []
     eot_ids = eot_token_ids(recipe, tokenizer)
     budget = stream_budget(recipe) if group == "datasets" else None
