@@ -92,3 +92,18 @@ def test_hidden_libraries_look_absent_to_the_availability_checks():
     )
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert shown.stdout.split() == ["True", "False"]
+
+
+def test_scipy_and_boto3_are_hidden_unless_the_recipe_runs_the_users_own_python(tmp_path, local_model, local_data):
+    """transformers imports scipy (object-detection losses) and accelerate boto3 (SageMaker) at start-up: no rank of
+    a language model's training calls them; a recipe's reward functions or dataset transforms might, so they stay."""
+    assert not {"scipy", "boto3"} & needed(local_model, local_data, adapter="lora", lora_target_linear=True)
+    mapping = {"base_model": str(local_model), "datasets": [{"path": str(local_data), "type": "rwd.to_prompt"}],
+               "output_dir": "/runs/x"}  # fmt: skip
+    grpo = {**mapping, "rl": "grpo", "trl": {"reward_funcs": ["rwd.r"], "num_generations": 2}, "micro_batch_size": 2}
+    recipe = recipe_from_mapping(grpo, Path("r.yaml"), check_files=False).recipe
+    assert {"scipy", "boto3"} <= libraries.needed(recipe, make_plan(recipe, make_cluster(1, device="cpu")).to_dict())
+    code = ("import sys; sys.modules['scipy'] = None; sys.modules['boto3'] = None; import peft, accelerate.accelerator; "
+            "import transformers.modeling_utils; print(sorted(m for m in ('scipy', 'boto3') if sys.modules.get(m)))")  # fmt: skip
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert shown.stdout.split() == ["[]"]  # both libraries' importers take their not-installed path, and start

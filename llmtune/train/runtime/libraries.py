@@ -29,7 +29,10 @@ TORCHAO_OPTIMIZERS = frozenset({"adamw_torch_4bit", "adamw_torch_8bit"})
 # Checkpoints saved quantized name their library in config.json's quantization_config.quant_method.
 QUANT_METHODS = {"bitsandbytes": "bitsandbytes", "torchao": "torchao"}
 
-OPTIONAL = ("deepspeed", "torchao", "bitsandbytes", "liger_kernel", "datasets")
+OPTIONAL = ("deepspeed", "torchao", "bitsandbytes", "liger_kernel", "datasets", "scipy", "boto3")
+# imported by transformers for object-detection losses (scipy) and by accelerate for SageMaker (boto3), never by a
+# language model's training; kept where the recipe runs the user's own Python (GRPO rewards, dataset transforms)
+USER_CODE_LIBRARIES = ("scipy", "boto3")
 
 
 def _checkpoint_quant_method(base_model: str, revision: str | None = None) -> str | None:
@@ -73,6 +76,12 @@ def needed(recipe, plan: dict) -> set[str]:
         uses.add("datasets")
     if recipe.rl:  # TRL's trainers take (and tokenize) a datasets.Dataset
         uses.add("datasets")
+    from llmtune.recipe.preference import ONLINE_METHODS
+    from llmtune.recipe.user_code import looks_like_function
+
+    if recipe.rl in ONLINE_METHODS or any(isinstance(spec.type, str) and looks_like_function(spec.type)
+                                          for spec in specs):  # fmt: skip
+        uses.update(USER_CODE_LIBRARIES)  # GRPO's reward functions and row transforms are the user's own Python
     method = _checkpoint_quant_method(recipe.base_model, recipe.revision_of_model)
     if method is None:
         uses.update(QUANT_METHODS.values())
