@@ -40,9 +40,13 @@ PERFORMANCE = "performance/memory only: a GPU kernel or memory saver llmtune doe
 TRACKING = "logging, tracking or evaluation only; it doesn't change training (llmtune eval / llmtune infer run after)"
 DECIDED = "llmtune decides this itself"
 LOW_PRECISION = (
-    "llmtune doesn't apply this lower-precision form: those weights (a mixture of experts' fused experts, most of "
-    "its size, for quantize_moe_experts) stay in the compute dtype, 16 bits, which takes more GPU memory than the "
-    "recipe expects; `llmtune estimate` counts them as they load"
+    "llmtune doesn't apply this lower-precision form: those weights and matmuls stay in the compute dtype, 16 bits, "
+    "which takes more GPU memory than the recipe expects; `llmtune estimate` counts them as they load"
+)
+EXPERTS_16_BIT = (
+    "llmtune doesn't quantize a mixture of experts' fused expert tensors (bitsandbytes quantizes linear layers "
+    "only): the routed experts, most of the model, stay in the compute dtype, 16 bits, which takes more GPU memory "
+    "than the recipe expects; `llmtune estimate` counts them as they load"
 )
 EXPERT_PARALLEL = (
     "llmtune doesn't split the experts over ranks: each rank holds every expert unless FSDP or ZeRO-3 shards the "
@@ -53,7 +57,11 @@ PUSH = (
     "nothing is pushed; upload the output folder with `huggingface-cli upload <hub_model_id> <output_dir>` "
     "(credentials from HF_TOKEN in the environment, never written to disk)"
 )
-MEMORY_REASONS = (LOW_PRECISION, EXPERT_PARALLEL)  # accepted keys whose absence changes what a GPU holds
+MEMORY_REASONS = (
+    EXPERTS_16_BIT,
+    LOW_PRECISION,
+    EXPERT_PARALLEL,
+)  # accepted keys whose absence changes what a GPU holds
 
 # Key lists are whitespace-separated names.
 AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
@@ -116,9 +124,10 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     ),
     **_no_effect(
         LOW_PRECISION,
-        "quantize_moe_experts nonexpert_quantization gemma4_fp8_nonexpert gemma4_nf4_nonexpert "
-        "dsv4_fp8_nonexpert_mode fp8 fp8_enable_fsdp_float8_all_gather",
+        "nonexpert_quantization gemma4_fp8_nonexpert gemma4_nf4_nonexpert dsv4_fp8_nonexpert_mode fp8 "
+        "fp8_enable_fsdp_float8_all_gather",
     ),
+    **_no_effect(EXPERTS_16_BIT, "quantize_moe_experts"),
     **_no_effect(EXPERT_PARALLEL, "expert_parallel_size"),
     **_no_effect(
         "the weights' dtype follows bf16/fp16 and the adapter (full fine-tunes keep fp32 master weights under mixed precision)",
