@@ -28,10 +28,10 @@ def resolve(name: str, folder: Path | None, key: str):
     module_name, _, function = name.rpartition(".")
     module = None
     relative = Path(*module_name.split(".")).with_suffix(".py")
-    places = list(dict.fromkeys(str(Path(place).resolve() / relative) for place in (folder, Path.cwd()) if place))
-    candidate = next((Path(place) for place in places if Path(place).is_file()), None)
+    places = list(dict.fromkeys(Path(place).resolve() / relative for place in (folder, Path.cwd()) if place))
+    candidate = next((place for place in places if place.is_file()), None)
     try:
-        if candidate is not None and candidate.is_file():
+        if candidate is not None:
             module = sys.modules.get(f"llmtune_user.{module_name}")
             if module is None or getattr(module, "__file__", None) != str(candidate):  # (another folder's same name)
                 spec = importlib.util.spec_from_file_location(f"llmtune_user.{module_name}", candidate)
@@ -42,7 +42,7 @@ def resolve(name: str, folder: Path | None, key: str):
             module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name and module_name.startswith(err.name):
-            where = f"not {', '.join(places)}, nor" if places else "not"
+            where = f"not {', '.join(map(str, places))}, nor" if places else "not"
             raise UserError(f"{key}: {name}: no module {module_name} ({where} on the Python path)",
                             f"put {module_name.split('.')[-1]}.py beside the recipe or in the working "
                             "directory") from None  # fmt: skip

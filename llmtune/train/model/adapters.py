@@ -150,18 +150,22 @@ def check_module_names(recipe, layout: ModuleLayout, key: str, converted: set[st
                            if experts else ""))  # fmt: skip
 
 
+def _base_name(name: str) -> str:
+    """The base model's name of a parameter or module, peft's wrapping removed."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer", "")
+
+
+def _in_layer(name: str) -> str:
+    """A name as lora_target_parameters writes it, within its layer: model.layers.0.mlp.experts -> mlp.experts."""
+    import re
+
+    return re.sub(r"^.*?\.\d+\.", "", _base_name(name))
+
+
 def fused_expert_tensors(model) -> list[str]:
     """The lora_target_parameters entries of a mixture of experts' fused expert tensors (3D, one slice per
     expert), e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]; [] for a dense model."""
-    import re
-
-    found = []
-    for name, param in model.named_parameters():
-        if param.ndim == 3 and "lora_" not in name:
-            entry = re.sub(r"^.*?\.\d+\.", "", name.replace(".base_layer", ""))
-            if entry not in found:
-                found.append(entry)
-    return found
+    return list(dict.fromkeys(_in_layer(name) for name, param in model.named_parameters() if param.ndim == 3))
 
 
 # peft refuses LoRA on these modules of state-space models (its own all-linear selects out_proj there)
@@ -191,16 +195,13 @@ def frozen_experts(model) -> str | None:
     with the recipe key that trains them; None where every expert tensor is adapted or there are none."""
     import re
 
-    def base_name(name: str) -> str:  # the base model's name of a parameter or module, peft's wrapping removed
-        return name.removeprefix(PEFT_PREFIX).replace(".base_layer", "")
-
     owners: dict[str, list[str]] = {}
     adapted: set[str] = set()
     for name, param in model.named_parameters():
         if "lora_" in name:
-            adapted.add(base_name(re.sub(r"\.lora_.*$", "", name)))
+            adapted.add(_base_name(re.sub(r"\.lora_.*$", "", name)))
         elif param.ndim == 3 and not param.requires_grad:
-            owner, _, leaf = base_name(name).rpartition(".")
+            owner, _, leaf = _base_name(name).rpartition(".")
             owners.setdefault(owner, []).append(leaf)
     frozen = {owner: leaves for owner, leaves in owners.items() if owner not in adapted}
     if not frozen:
@@ -208,8 +209,7 @@ def frozen_experts(model) -> str | None:
     first = next(iter(frozen))
     module = model.get_submodule(first if not hasattr(model, "get_base_model") else PEFT_PREFIX + first)
     kind = type(getattr(module, "base_layer", module)).__name__
-    suffix = re.sub(r"^.*?\.\d+\.", "", first)  # model.layers.0.mlp.experts -> mlp.experts
-    targets = ", ".join(f"{suffix}.{leaf}" for leaf in frozen[first])
+    targets = ", ".join(_in_layer(f"{first}.{leaf}") for leaf in frozen[first])
     return (
         f"the routed experts stay frozen: {len(frozen)} fused expert modules ({kind}, e.g. {first}) hold their "
         "weights as 3D tensors, which this adapter's target modules don't reach; to train them add "
