@@ -71,6 +71,10 @@ def _root(
 
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 2."""
+    if not {"--verbose", "-v"} & set(sys.argv[1:]):
+        from llmtune.launch.console import quiet_libraries
+
+        quiet_libraries()  # libraries' import-time noise, in this process (the ranks' goes through the Console)
     try:
         code = app(standalone_mode=False)  # click returns the exit code here instead of raising Exit
         # The interpreter's last garbage collection would walk every object the command imported (the report's

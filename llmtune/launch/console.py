@@ -19,37 +19,52 @@ RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
 
 @dataclass(frozen=True)
 class Noise:
-    pattern: re.Pattern
+    pattern: re.Pattern  # the line as the ranks print it
     why: str
+    # where it starts, for llmtune's own process (eval, merge, chat...), which has no console in between:
+    logger: str | None = None  # the library's logger, and the record's message there
+    message: re.Pattern | None = None
+    warning: str | None = None  # or the Python warning's message (warnings.filterwarnings: matched at its start)
 
 
-def _noise(pattern: str, why: str) -> Noise:
-    return Noise(re.compile(pattern), why)
+def _noise(pattern: str, why: str, logger: str | None = None, message: str | None = None,
+           warning: str | None = None) -> Noise:  # fmt: skip
+    return Noise(re.compile(pattern), why, logger, re.compile(message) if message else None, warning)
 
 
 NOISE = (
     _noise(
         r"transformers/modeling_utils\.py:\d+: FutureWarning: `is_gradient_checkpointing` is deprecated",
         "peft's PeftModel reads transformers' old property name itself (peft 0.21); nothing llmtune passes",
+        warning=r"`is_gradient_checkpointing` is deprecated",
     ),
     _noise(
         r"\[real_accelerator\.py:\d+:get_accelerator\] Setting accelerator to CPU",
         "DeepSpeed announces its accelerator when imported; in a CPU rehearsal of a ZeRO plan that is the point, "
         "and the plan summary already says so",
+        logger="DeepSpeed",
+        message=r"^Setting accelerator to CPU",
     ),
     _noise(
         r"^Failed to load \S+/torchao/_C\w*\.\S+\.so: Could not load this library",
         "torchao's prebuilt CUDA kernels (qat and its optimizers only) don't load on every machine; llmtune uses "
         "its Python fake-quantizers and low-bit optimizers, which don't need them",
+        logger="torchao",
+        message=r"^Failed to load \S+/torchao/_C\w*\.\S+\.so: Could not load this library",
     ),
     _noise(
         r"torch/utils/_pytree\.py:\d+\] <enum '\w+'> is an Enum subclass and is now natively supported",
-        "torchao registers its enums with an older torch API at import (qat and its optimizers only)",
+        "torchao registers its enums with an older torch API at import (qat and its optimizers only); peft imports "
+        "torchao whenever it is installed",
+        logger="torch.utils._pytree",
+        message=r"^<enum '\w+'> is an Enum subclass and is now natively supported",
     ),
     _noise(
         r"^Failed to load CPU gemm_4bit_forward from kernels-community",
         "bitsandbytes looks for an optional CPU kernel on the hub at import (4/8-bit runs only); its own kernel "
         "is used instead",
+        logger="bitsandbytes.backends.cpu.ops",
+        message=r"^Failed to load CPU gemm_4bit_forward from kernels-community",
     ),
     _noise(
         r"torch/distributed/run\.py:\d+\] (\*{10,}|Setting OMP_NUM_THREADS environment variable for each process"
@@ -92,7 +107,8 @@ NOISE = (
            "job succeeded; the exit code says so)"),
     _noise(r"torch/distributed/c10d_logger\.py:\d+: FutureWarning: `torch\.distributed\.(all_gather_into_tensor|"
            r"reduce_scatter_tensor)` is deprecated",
-           "DeepSpeed 0.19's ZeRO calls torch's old collective names; llmtune's own collectives use today's"),
+           "DeepSpeed 0.19's ZeRO calls torch's old collective names; llmtune's own collectives use today's",
+           warning=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
 )  # fmt: skip
 
 # A Python warning's second line (the source line it points at) and a glog continuation are indented.
@@ -103,6 +119,33 @@ def noise(text: str) -> Noise | None:
     """The NOISE entry this line matches (rank prefix removed first), or None."""
     text = RANK_PREFIX.sub("", text, count=1)
     return next((entry for entry in NOISE if entry.pattern.search(text)), None)
+
+
+def quiet_libraries() -> None:
+    """Silence NOISE where it starts, in llmtune's own process (eval, merge, infer, chat, and the launcher itself),
+    whose stderr reaches the user without a Console in between: a filter on the library's logger for that message,
+    or a warnings filter. Public logging and warnings APIs only; loggers not yet created are created empty and the
+    library's getLogger returns them."""
+    global _quiet
+    if _quiet:
+        return
+    _quiet = True
+    import logging
+    import os
+    import warnings
+
+    if not sys.stderr.isatty():  # a log file or a pipe: download and loading bars would be one long line each
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+    for entry in NOISE:
+        if entry.logger and entry.message:
+            pattern = entry.message
+            logging.getLogger(entry.logger).addFilter(lambda record, p=pattern: not p.search(record.getMessage()))
+        if entry.warning:
+            warnings.filterwarnings("ignore", message=entry.warning)
+
+
+_quiet = False
 
 
 class Console:

@@ -234,6 +234,10 @@ def test_eval_matches_the_trainers_eval_loss(lora_runs, tmp_path):
     assert written["perplexity"] == pytest.approx(2.718281828 ** written["eval_loss"], rel=1e-6)
     assert written["eval_tokens"] > written["examples"] > 0  # the loss says over what it is a mean
     assert f"(per token, {written['eval_tokens']} tokens of {written['examples']} rows)" in result.stdout
+    from llmtune.launch.console import noise
+
+    # llmtune's own process: the libraries' import-time noise (torchao, bitsandbytes, peft) is filtered where it starts
+    assert not [line for line in result.stderr.splitlines() if noise(line)], result.stderr[-3000:]
     # one checkpoint of the run: its own weights, measured as the trainer measured them at that step
     checkpoint = run / "checkpoint-2"
     at_step = {entry["step"]: entry["eval_loss"] for entry in metrics["log_history"] if "eval_loss" in entry}

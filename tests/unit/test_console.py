@@ -176,3 +176,36 @@ def test_a_c10d_wait_that_runs_out_shows_llmtune_s_lines_not_torch_s_c_plus_plus
         console.feed(line)
     assert out.getvalue().splitlines() == ["[llmtune] c10d rendezvous at 127.0.0.1:29731: waiting up to 15 s for 2 "
                                            "machines", "[llmtune] after"]  # fmt: skip
+
+
+QUIET_PROBE = r"""
+import logging, sys, warnings
+from llmtune.launch.console import NOISE, quiet_libraries
+quiet_libraries()
+logging.basicConfig(format="%(name)s: %(message)s")
+for line in sys.argv[1:]:
+    for entry in NOISE:
+        if entry.logger and entry.pattern.search(line):
+            message = line[line.index(next(m for m in ("Failed", "Setting", "<enum") if m in line)):]
+            logging.getLogger(entry.logger).warning(message)
+            logging.getLogger(entry.logger).warning("kept: " + message)  # the same logger's other lines stay
+        if entry.warning and entry.pattern.search(line):
+            message = line.split("Warning: ", 1)[1]
+            warnings.warn(message, FutureWarning)
+            warnings.warn("kept: " + message, FutureWarning)
+"""
+
+
+def test_llmtune_s_own_process_silences_the_same_noise_at_its_logger_and_keeps_the_rest():
+    """eval, merge, infer and chat run in llmtune's process, with no Console between the libraries and the user:
+    each NOISE entry that names its logger or warning is filtered there, and nothing else is."""
+    import subprocess
+    import sys
+
+    sourced = [line for line in NOISY if (entry := noise(line)) and (entry.logger or entry.warning)]
+    assert len(sourced) >= 7  # torchao, pytree, bitsandbytes, DeepSpeed's accelerator, three FutureWarnings
+    done = subprocess.run([sys.executable, "-c", QUIET_PROBE, *sourced], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    shown = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("  ")]
+    assert len(shown) == len(sourced), done.stderr
+    assert all("kept: " in line for line in shown), done.stderr
