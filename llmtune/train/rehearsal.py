@@ -21,6 +21,13 @@ def configure(strategy: str) -> dict:
     if strategy.startswith("zero"):
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # DeepSpeed's CPU accelerator builds (a ~60 s compile on a fresh machine) and loads a shared-memory
+        # all-reduce in every rank; it serves only inference_all_reduce (inference, AutoTP), which ZeRO training
+        # never calls, and a GPU run has no such op. DeepSpeed keeps its op probe in one module dict whose edits
+        # persist; marking the op unavailable there leaves deepspeed.comm on gloo, as the training collectives are.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         # cpu=False routes through accelerate's DeepSpeed branch, which initialises deepspeed.comm with gloo.
         state = PartialState(cpu=False, backend="gloo")
         assert state.distributed_type == DistributedType.DEEPSPEED, state.distributed_type

@@ -139,6 +139,8 @@ def test_two_ranks_match_single_process(workspace, reference, name, changes, kin
     assert {r["activation_checkpointing"] for r in ranks} == {"model" if name == "fsdp2-lora" else "none"}, ranks
     if name.startswith("zero") and "offload" not in name:
         assert all(r["optimizer"] != "DeepSpeedCPUAdam" for r in ranks)
+    if name.startswith("zero"):  # DeepSpeed's CPU shared-memory all-reduce (inference only): neither built nor loaded
+        assert "deepspeed_shm_comm_op" not in (output_dir / "llmtune" / "logs" / "machine-0.log").read_text()
     assert losses(metrics) == pytest.approx(losses(ref_metrics), abs=2e-5)
     # the eval loss: the mean over every label token of the eval set, as one process's (no row counted twice)
     assert metrics["eval_loss"] == pytest.approx(ref_metrics["eval_loss"], abs=1e-4)

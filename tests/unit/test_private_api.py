@@ -711,6 +711,22 @@ def test_deepspeed_zero3_universal_load():
            "DeepSpeedZeroOptimizer_Stage3.optimizer", "no longer holds the torch optimizer the state is loaded into")  # fmt: skip
 
 
+def test_deepspeed_compatible_ops():
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    expect(ShareMemCommBuilder.NAME == "deepspeed_shm_comm", "deepspeed-compatible-ops", "deepspeed",
+           "ShareMemCommBuilder.NAME", f"is now {ShareMemCommBuilder.NAME!r}")  # fmt: skip
+    builder = deepspeed_file("comm/torch.py")
+    builder = builder[builder.index("def build_shm_op"):][:600]
+    expect("__compatible_ops__.get(builder.NAME" in builder and "return None" in builder, "deepspeed-compatible-ops",
+           "deepspeed", "deepspeed.comm.torch.build_shm_op", "no longer skips an op its probe marks unavailable")  # fmt: skip
+    expect("build_shm_op()" in deepspeed_file("comm/torch.py").split("class TorchBackend", 1)[1],
+           "deepspeed-compatible-ops", "deepspeed", "TorchBackend.__init__", "builds the op some other way")  # fmt: skip
+    ops = deepspeed_file("ops/__init__.py")
+    expect('globals()["__compatible_ops__"]' in ops, "deepspeed-compatible-ops", "deepspeed",
+           "deepspeed.ops.__compatible_ops__", "is no longer one cached module dict (an edit may not persist)")  # fmt: skip
+
+
 def test_deepspeed_param_attributes():
     text = deepspeed_file("runtime/zero/partition_parameters.py")
     for attribute in ("ds_tensor", "ds_id", "ds_shape"):
