@@ -68,8 +68,9 @@ def top_level_key_in_entry(where: str, key: str, value: Any, data: dict, notes, 
 
 
 # Dataset-entry keys only type: chat_template reads (bradley_terry.chat_template: drop_system_message too)
-CHAT_TEMPLATE_KEYS = ("roles_to_train", "train_on_eos", "train_on_eot", "message_field_training", "field_thinking",
-                      "template_thinking_key", "field_tools")  # fmt: skip
+CHAT_TEMPLATE_KEYS = ("roles_to_train", "train_on_eos", "train_on_eot", "message_field_training",
+                      "message_field_training_detail", "split_thinking", "field_thinking", "template_thinking_key",
+                      "field_tools")  # fmt: skip
 
 
 def chat_only_keys(where: str, spec: dict, notes) -> None:

@@ -380,11 +380,6 @@ INTENDED = {
 AXOLOTL_DATASET_KEYS: dict[str, AxolotlKey] = {
     **_no_effect(DECIDED, "preprocess_shards input_format"),
     **_refused("per-row input transforms", "transform the data beforehand", "input_transform"),
-    **_refused(
-        "per-message partial training",
-        "use message_field_training (whole messages)",
-        "message_field_training_detail split_thinking",
-    ),
     **_refused("knowledge-distillation data", "remove it", "logprobs_field temperature"),
     **_refused(
         "a preference data key beside the dataset's type (Axolotl reads it only inside a type: mapping)",

@@ -161,6 +161,14 @@ class DatasetSpec(Section):
     message_field_training: str | None = Field(
         None, description="A per-message true/false field that overrides roles_to_train for that message."
     )
+    message_field_training_detail: str | None = Field(
+        None, description="A per-message field of {begin_offset, end_offset, train} ranges over the content (end "
+        "inclusive): the message trains where they say. Content parts with train (or weight) flags make one too.",
+    )  # fmt: skip
+    split_thinking: bool = Field(
+        False, description="Move an assistant's <think>...</think> block out of its content into reasoning_content "
+        "(trained with the answer where the chat template renders it).",
+    )  # fmt: skip
     field_thinking: str | None = Field(
         None,
         description="Message field holding reasoning text (chat_template; "

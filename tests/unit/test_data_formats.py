@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tiny import load_tokenizer, write_jsonl
+from tiny import load_tokenizer, pieces, write_jsonl
 
 from llmtune.errors import UserError
 from llmtune.recipe.data import CONVERSATIONS, LEGACY_TYPES, DatasetSpec
@@ -212,18 +212,6 @@ def test_jeopardy_prompts_as_axolotl_does_and_trains_what_is_the_answer(tok):
 
 
 # --- Axolotl's older formats: every era's dataset types, checked by decoding exactly what is labelled ---
-
-
-def pieces(tok, ids, labels) -> list[str]:
-    """The labelled tokens, decoded run by run."""
-    runs, current = [], []
-    for token, label in zip(ids, labels, strict=True):
-        if label != IGNORE:
-            current.append(token)
-        elif current:
-            runs.append(tok.decode(current))
-            current = []
-    return runs + ([tok.decode(current)] if current else [])
 
 
 def sharegpt_row(rows=CONVERSATION):

@@ -21,6 +21,7 @@ from llmtune.train.data.base import (  # noqa: F401  (re-exported: formats.IGNOR
 )
 from llmtune.train.data.instruct import INSTRUCT_FORMATS, custom
 from llmtune.train.data.model_formats import MODEL_FORMATS
+from llmtune.train.data.parts import check_thinking, detailed_spans, joined_parts, split_thinking, training_detail
 from llmtune.train.data.sharegpt import SHAREGPT_FORMATS
 from llmtune.train.data.turns import turns_by_prefix, turns_in_full
 
@@ -44,7 +45,8 @@ ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model"
 def alpaca(row: dict, ctx: FormatContext) -> list[Example]:
     instruction = _field(row, "instruction")
     extra = _field(row, "input", required=False)
-    prompt = (ALPACA_WITH_INPUT if extra.strip() else ALPACA_NO_INPUT).format(instruction=instruction, input=extra)
+    # Axolotl's test is the input's truth value: " " still takes the with-input prompt
+    prompt = (ALPACA_WITH_INPUT if extra else ALPACA_NO_INPUT).format(instruction=instruction, input=extra)
     return _prompt_answer(ctx, prompt, _field(row, "output"))
 
 
@@ -89,7 +91,7 @@ def pretokenized(row: dict, ctx: FormatContext) -> list[Example]:
     return [([int(i) for i in ids], [int(x) for x in labels])]
 
 
-OWN_KEYS = ("training", "has_thinking")  # what llmtune itself puts on a message
+OWN_KEYS = ("training", "has_thinking", "training_detail", "thinking_detail")  # what llmtune puts on a message
 
 
 def _messages(row: dict, spec) -> list[dict]:
@@ -110,14 +112,28 @@ def _messages(row: dict, spec) -> list[dict]:
     for index, message in enumerate(raw):
         if not isinstance(message, dict) or role_key not in message or content_key not in message:
             raise _unmapped(f"{spec.field_messages}[{index}]", message, role_key, content_key, aliases)
-        content = message[content_key]
-        if isinstance(content, list):  # [{"type": "text", "text": ...}]
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        content, where = message[content_key], f"{spec.field_messages}[{index}]"
+        detail = None
+        if isinstance(content, list):  # [{"type": "text", "text": ...}], each part perhaps with its train flag
+            content, detail = joined_parts(content, f"{where}.{content_key}")
         if content is None and message.get("tool_calls"):  # an assistant turn that only calls tools
             content = ""
         if not isinstance(content, str):
-            raise RowError(f"{spec.field_messages}[{index}].{content_key} must be text")
+            raise RowError(f"{where}.{content_key} must be text")
+        written = message.get(spec.message_field_training_detail) if spec.message_field_training_detail else None
+        if detail is None and written is not None:
+            detail = training_detail(written, content, f"{where}.{spec.message_field_training_detail}")
         role = aliases.get(message[role_key], message[role_key])
+        thinking = message.get(thinking_from)
+        if spec.split_thinking and role == "assistant" and (split := split_thinking(content)):
+            if detail is not None:
+                raise RowError(f"{where} has a training detail and a thinking block split_thinking moves out of its "
+                               "content: the detail's offsets would point into moved text",
+                               "train the thinking as reasoning_content with its own parts, or drop split_thinking")  # fmt: skip
+            thinking, content = split
+        thinking_detail = None
+        if isinstance(thinking, list):
+            thinking, thinking_detail = joined_parts(thinking, f"{where}.{thinking_from}")
         if message[role_key] in spec.roles_to_train and role not in spec.roles_to_train:
             raise RowError(f"{spec.field_messages}[{index}] is from '{message[role_key]}', read as role '{role}', and "
                            f"roles_to_train lists '{message[role_key]}' but not '{role}', so this turn never trains",
@@ -127,16 +143,20 @@ def _messages(row: dict, spec) -> list[dict]:
         entry = {"role": role, "content": content}
         for key, value in message.items():  # None: a key other rows have (a parquet or datasets column)
             name = renamed.get(key, key)
-            if value is not None and key not in (role_key, content_key, spec.message_field_training, thinking_from) \
+            if value is not None and key not in (role_key, content_key, spec.message_field_training, thinking_from,
+                                                 spec.message_field_training_detail) \
                     and name not in entry and name not in OWN_KEYS:  # fmt: skip
                 entry[name] = value
         training = message.get(spec.message_field_training) if spec.message_field_training else None
         if training is not None:  # Axolotl's truth value: 0/1 as well as false/true
             entry["training"] = bool(training)
-        thinking = message.get(thinking_from)
+        if detail is not None:
+            entry["training_detail"] = detail
         if isinstance(thinking, str) and thinking:
             entry[spec.template_thinking_key or thinking_key] = thinking
             entry["has_thinking"] = True
+            if thinking_detail is not None:
+                entry["thinking_detail"] = (thinking, thinking_detail)
         messages.append(entry)
     if not messages:
         raise RowError(f"'{spec.field_messages}' is empty")
@@ -266,6 +286,8 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     spec, tokenizer, template = ctx.spec, ctx.tokenizer, ctx.template
     messages, tools = _messages(row, spec), _tools(row, spec)
     _check_tools(messages, tools, ctx)
+    if any(message.get("has_thinking") for message in messages):
+        check_thinking(ctx)
     try:
         full = render(template, messages, tokenizer, tools=tools)
     except UserError as err:  # this row's conversation: its file and line go with the message
@@ -279,14 +301,18 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     markers = _turn_markers(tokenizer, ctx.eot_ids)
     eos = {tokenizer.eos_token_id} - set(ctx.eot_ids) if ctx.eot_ids else set()
     trained_chars: list[tuple[int, int]] = []
+    masked_chars: list[tuple[int, int]] = []  # a training detail's untrained ranges: no token touching them trains
     eot_chars: list[tuple[int, int, bool]] = []  # end-of-turn token span, and whether its turn is trained
     eos_chars: list[tuple[int, int, bool]] = []
     turns = turns_by_prefix(template, messages, tokenizer, full, tools)
     if turns is None:  # the template renders earlier turns differently once later ones follow (Qwen3's thinking)
         turns = turns_in_full(template, messages, tokenizer, full, tools, (ids, offsets, markers))
     for message, (start, found, content_end, end) in zip(messages, turns, strict=True):
-        # train_on_inputs makes every turn trainable (Axolotl's should_train); a message's own `training` wins
-        trained = message.get("training", ctx.train_on_inputs or message["role"] in train_roles)
+        # train_on_inputs makes every turn trainable (Axolotl's should_train); a message's own `training` wins, then
+        # its training detail (a message with one trains where it says, whatever its role)
+        details = [message.get("training_detail"), (message.get("thinking_detail") or ("", None))[1]]
+        default = ctx.train_on_inputs or message["role"] in train_roles
+        trained = message.get("training", default if details == [None, None] else any(details))
         content = message["content"].strip()  # templates often trim the content
         calls = message["role"] == "assistant" and bool(message.get("tool_calls"))
         if calls:  # the tool calls train with the answer: the turn after its header, up to its last end marker
@@ -296,7 +322,9 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
             content_end = last[-1] if last else end
             found = -1
         trained = trained and bool(content or message.get("has_thinking") or calls)  # an empty answer teaches nothing
-        if trained:
+        if trained and details != [None, None]:
+            trained_chars += detailed_spans(message, full, (start, found, content_end), masked_chars)
+        elif trained:
             # reasoning rendered before the answer trains with it
             begin = start if message.get("has_thinking") or found < 0 else found
             trained_chars.append((begin, content_end))
@@ -313,6 +341,7 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
         # a token overlapping a trained span trains: byte-level BPE fuses the space a template puts before the
         # content with its first word (" Paris" after "[/INST]"), as Axolotl's find_turn labels it
         keep = any((a < e and b > s) if b > a else s <= a < e for s, e in spans)
+        keep = keep and not any(a < e and b > s for s, e in masked_chars)
         labels.append(token if keep else IGNORE)
     return [(list(ids), labels)]
 

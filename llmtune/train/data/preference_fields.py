@@ -72,8 +72,10 @@ def _message(raw, where: str, options: Mapping, default_role: str | None = None)
         raise PreferenceRowError(f"{where} should be a message with '{role_key}' and '{content_key}'",
                                  "set message_property_mappings to the message's keys")  # fmt: skip
     content = raw[content_key]
-    if isinstance(content, list):  # [{"type": "text", "text": ...}]
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    if isinstance(content, list):  # [{"type": "text", "text": ...}]: TRL trains a completion whole, flags or not
+        from llmtune.train.data.parts import joined_parts
+
+        content = joined_parts(content, f"{where}.{content_key}")[0]
     if not isinstance(content, str):
         raise PreferenceRowError(f"{where}.{content_key} should be text, not {type(content).__name__}")
     roles = _role_map(options)

@@ -7,7 +7,9 @@ same whitespace) and is *prefix-stable*, which the label masking in formats.py r
 - rendering messages[:i] with add_generation_prompt=True is a prefix of rendering
   messages[:i+1] when message i is from the assistant.
 
-Where an original breaks this, the named template deviates minimally (see the notes per template).
+Where an original breaks this, the named template deviates minimally (see the notes per template). One
+exception: qwen3 leaves out an earlier answer's reasoning once a question follows, as Qwen3 does; its labels
+are placed in the whole conversation (turns.turns_in_full), as for a tokenizer's own Qwen3 template.
 No `{% generation %}` markers: masking works from prefixes, not from the tokenizer's tracker.
 Nothing heavy is imported here; the tokenizer does the rendering.
 """
@@ -22,6 +24,23 @@ from llmtune.errors import UserError, did_you_mean
 _CHATML = (
     r"{% for message in messages %}"
     r"{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    r"{% endfor %}"
+    r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Qwen3 / Qwen3.5: ChatML whose assistant turns after the last question open with their reasoning,
+# "<think>\n{reasoning}\n</think>\n\n" (earlier answers' reasoning is left out, as the original leaves it out at
+# inference). Deviation: no empty <think> block on a turn without reasoning (the original writes one on the last).
+_QWEN3 = (
+    r"{% set ns = namespace(last_query=-1) %}"
+    r"{% for message in messages %}{% if message['role'] == 'user' %}{% set ns.last_query = loop.index0 %}"
+    r"{% endif %}{% endfor %}"
+    r"{% for message in messages %}"
+    r"{{ '<|im_start|>' + message['role'] + '\n' }}"
+    r"{% if message['role'] == 'assistant' and loop.index0 > ns.last_query and message['reasoning_content'] is string"
+    r" and message['reasoning_content'] %}"
+    r"{{ '<think>\n' + message['reasoning_content'].strip('\n') + '\n</think>\n\n' }}{% endif %}"
+    r"{{ message['content'] + '<|im_end|>' + '\n' }}"
     r"{% endfor %}"
     r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -204,7 +223,7 @@ _GEMMA4 = _headers("<|turn>", "\n", "<turn|>\n", assistant="model")
 # Axolotl's other named templates, as their model families format text conversations. Deviations, all for
 # prefix stability or reproducibility: a system message is folded into the *first* user turn (Mistral's
 # originals move it to the last one); no date-stamped or vendor preambles (Llama 3.2 vision, Mistral v7,
-# Command A, Metharme); no empty <think> blocks or thought channels (Qwen3, EXAONE 4, Gemma 4); every
+# Command A, Metharme); no empty <think> blocks or thought channels (Qwen3, EXAONE 4, Gemma 4; Qwen3's reasoning is rendered); every
 # assistant turn ends in eos_token where the original ends only the last one (Metharme, LLaVA).
 FAMILY_TEMPLATES: dict[str, str] = {
     "mistral_v1": turns_template("mistral_v1", {"user": (" [INST] ", " [/INST]"), "assistant": (" ", "{eos}")},
@@ -230,8 +249,8 @@ FAMILY_TEMPLATES: dict[str, str] = {
                                   "assistant": ("<｜Assistant｜>", "<｜end▁of▁sentence｜>")}, start="{bos}"),
     "jamba": turns_template("jamba", _headers("<|bom|><|", "|> ", "<|eom|>"), start="{bos}", default_system="",
                             generation="<|bom|><|assistant|>"),
-    "qwen3": _CHATML,
-    "qwen3_5": _CHATML,
+    "qwen3": _QWEN3,
+    "qwen3_5": _QWEN3,
     "nemotron_h": _CHATML,
     "qwen2_vl": turns_template("qwen2_vl", _headers("<|im_start|>", "\n", "<|im_end|>\n"),
                                default_system="You are a helpful assistant."),
@@ -333,3 +352,20 @@ def _shows_probe(template: str, messages: list[dict], tokenizer, tools) -> bool:
         return PROBE_TOOL in render(template, messages, tokenizer, tools=tools)
     except Exception:  # a template that refuses the probe renders no tool call either
         return False
+
+
+PROBE_THINKING = "llmtune probe reasoning"
+_THINKING_RENDERING: dict[tuple, bool] = {}
+
+
+def renders_thinking(template: str, tokenizer, key: str) -> bool:
+    """Whether `template` writes an assistant's reasoning (its message key `key`) into the conversation: a template
+    for plain chat drops it without a word, and the turn then trains on its answer alone."""
+    cache = (template, key, getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None))
+    if cache not in _THINKING_RENDERING:
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", key: PROBE_THINKING}]
+        try:
+            _THINKING_RENDERING[cache] = PROBE_THINKING in render(template, messages, tokenizer)
+        except Exception:  # a template that refuses the probe: the rows will say why
+            _THINKING_RENDERING[cache] = True
+    return _THINKING_RENDERING[cache]
