@@ -22,9 +22,10 @@ from llmtune.train.data.reward import converter, fit_pair
 from llmtune.train.data.rows import TokenRows
 from llmtune.train.data.sources import fingerprint_source, read_rows
 
-CACHE_FORMAT = 6  # bump when tokenization or the cache layout changes (2: flat numpy arrays; 3: eot_tokens;
+CACHE_FORMAT = 7  # bump when tokenization or the cache layout changes (2: flat numpy arrays; 3: eot_tokens;
 # 4: chat_template labels a space-fused first word, train_on_inputs per turn, no empty answers; 5: rows whose tool
-# calls the chat template drops are refused: a cache made before may hold them; 6: `shards` keeps Axolotl's rows)
+# calls the chat template drops are refused: a cache made before may hold them; 6: `shards` keeps Axolotl's rows;
+# 7: content parts' train flags and text keys, qwen3's reasoning, alpaca's whitespace input)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
