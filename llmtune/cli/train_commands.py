@@ -248,12 +248,12 @@ def preprocess(
     else:
         groups, stats = tokenize_with_cache(loaded.recipe, tokenizer, track)
         if debug:  # the tokenized examples in the datasets' order, before shuffling and packing
-            from llmtune.train.data.show import show_examples
+            from llmtune.train.data.show import label_classes, show_examples
 
             color = sys.stdout.isatty()
             for name, rows in groups.items():
                 for line in show_examples(rows, tokenizer, debug_num_examples, debug_text_only, color,
-                                          "eval" if name == "test" else name):  # fmt: skip
+                                          "eval" if name == "test" else name, label_classes(loaded.recipe)):  # fmt: skip
                     typer.echo(line)
         stats = split_and_pack(loaded.recipe, groups, stats).stats
         where = stats["cache_dir"] or "(no cache: dataset_prepared_path is empty)"

@@ -55,3 +55,20 @@ def test_preprocess_counts_each_dataset_and_warns_of_an_empty_one(run_cli, write
     assert done.code == 0, done.err
     assert "  datasets[0]: 3 rows, 3 examples" in done.out and "  datasets[1]: 0 rows, 0 examples" in done.out
     assert f"warning: datasets[1] ({tmp_path / 'empty.jsonl'}) has no rows" in done.err
+
+
+def test_a_reward_model_s_scored_positions_say_their_class(run_cli, write_recipe, tmp_path):
+    """A process reward model's labels are classes read at each step's end, not tokens to predict: --debug says
+    which label each scored position carries (it showed `+ 1 "\\n"`, as if the newline were trained)."""
+    rows = write_jsonl(tmp_path / "prm.jsonl", [{"prompt": "What is 2+3*4?", "completions": ["3*4=12", "2+12=15"],
+                                                 "labels": [True, False]}])  # fmt: skip
+    recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "process_reward_model": True,
+                           "datasets": [{"path": str(rows), "type": "stepwise_supervised"}],
+                           "dataset_prepared_path": str(tmp_path / "prep")})  # fmt: skip
+    done = run_cli("preprocess", recipe, "--debug")
+    assert done.code == 0, done.err
+    lines = done.out.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("train example 1 of 1:")))
+    assert lines[start].endswith(", 2 scored positions"), lines[start]
+    scored = [line.split("<- ", 1)[1] for line in lines[start + 1 : start + 5] if line.lstrip().startswith("+")]
+    assert scored == ["step label 1", "step label 0"], lines[start : start + 5]
