@@ -26,7 +26,7 @@ from llmtune.plan.checkpoint_layout import (
 from llmtune.plan.resume import resume_checkpoint, start_over
 
 SCHEDULE_KEYS = ("learning_rate", "lr_scheduler", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
-                 "cosine_min_lr_ratio")  # fmt: skip
+                 "cosine_min_lr_ratio", "cosine_constant_lr_ratio")  # fmt: skip
 
 
 def data_key(recipe) -> str:

@@ -52,7 +52,7 @@ KEYS = {
     'comet_project_name': ('v0.5.0', 'v0.18.0', 'no effect'),
     'comet_workspace': ('v0.5.0', 'v0.18.0', 'no effect'),
     'context_parallel_size': ('v0.12.0', 'v0.18.0', 'llmtune'),
-    'cosine_constant_lr_ratio': ('v0.5.0', 'v0.18.0', 'refused: a constant phase in the cosine schedule'),
+    'cosine_constant_lr_ratio': ('v0.5.0', 'v0.18.0', 'llmtune'),
     'cosine_min_lr_ratio': ('v0.4.0', 'v0.18.0', 'llmtune'),
     'cpo_alpha': ('v0.5.0', 'v0.18.0', 'llmtune'),
     'curriculum_sampling': ('v0.5.0', 'v0.18.0', 'llmtune'),

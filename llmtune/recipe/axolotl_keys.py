@@ -199,12 +199,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     **_refused("per-group learning rates", "use one learning_rate", "lr_groups embedding_lr embedding_lr_scale"),
     **_refused("one-cycle schedules (lr_div_factor)", "use lr_scheduler", "lr_div_factor"),
     **_refused(
-        "a constant phase in the cosine schedule",
-        "use cosine_min_lr_ratio",
-        "cosine_constant_lr_ratio",
-        accepted=(0, 0.0),
-    ),
-    **_refused(
         "PoSE position skipping",
         "remove it",
         """

@@ -64,6 +64,10 @@ class TrainingKeys(Section):
     cosine_min_lr_ratio: float | None = Field(
         None, ge=0, le=1, description="cosine: floor the LR at this fraction of the peak (cosine_with_min_lr)."
     )
+    cosine_constant_lr_ratio: float | None = Field(
+        None, ge=0, le=1, description="cosine with cosine_min_lr_ratio: the decay reaches the floor at this fraction "
+        "of the steps and the LR stays there (Axolotl's warm-up/decay/constant schedule; 0 has no effect, as there).",
+    )  # fmt: skip
     lr_quadratic_warmup: bool = Field(False, description="cosine: warm up quadratically, (step / warmup)^2, not "
                                       "linearly (Axolotl's; no effect with other schedules).")  # fmt: skip
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
@@ -289,3 +293,10 @@ class TrainingKeys(Section):
 def quadratic_warmup(recipe) -> bool:
     """Axolotl applies lr_quadratic_warmup to the cosine schedule only (with or without a floor)."""
     return bool(recipe.lr_quadratic_warmup) and recipe.lr_scheduler in ("cosine", "cosine_with_min_lr")
+
+
+def constant_phase(recipe) -> bool:
+    """Axolotl's cosine_constant_lr_ratio: on the cosine schedule, with a floor and a ratio both non-zero (Axolotl
+    tests their truth), and not beside the quadratic warm-up, which Axolotl takes first."""
+    return bool(getattr(recipe, "cosine_constant_lr_ratio", None) and recipe.cosine_min_lr_ratio) and \
+        recipe.lr_scheduler in ("cosine", "cosine_with_min_lr") and not quadratic_warmup(recipe)  # fmt: skip

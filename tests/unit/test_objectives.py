@@ -100,6 +100,33 @@ def test_quadratic_warmup_rises_as_the_square_then_decays_by_cosine_to_the_floor
     assert not quadratic_warmup(SimpleNamespace(lr_quadratic_warmup=True, lr_scheduler="linear"))
 
 
+def test_cosine_constant_lr_ratio_decays_to_the_floor_by_its_step_and_stays_there():
+    """Axolotl's warm-up, cosine decay and constant phase: with cosine_min_lr_ratio 0.1 and cosine_constant_lr_ratio
+    0.5 over 12 steps, the LR is at its floor from step 6 on (it was refused); 0 or no floor: the plain cosine, as
+    Axolotl tests both for truth."""
+    import math
+    from pathlib import Path
+
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.objectives.schedule import make_scheduler, own_schedule
+
+    base = {"base_model": "org/m", "output_dir": "/x", "datasets": [{"path": "o/d", "type": "alpaca"}],
+            "cosine_min_lr_ratio": 0.1, "learning_rate": 2.0}  # fmt: skip
+    recipe = recipe_from_mapping({**base, "cosine_constant_lr_ratio": 0.5}, Path("r.yml"), check_files=False).recipe
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    scheduler = make_scheduler(recipe, optimizer, warmup=2, total=12)
+    seen = []
+    for _ in range(12):
+        seen.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    decay = [2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 4))) for s in range(2, 6)]
+    assert seen == pytest.approx([0.0, 1.0, *decay, *[0.2] * 6])
+    for ratio in (0, None):
+        plain = recipe_from_mapping({**base, "cosine_constant_lr_ratio": ratio}, Path("r.yml"), check_files=False)
+        assert not own_schedule(plain.recipe)
+
+
 def test_the_cosine_floor_applies_to_both_cosine_names_and_cosine_with_min_lr_needs_one():
     from pathlib import Path
 

@@ -1,5 +1,6 @@
 """The learning-rate schedule: transformers' named schedules, with the recipe's cosine floor, Axolotl's quadratic
-warm-up (lr_quadratic_warmup) before a cosine decay, and Axolotl's jagged restarts (jagged_restart_steps, ReLoRA's
+warm-up (lr_quadratic_warmup) before a cosine decay, Axolotl's constant phase after the decay
+(cosine_constant_lr_ratio), and Axolotl's jagged restarts (jagged_restart_steps, ReLoRA's
 schedule) on top of any of them. One place for the HF Trainer and the pipeline loop alike."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import math
 from functools import partial
 
-from llmtune.recipe.training import quadratic_warmup
+from llmtune.recipe.training import constant_phase, quadratic_warmup
 
 
 def named_schedule(recipe) -> tuple[str, dict]:
@@ -23,6 +24,16 @@ def quadratic_warmup_cosine(step: int, *, warmup: int, total: int, floor: float)
     if step < warmup:
         return (step / max(1, warmup)) ** 2
     progress = (step - warmup) / max(1, total - warmup)
+    return floor + (1 - floor) * max(0.0, 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def cosine_to_constant(step: int, *, warmup: int, total: int, constant: float, floor: float) -> float:
+    """The LR multiplier of Axolotl's cosine_constant_lr_ratio: step / warmup while warming up, then a half cosine
+    from 1 down to `floor` that ends at int(total * constant) steps, and `floor` from there on."""
+    if step < warmup:
+        return step / max(1, warmup)
+    end = int(total * constant)
+    progress = (min(step, end) - warmup) / max(1, end - warmup)
     return floor + (1 - floor) * max(0.0, 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -54,7 +65,7 @@ def jagged_restarts(recipe):
 
 def own_schedule(recipe) -> bool:
     """True when llmtune builds the scheduler itself (make_scheduler) rather than leaving it to the Trainer."""
-    return quadratic_warmup(recipe) or jagged_restarts(recipe) is not None
+    return quadratic_warmup(recipe) or constant_phase(recipe) or jagged_restarts(recipe) is not None
 
 
 def _product(step: int, *, inner, scale) -> float:
@@ -68,6 +79,10 @@ def make_scheduler(recipe, optimizer, warmup: int, total: int):
     if quadratic_warmup(recipe):
         floor = recipe.cosine_min_lr_ratio or float((recipe.lr_scheduler_kwargs or {}).get("min_lr_rate", 0.0))
         scheduler = LambdaLR(optimizer, partial(quadratic_warmup_cosine, warmup=warmup, total=total, floor=floor))
+    elif constant_phase(recipe):
+        scheduler = LambdaLR(optimizer, partial(cosine_to_constant, warmup=warmup, total=total,
+                                                constant=recipe.cosine_constant_lr_ratio,
+                                                floor=recipe.cosine_min_lr_ratio))  # fmt: skip
     else:
         from transformers import get_scheduler
 
