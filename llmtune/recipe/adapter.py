@@ -52,6 +52,13 @@ class AdapterKeys(Section):
     peft_use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha / sqrt(r).")
     peft_layers_to_transform: list[int] | None = Field(None, description="Only adapt these layer indices.")
     lora_model_dir: str | None = Field(None, description="An existing adapter folder to continue training from.")
+    loraplus_lr_ratio: float | None = Field(
+        None, gt=0, description="LoRA+: the B matrices learn at learning_rate times this (peft's LoRA+ optimizer; the "
+        "paper suggests 16), weight_decay applied to them as to the A matrices.",
+    )  # fmt: skip
+    loraplus_lr_embedding: float | None = Field(
+        None, gt=0, description="LoRA+: the learning rate of LoRA on embedding layers (default 1e-6, as peft's)."
+    )
     lora_target_parameters: list[str] | None = Field(
         None, description="Parameters (not modules) to adapt, e.g. MoE experts: [mlp.experts.gate_up_proj]."
     )
@@ -90,7 +97,7 @@ class AdapterKeys(Section):
 
     @field_validator(
         "adapter", "lora_target_modules", "lora_modules_to_save", "lora_model_dir", "lora_target_parameters", "peft",
-        "unfrozen_parameters", "qat", mode="before",
+        "unfrozen_parameters", "qat", "loraplus_lr_ratio", "loraplus_lr_embedding", mode="before",
     )  # fmt: skip
     @classmethod
     def _adapter_empty(cls, value):

@@ -26,6 +26,8 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys, Pr
                              f"{'adapter' if self.adapter else 'qat'}, or tensor_parallel_size)")  # fmt: skip
         if self.context_parallel_size > 1:
             self._context_parallel_rules()
+        if self.loraplus_lr_ratio is not None:
+            self._loraplus_rules()
         if self.lisa_n_layers and self.adapter:
             raise ValueError("lisa_n_layers samples layers of a full fine-tune; remove adapter (or lisa_n_layers)")
         if self.pipeline_parallel_size > 1 and (self.lisa_n_layers or self.use_eaft):
@@ -65,6 +67,18 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys, Pr
                 f"({self.pipeline_parallel_size}); stages would sit idle. Use at least {self.pipeline_parallel_size}"
             )
         return self
+
+    def _loraplus_rules(self) -> None:
+        """LoRA+ is an optimizer over a LoRA adapter's parameter groups, built by the Trainer."""
+        if not self.adapter:
+            raise ValueError("loraplus_lr_ratio sets the learning rate of LoRA's B matrices: it needs adapter: lora or "
+                             "qlora (remove it for a full fine-tune)")  # fmt: skip
+        if self.optimizer == "muon" or self.optimizer.startswith(("galore", "apollo", "lomo", "adalomo")) or \
+                self.pipeline_parallel_size > 1 or self.relora:  # fmt: skip
+            what = "pipeline_parallel_size > 1" if self.pipeline_parallel_size > 1 else \
+                "relora" if self.relora else f"optimizer: {self.optimizer}"  # fmt: skip
+            raise ValueError(f"loraplus_lr_ratio builds peft's LoRA+ AdamW-style optimizer, which {what} replaces "
+                             "with its own; remove one of them")  # fmt: skip
 
     def _reward_rules(self) -> None:
         """reward_model / process_reward_model: their data types, their head, and what can't go with them."""

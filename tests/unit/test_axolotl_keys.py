@@ -141,7 +141,7 @@ def test_capability_refusals_read_as_the_issue_asks():
     assert "training vision and audio models is not supported (processor_type" in refusal(
         processor_type="AutoProcessor"
     )
-    assert "LoRA+ is not supported (loraplus_lr_ratio: 16)" in refusal(loraplus_lr_ratio=16)
+    assert "one-cycle schedules (lr_div_factor) is not supported (lr_div_factor: 25)" in refusal(lr_div_factor=25)
     assert load(context_parallel_size=1, tensor_parallel_size=1).recipe
     # context parallelism runs (with FSDP2); Axolotl's older name is read as it
     assert "context parallelism needs a sharding engine" in refusal(context_parallel_size=2)
@@ -294,8 +294,8 @@ def test_what_public_recipes_carry_that_axolotl_ignored_is_a_note_or_one_line_sa
     assert load(wandb_log_model="axolotl-qlora-run").recipe.wandb_log_model == "false"
     assert "wandb_log_model: 'x-run' is none of false, checkpoint, end" in notes(wandb_log_model="x-run")
     assert load(wandb_log_model="checkpoint").recipe.wandb_log_model == "checkpoint"
-    # LoRA+'s embedding rate alone (Axolotl's schema default) asks for nothing; the ratio still is LoRA+
-    assert "loraplus_lr_embedding" in notes(loraplus_lr_embedding=1e-6)
+    # LoRA+'s embedding rate alone (Axolotl's schema default): read, and used only beside loraplus_lr_ratio
+    assert load(loraplus_lr_embedding=1e-6).recipe.loraplus_lr_embedding == 1e-6
     # the best-model keys that say what early_stopping_patience does: Axolotl sets them beside it
     best = {"load_best_model_at_end": True, "metric_for_best_model": "eval_loss", "greater_is_better": False}
     assert "early_stopping_patience keeps the best checkpoint by eval_loss" in notes(

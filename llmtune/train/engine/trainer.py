@@ -312,12 +312,10 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def create_optimizer(self, model=None):
-        if self.optimizer is None and self.recipe is not None and self.recipe.optimizer == "muon":
-            from llmtune.train.objectives.muon import make_muon
+        if self.optimizer is None and self.recipe is not None:
+            from llmtune.train.objectives.optimizers import own_optimizer
 
-            model = model or self.model
-            self.optimizer = make_muon(model, self.args, set(self.get_decay_parameter_names(model)))
-            return self.optimizer
+            self.optimizer = own_optimizer(self, model or self.model)
         return super().create_optimizer(model)
 
     scheduler_from_step = 0  # a weights-only checkpoint's step (save_only_model): its schedule goes on from there
