@@ -34,6 +34,8 @@ NOISY = [
     "is deprecated. Please use `torch.distributed.all_gather_single` instead.",
     "/x/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: `torch.distributed.reduce_scatter_tensor` is "
     "deprecated. Please use `torch.distributed.reduce_scatter_single` instead.",
+    "/x/site-packages/peft/tuners/tuners_utils.py:1123: RuntimeWarning: The following rank_pattern keys did not "
+    "match any targeted module and were ignored: ['.*\\\\.gate_up_proj'].",
     "[RANK 0] Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, DeepSpeed config has 4. Using "
     "DeepSpeed's value.",
     "[2026-11-25 14:28:54,717] [WARNING] [base_optimizer.py:343:load_hp_checkpoint_state_from_checkpoint_dir] MPU is "
@@ -60,6 +62,9 @@ KEPT = [
     "error: datasets[0].type: unknown format 'alpacca' (hint: did you mean 'alpaca'?)",
     "/x/site-packages/transformers/trainer.py:10: UserWarning: a warning llmtune doesn't know",
     "Failed to load the tokenizer of some/model",  # only torchao's .so lines are noise, not every failure
+    # peft's unmatched rank_pattern is noise only for the entry peft adds itself; the user's own ones stay
+    "/x/site-packages/peft/tuners/tuners_utils.py:1123: RuntimeWarning: The following rank_pattern keys did not "
+    "match any targeted module and were ignored: ['q_proj'].",
     # accelerate's mismatch is noise only as the Trainer causes it for DeepSpeed (its plugin at 1)
     "[RANK 0] Gradient accumulation steps mismatch: GradientAccumulationPlugin has 4, DeepSpeed config has 2. Using "
     "DeepSpeed's value.",
@@ -203,7 +208,7 @@ def test_llmtune_s_own_process_silences_the_same_noise_at_its_logger_and_keeps_t
     import sys
 
     sourced = [line for line in NOISY if (entry := noise(line)) and (entry.logger or entry.warning)]
-    assert len(sourced) >= 7  # torchao, pytree, bitsandbytes, DeepSpeed's accelerator, three FutureWarnings
+    assert len(sourced) >= 8  # torchao, pytree, bitsandbytes, DeepSpeed's accelerator, four Python warnings
     done = subprocess.run([sys.executable, "-c", QUIET_PROBE, *sourced], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     shown = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("  ")]

@@ -331,3 +331,24 @@ def test_flash_attention_keeps_packed_examples_apart_with_several_rows(reference
     for got, want in ((packed[0, :5], alone["a"]), (packed[0, 5:], alone["b"]), (packed[1, :4], alone["c"]),
                       (packed[1, 4:], alone["d"])):  # fmt: skip
         assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_model_without_sdpa_takes_its_own_attention_where_sdpa_stood_in_for_flash(tmp_path, capsys):
+    """Gemma 2 soft-caps its attention logits and has no sdpa path: flash_attention: true on a machine without
+    flash-attn (or in the CPU rehearsal) loads it with its own default instead of failing; a recipe that asks for
+    sdpa itself is still told."""
+    from tiny import load_tokenizer
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from llmtune.train.model.load import load_model
+
+    tokenizer = load_tokenizer()
+    config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
+    path = str(tmp_path / "gemma2")
+    model = load_model(recipe(base_model=path, flash_attention=True), path, tokenizer, "no", device="cpu")
+    assert model.config._attn_implementation == "eager"
+    assert "Gemma2ForCausalLM has no sdpa path, so eager (its own default) stands in" in capsys.readouterr().err
+    with pytest.raises(UserError, match="the recipe asks for attn_implementation sdpa"):
+        load_model(recipe(base_model=path, sdp_attention=True), path, tokenizer, "no", device="cpu")

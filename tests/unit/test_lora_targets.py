@@ -35,6 +35,8 @@ def test_a_name_that_matches_no_module_is_refused(model, keys, named):
         attach_adapter(model, recipe(**keys))
     assert named in caught.value.message and "llama" in caught.value.message
     assert "q_proj" in caught.value.hint and "\n" not in caught.value.message
+    if "lora_modules_to_save" in keys:  # GPT-2's embedding name on a Llama: the hint names this model's
+        assert caught.value.hint.startswith("its embedding layers are named embed_tokens; ")
 
 
 @pytest.mark.parametrize("keys", [

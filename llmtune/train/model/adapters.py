@@ -112,8 +112,9 @@ class ModuleLayout:
     """What the name checks need of a model, taken before peft wraps it: its module names, its linear layers' short
     names, its fused experts' lora_target_parameters entries, its parameter names and family."""
 
-    def __init__(self, names, linear, experts, parameters, kind):
+    def __init__(self, names, linear, experts, parameters, kind, embeddings=()):
         self.names, self.linear, self.experts, self.parameters, self.kind = names, linear, experts, parameters, kind
+        self.embeddings = embeddings  # the last name of each embedding module (wte, embed_tokens, ...)
 
     @classmethod
     def of(cls, model) -> ModuleLayout:
@@ -122,8 +123,11 @@ class ModuleLayout:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                          if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # fmt: skip
         kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+        embeddings = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+        )
         return cls([n for n, _ in model.named_modules()], linear, fused_expert_tensors(model),
-                   [n for n, _ in model.named_parameters()], kind)  # fmt: skip
+                   [n for n, _ in model.named_parameters()], kind, embeddings)  # fmt: skip
 
 
 def check_module_names(recipe, layout: ModuleLayout, key: str, converted: set[str] = frozenset()) -> None:
@@ -142,9 +146,12 @@ def check_module_names(recipe, layout: ModuleLayout, key: str, converted: set[st
                             "module: peft can't wrap it as a layer and would leave it out silently",
                             "list it under lora_target_parameters instead")  # fmt: skip
         experts = layout.experts if key == "lora_target_modules" else []
+        embeddings = layout.embeddings
         raise UserError(f"{key}: '{entry}' names no module of this model ({layout.kind}); peft would leave it out "
                         "silently and train without it",
-                        f"its linear layers are named {', '.join(layout.linear[:12]) or 'differently'}"
+                        (f"its embedding layers are named {', '.join(embeddings)}; " if embeddings and
+                         key == "lora_modules_to_save" else "")
+                        + f"its linear layers are named {', '.join(layout.linear[:12]) or 'differently'}"
                         + ("" if key == "lora_modules_to_save" else "; or set lora_target_linear: true")
                         + (f"; its experts' weights are parameters: lora_target_parameters: [{', '.join(experts)}]"
                            if experts else ""))  # fmt: skip

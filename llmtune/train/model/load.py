@@ -225,6 +225,23 @@ def keep_present_layer_classes(model) -> None:
         model._no_split_modules = set(kept) if isinstance(listed, set) else kept
 
 
+def _from_pretrained(auto, source: str, kwargs: dict, kernels, log):
+    """from_pretrained; where sdpa only stood in for flash_attention_2 (no flash-attn here, or a CPU rehearsal) and
+    the model has no sdpa path (Gemma 2 soft-caps its attention logits), the model's own default instead, said."""
+    try:
+        return auto.from_pretrained(source, **kwargs)
+    except ValueError as err:
+        stood_in = kernels.attention_fallback and kwargs.get("attn_implementation") == "sdpa"
+        if not stood_in or "attention implementation" not in str(err):
+            raise
+        kwargs = {key: value for key, value in kwargs.items() if key != "attn_implementation"}
+        model = auto.from_pretrained(source, **kwargs)
+    kernels.attention = None
+    log(f"attention: {type(model).__name__} has no sdpa path, so {model.config._attn_implementation} (its own "
+        "default) stands in for flash_attention_2 here")  # fmt: skip
+    return model
+
+
 def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, device: str | None = None,
                mesh: dict | None = None, frozen: bool = False):  # fmt: skip
     """The model, with the recipe's GPU kernels applied (device: 'cuda' or 'cpu'; default: whether CUDA is visible).
@@ -274,7 +291,7 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
                     f"llama4_linearized_experts: no effect on a {config.model_type} model (Llama 4 only, as in Axolotl)"
                 )
         with linear:
-            model = getattr(transformers, auto).from_pretrained(source, **kwargs)
+            model = _from_pretrained(getattr(transformers, auto), source, kwargs, kernels, log)
         if not isinstance(linear, contextlib.nullcontext):
             linearize.fill_from_fused(model, source, kwargs.get("revision"), quant is not None, log)
     except (OSError, ValueError) as err:
