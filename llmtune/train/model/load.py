@@ -237,8 +237,8 @@ def _from_pretrained(auto, source: str, kwargs: dict, kernels, log):
         kwargs = {key: value for key, value in kwargs.items() if key != "attn_implementation"}
         model = auto.from_pretrained(source, **kwargs)
     kernels.attention = None
-    log(f"attention: {type(model).__name__} has no sdpa path, so {model.config._attn_implementation} (its own "
-        "default) stands in for flash_attention_2 here")  # fmt: skip
+    log(f"attention: {type(model).__name__} has no sdpa path, so its own default attention stands in for "
+        "flash_attention_2 here")  # fmt: skip
     return model
 
 
