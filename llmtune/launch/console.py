@@ -112,6 +112,11 @@ NOISE = (
            "and the key that trains them)",
            warning=r"The following rank_pattern keys did not match any targeted module and were ignored: "
                    r"\['\.\*\\\\\.gate_up_proj'\]"),
+    _noise(r"peft/tuners/lora/layer\.py:\d+: UserWarning: fan_in_fan_out is set to False but the target module is "
+           r"`Conv1D`\. Setting fan_in_fan_out to True\.",
+           "GPT-2-style Conv1D layers store their weights transposed; peft sets fan_in_fan_out on each such layer "
+           "itself (what lora_fan_in_fan_out: true says), and the run trains as it should",
+           warning=r"fan_in_fan_out is set to False but the target module is `Conv1D`"),
     _noise(r"torch/distributed/c10d_logger\.py:\d+: FutureWarning: `torch\.distributed\.(all_gather_into_tensor|"
            r"reduce_scatter_tensor)` is deprecated",
            "DeepSpeed 0.19's ZeRO calls torch's old collective names; llmtune's own collectives use today's",

@@ -94,7 +94,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         final_evaluation,
     )  # fmt: skip
     from llmtune.train.engine.trainer import LlmtuneTrainer, Rows
-    from llmtune.train.model.adapters import attach_adapter, frozen_experts, parameter_counts
+    from llmtune.train.model.adapters import attach_adapter, frozen_experts, frozen_linears, parameter_counts
     from llmtune.train.model.load import load_model, load_tokenizer, model_source
     from llmtune.train.objectives.losses import LayerSampling, eaft_for
 
@@ -161,9 +161,9 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
         f"model: {type(model).__name__}, trainable {trainable:,} of {total:,} parameters ({trainable / total:.2%}); "
         f"loaded in {time.time() - loading:.1f} s"
     )
-    experts = frozen_experts(model) if recipe.adapter else None
-    if experts:
-        log(f"note: {experts}")
+    for frozen in (frozen_experts(model), frozen_linears(model, recipe)) if recipe.adapter else ():
+        if frozen:
+            log(f"note: {frozen}")
     qat_report, qat_delay = None, None
     if recipe.qat:
         from llmtune.train.model import qat

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from tiny import tiny_llama_config
+from transformers import LlamaForCausalLM
 
 from llmtune.errors import UserError
 from llmtune.recipe.loader import recipe_from_mapping
@@ -20,8 +21,6 @@ def recipe(**keys):
 
 @pytest.fixture
 def model():
-    from transformers import LlamaForCausalLM
-
     return LlamaForCausalLM(tiny_llama_config(64))
 
 
@@ -121,3 +120,25 @@ def test_half_of_a_fused_pair_and_an_expert_name_peft_cant_map_are_one_line():
         attach_adapter(tiny_moe("phimoe"), recipe(lora_target_modules=["q_proj", "w1"]))
     assert "'w1' names no module of this model (phimoe)" in caught.value.message
     assert "lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]" in caught.value.hint
+
+
+def test_linear_layers_peft_takes_lora_off_are_said():
+    """peft 0.21 maps gate_proj, up_proj and down_proj of DeepSeek-V3 onto its fused experts and drops those names
+    from the dense first layer's MLP and the shared experts: all-linear, or the names listed, left them frozen
+    without a word (found training a tiny DeepSeek-V3). A model peft adapts whole says nothing."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from llmtune.train.model.adapters import frozen_linears
+
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                              topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                              v_head_dim=8)  # fmt: skip
+    for keys in ({"lora_target_linear": True}, {"lora_target_modules": ["o_proj", "gate_proj", "up_proj", "down_proj"]}):
+        adapted = attach_adapter(DeepseekV3ForCausalLM(config), recipe(**keys))
+        said = frozen_linears(adapted, recipe(**keys))
+        assert said and said.startswith("6 linear layers the LoRA targets name stay frozen (down_proj, gate_proj, "
+                                        "up_proj; e.g. model.layers.0.mlp.gate_proj)"), said  # fmt: skip
+    for model in (LlamaForCausalLM(tiny_llama_config(64)), qwen2_moe()):
+        assert frozen_linears(attach_adapter(model, recipe(lora_target_linear=True)), recipe(lora_target_linear=True)) is None

@@ -224,6 +224,44 @@ def frozen_experts(model) -> str | None:
     )
 
 
+def frozen_linears(model, recipe) -> str | None:
+    """Linear layers the recipe's LoRA targets name (all-linear, or a list of names) that peft left without LoRA,
+    said instead of silently. peft 0.21 moves every target named gate_proj, up_proj or down_proj of a family whose
+    experts transformers 5 fuses (DeepSeek-V3, GLM-4 MoE, ...) onto the fused experts, which takes LoRA off the dense
+    layers' MLPs and the shared experts of those names; nothing in a recipe can put it back today."""
+    import torch
+
+    if recipe.lora_model_dir:
+        return None
+    targets = lora_config(recipe).target_modules  # as the recipe asked, before peft's conversion
+    if not targets or (isinstance(targets, str) and targets != "all-linear"):
+        return None  # a regex: peft's own matching, which says when it matches nothing
+    output = getattr(getattr(model, "get_output_embeddings", lambda: None)(), "weight", None)
+    left_out = set(all_linear_exclusions(model)) | {
+        "lm_head",
+        "score",
+        "classifier",
+        *(recipe.lora_modules_to_save or []),
+    }
+    frozen = []
+    for name, module in model.named_modules():
+        if not (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+            continue
+        if name.endswith(".base_layer") or ".lora_" in name or "modules_to_save" in name or "original_module" in name:
+            continue  # wrapped by peft, or peft's own
+        base = _base_name(name)
+        leaf = base.rsplit(".", 1)[-1]
+        wanted = targets == "all-linear" or any(base == t or base.endswith(f".{t}") for t in targets)
+        if wanted and leaf not in left_out and base not in left_out and module.weight is not output:
+            frozen.append(base)
+    if not frozen:
+        return None
+    names = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in frozen}))
+    return (f"{len(frozen)} linear layers the LoRA targets name stay frozen ({names}; e.g. {frozen[0]}): peft left "
+            "them without LoRA (peft 0.21 maps these names onto this family's fused experts and takes them off the "
+            "dense layers that share them)")  # fmt: skip
+
+
 def parameter_counts(model) -> tuple[int, int]:
     """(trainable, total) parameters; 4-bit packed weights count as their logical (unpacked) size."""
     import math

@@ -297,7 +297,7 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
     except (OSError, ValueError) as err:
         if raised_inside(err, "deepspeed"):
             raise  # DeepSpeed's own failure under zero.Init (an op build, an offload path): not the model's source
-        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        first = str(err).splitlines()[0].split(" Please request")[0][:200] if str(err) else type(err).__name__
         if isinstance(err, ValueError) and "attention implementation" in first:  # the model, not where it came from
             raise UserError(f"{source}: {first} (the recipe asks for attn_implementation "
                             f"{kwargs.get('attn_implementation')})", "remove sdp_attention / flash_attention / "
