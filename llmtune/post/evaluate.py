@@ -146,6 +146,8 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
 
     info = resolve_target(target, model)
     recipe = info.recipe
+    if data is None and not recipe.val_set_size and not recipe.test_datasets:  # before the model loads
+        raise UserError("the recipe has no eval data (val_set_size or test_datasets)", "pass --data FILE")
     try:
         tokenizer = load_tokenizer(recipe, _tokenizer_source(info))
     except UserError as err:

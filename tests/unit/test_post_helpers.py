@@ -168,3 +168,12 @@ def test_generation_stays_within_a_learned_position_table():
     assert within_positions(rotary, 100, {"max_new_tokens": 300})["max_new_tokens"] == 300
     with pytest.raises(UserError, match="the prompt is 256 tokens, and the model has 256 positions"):
         within_positions(learned, 256, {"max_new_tokens": 1})
+
+
+def test_eval_without_eval_data_is_refused_before_the_model_loads(run_cli, write_recipe, tmp_path):
+    """A recipe without val_set_size or test_datasets, and no --data: one line, before the tokenizer and the model
+    load (a base model that isn't here would otherwise fail first, on its download)."""
+    recipe = write_recipe({"base_model": "some-org/not-here"})
+    done = run_cli("eval", recipe)
+    assert done.code == 2 and "the recipe has no eval data (val_set_size or test_datasets)" in done.err, done.err
+    assert "pass --data FILE" in done.err and "not-here" not in done.err
