@@ -32,8 +32,10 @@ def recipe_folder(info, target: Path) -> Path | None:
 
 def _completions(model, tokenizer, prompts: list, batch_size: int, max_new_tokens: int) -> list[str]:
     from llmtune.post.generate import Sampling, generate_texts
+    from llmtune.train.data.templates import template_kwargs
 
-    texts = [p if isinstance(p, str) else tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+    texts = [p if isinstance(p, str) else tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True,
+                                                                        **template_kwargs(tokenizer))
              for p in prompts]  # fmt: skip
     options = Sampling(max_new_tokens).kwargs(tokenizer, model)  # greedy
     out = []

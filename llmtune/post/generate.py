@@ -238,15 +238,19 @@ def generate_texts(model, tokenizer, texts: list[str], options: dict) -> list[st
 
 
 def render(tokenizer, prompt, raw: bool) -> str:
-    """A prompt (text, or a list of chat messages) as the text the model sees."""
+    """A prompt (text, or a list of chat messages) as the text the model sees (with the recipe's
+    chat_template_kwargs)."""
+    from llmtune.train.data.templates import template_kwargs
+
     if isinstance(prompt, list):
         if tokenizer.chat_template is None:
             raise UserError("chat messages need a chat template, and this tokenizer has none", "pass plain prompts")
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                             **template_kwargs(tokenizer))  # fmt: skip
     if raw or tokenizer.chat_template is None:
         return prompt
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, **template_kwargs(tokenizer)
     )
 
 

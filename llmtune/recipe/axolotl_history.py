@@ -40,7 +40,7 @@ KEYS = {
     'center_rewards_coefficient': ('v0.13.0', 'v0.18.0', 'llmtune'),
     'chat_template': ('v0.4.0', 'v0.18.0', 'llmtune'),
     'chat_template_jinja': ('v0.5.0', 'v0.18.0', 'llmtune'),
-    'chat_template_kwargs': ('v0.10.0', 'v0.18.0', 'refused: chat template arguments', ('v0.10.1',)),
+    'chat_template_kwargs': ('v0.10.0', 'v0.18.0', 'llmtune', ('v0.10.1',)),
     'chunked_cross_entropy': ('v0.11.0', 'v0.18.0', 'no effect'),
     'chunked_cross_entropy_num_chunks': ('v0.11.0', 'v0.18.0', 'no effect'),
     'cls_model_config': ('v0.5.0', 'v0.18.0', 'llmtune'),

@@ -253,9 +253,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "set config values in overrides_of_model_config",
         "overrides_of_model_kwargs model_kwargs",
     ),
-    **_refused(
-        "chat template arguments", "write the template you want with chat_template: jinja", "chat_template_kwargs"
-    ),
     **_refused("searching for a batch size", "use llmtune estimate to choose micro_batch_size", "auto_find_batch_size"),
     **_refused("dropping the last partial batch", "remove it", "dataloader_drop_last"),
     **_refused("sharding the merged dataset", "use datasets[].shards", "dataset_shard_num dataset_shard_idx"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -94,6 +94,10 @@ class ModelKeys(Section):
         "chat_template_jinja.",
     )
     chat_template_jinja: str | None = Field(None, description="A Jinja chat template (with chat_template: jinja).")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables every chat-template rendering gets (Axolotl's), e.g. {enable_thinking: "
+        "false}: training rows, preference and GRPO prompts, eval, infer and chat.",
+    )  # fmt: skip
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] | None = Field(
         None,
         description="Attention kernel; default: the model's default (sdpa where supported). Axolotl's xformers, "
@@ -149,7 +153,7 @@ class ModelKeys(Section):
     reinit_weights: bool = Field(False, description="Re-initialise every weight (train from scratch, same config).")
 
     @field_validator(
-        "special_tokens", "tokens", "chat_template", "overrides_of_model_config", "cls_model_config", "model_quantization_config",
+        "special_tokens", "tokens", "chat_template", "chat_template_kwargs", "overrides_of_model_config", "cls_model_config", "model_quantization_config",
         "model_quantization_config_kwargs", "base_model_config", "tokenizer_config", "plugins",
         "torch_compile_backend", mode="before",
     )  # fmt: skip

@@ -40,7 +40,10 @@ def _call(transform_fn, row: dict, tokenizer):
 def _prompt_tokens(prompt, tokenizer) -> int:
     if isinstance(prompt, str):
         return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    from llmtune.train.data.templates import template_kwargs
+
+    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                         **template_kwargs(tokenizer))  # fmt: skip
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -51,6 +51,7 @@ def cache_key(recipe, tokenizer) -> str:
                 "train_on_inputs",
                 "chat_template",
                 "chat_template_jinja",
+                "chat_template_kwargs",
                 "eot_tokens",
                 "min_sample_len",
                 "dataset_exact_deduplication",

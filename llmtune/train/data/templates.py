@@ -310,6 +310,27 @@ def resolve_chat_template(name: str | None, jinja: str | None, tokenizer) -> str
     )
 
 
+_TEMPLATE_KWARGS = None  # a weakref.WeakKeyDictionary: tokenizer -> the recipe's chat_template_kwargs
+
+
+def use_template_kwargs(tokenizer, kwargs: dict | None) -> None:
+    """The recipe's chat_template_kwargs for every rendering with this tokenizer (load_tokenizer calls it)."""
+    global _TEMPLATE_KWARGS
+    import weakref
+
+    if _TEMPLATE_KWARGS is None:
+        _TEMPLATE_KWARGS = weakref.WeakKeyDictionary()
+    _TEMPLATE_KWARGS[tokenizer] = dict(kwargs or {})
+
+
+def template_kwargs(tokenizer) -> dict:
+    """The chat_template_kwargs of the recipe this tokenizer was loaded for ({} for any other)."""
+    try:
+        return dict(_TEMPLATE_KWARGS.get(tokenizer, {})) if _TEMPLATE_KWARGS is not None else {}
+    except TypeError:  # a tokenizer that can't be weakly referenced
+        return {}
+
+
 def render(template: str, messages: list[dict], tokenizer, add_generation_prompt: bool = False,
            tools: list | None = None) -> str:  # fmt: skip
     """Render `messages` as text with `template`, using the tokenizer's special tokens (and `tools`, the row's tool
@@ -319,7 +340,7 @@ def render(template: str, messages: list[dict], tokenizer, add_generation_prompt
     try:
         return tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **({"tools": tools} if tools else {}),
+            **({"tools": tools} if tools else {}), **template_kwargs(tokenizer),
         )  # fmt: skip
     except TemplateError as error:
         raise UserError(
@@ -335,7 +356,8 @@ _TOOL_RENDERING: dict[tuple, tuple[bool, bool]] = {}
 def tool_rendering(template: str, tokenizer) -> tuple[bool, bool]:
     """(whether `template` renders an assistant's tool_calls, whether it renders the row's tools), found by rendering
     a probe conversation: llmtune's own templates, and many written for plain chat, drop both without a word."""
-    key = (template, getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None))
+    key = (template, getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None),
+           repr(template_kwargs(tokenizer)))  # fmt: skip
     if key not in _TOOL_RENDERING:
         function = {"name": PROBE_TOOL, "description": "", "parameters": {"type": "object", "properties": {}}}
         call = {"id": "call0", "type": "function", "function": {"name": PROBE_TOOL, "arguments": {}}}
@@ -361,7 +383,8 @@ _THINKING_RENDERING: dict[tuple, bool] = {}
 def renders_thinking(template: str, tokenizer, key: str) -> bool:
     """Whether `template` writes an assistant's reasoning (its message key `key`) into the conversation: a template
     for plain chat drops it without a word, and the turn then trains on its answer alone."""
-    cache = (template, key, getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None))
+    cache = (template, key, getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None),
+             repr(template_kwargs(tokenizer)))  # fmt: skip
     if cache not in _THINKING_RENDERING:
         messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", key: PROBE_THINKING}]
         try:

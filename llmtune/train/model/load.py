@@ -42,7 +42,7 @@ def _hub_error(err: Exception, what: str, name: str) -> UserError:
 def load_tokenizer(recipe, source: str):
     from transformers import AutoTokenizer
 
-    from llmtune.train.data.templates import resolve_chat_template
+    from llmtune.train.data.templates import resolve_chat_template, use_template_kwargs
 
     name = recipe.tokenizer_config or source
     try:
@@ -60,6 +60,7 @@ def load_tokenizer(recipe, source: str):
         raise UserError(f"the tokenizer of {name} has no eos_token", "set special_tokens: {eos_token: ...}")
     if recipe.chat_template and recipe.chat_template != "tokenizer_default":
         tokenizer.chat_template = resolve_chat_template(recipe.chat_template, recipe.chat_template_jinja, tokenizer)
+    use_template_kwargs(tokenizer, recipe.chat_template_kwargs)
     tokenizer.padding_side = "right"
     return tokenizer
 

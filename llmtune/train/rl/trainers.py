@@ -63,6 +63,8 @@ def online_arguments(recipe, device: str, vllm_share: float | None = None) -> di
             raise UserError(f"trl.{key} is not a setting of TRL {trl.__version__}'s GRPO", "remove it")
         kwargs[key] = value
     kwargs.update(multi_objective_aggregation=aggregation(recipe), log_completions=False)
+    if recipe.chat_template_kwargs and "chat_template_kwargs" in known:  # TRL renders GRPO's prompts itself
+        kwargs.setdefault("chat_template_kwargs", dict(recipe.chat_template_kwargs))
     if recipe.rl_beta is not None and "beta" not in kwargs:
         kwargs["beta"] = recipe.rl_beta
     if recipe.dataset_processes:
