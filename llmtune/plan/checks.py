@@ -93,9 +93,10 @@ def _check_async_checkpoint(recipe: Recipe, strategy: str, facts: ModelFacts | N
     if key in refusals:
         why, hint = refusals[key]
         raise UserError(f"async_checkpoint is not supported here: {why}", hint)
-    if recipe.early_stopping_patience:
-        raise UserError("async_checkpoint with early_stopping_patience is not supported: keeping the best checkpoint "
-                        "reloads it in the Trainer's own format", "remove one of them")  # fmt: skip
+    if recipe.early_stopping_patience or recipe.load_best_model_at_end:
+        key = "early_stopping_patience" if recipe.early_stopping_patience else "load_best_model_at_end"
+        raise UserError(f"async_checkpoint with {key} is not supported: keeping the best checkpoint reloads it in "
+                        "the Trainer's own format", "remove one of them")  # fmt: skip
     if recipe.save_strategy == "no":
         return "async_checkpoint: no effect (save_strategy: no)"
     size = ""

@@ -231,9 +231,9 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
     check_chat_templates(recipe)
     check_new_tokens(recipe)
     check_kto_batch(recipe)
-    if recipe.early_stopping_patience and not (recipe.val_set_size or recipe.test_datasets):
-        notes.append("early_stopping_patience: no effect: the recipe has no eval data (set val_set_size or "
-                     "test_datasets)")  # fmt: skip
+    for key in ("early_stopping_patience", "load_best_model_at_end"):
+        if getattr(recipe, key) and not (recipe.val_set_size or recipe.test_datasets):
+            notes.append(f"{key}: no effect: the recipe has no eval data (set val_set_size or test_datasets)")
     if recipe.gptq:
         notes.append(gptq_check(recipe, strategy))
     if recipe.activation_offloading:

@@ -11,7 +11,6 @@ from typing import Any
 
 from llmtune.errors import UserError
 from llmtune.recipe.axolotl_entries import (
-    BEST_BY_LOSS,
     FORMAT_KEYS,
     PREFERENCE_KEYS,
     WANDB_LOG_MODEL,
@@ -145,9 +144,6 @@ def _top_level(raw: dict, path: Path, notes: Notes) -> dict:
                       "transformers did with it under Axolotl")  # fmt: skip
         elif key in Recipe.model_fields:
             data[key] = value
-        elif key in BEST_BY_LOSS and raw.get("early_stopping_patience") and value in BEST_BY_LOSS[key]:
-            notes.unused(key, "early_stopping_patience keeps the best checkpoint by eval_loss already, as Axolotl "
-                              "turns load_best_model_at_end on beside it")  # fmt: skip
         elif key in AXOLOTL_ONLY_KEYS:
             _screen_key("", key, value, AXOLOTL_ONLY_KEYS[key], notes, path)
         elif key in INTENDED:

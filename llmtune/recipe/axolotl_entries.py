@@ -12,9 +12,6 @@ from llmtune.recipe.data import CustomFormat, DatasetSpec
 from llmtune.recipe.schema import Recipe
 
 WANDB_LOG_MODEL = ("false", "checkpoint", "end")
-# best-model keys that say what early_stopping_patience does already (Axolotl sets them beside it)
-BEST_BY_LOSS = {"load_best_model_at_end": (True,), "metric_for_best_model": ("eval_loss", "loss"),
-                "greater_is_better": (False,)}  # fmt: skip
 # (field_system is also a chat_template entry key; beside the other types it belongs in a type: mapping)
 FORMAT_KEYS = frozenset(CustomFormat.model_fields) - frozenset(DatasetSpec.model_fields) | {"field_system"}
 PREFERENCE_KEYS = frozenset("field_prompt field_completion field_system_chosen chosen rejected field_label "

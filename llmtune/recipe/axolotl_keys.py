@@ -264,13 +264,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     ),
     **_refused("a separate eval sequence length", "remove it (eval uses sequence_len)", "eval_sequence_len"),
     **_refused(
-        "keeping the best checkpoint by a metric",
-        "early_stopping_patience keeps the best by eval_loss",
-        """
-        load_best_model_at_end metric_for_best_model greater_is_better
-    """,
-    ),
-    **_refused(
         "Axolotl's deprecated attention switches",
         "use attn_implementation: sdpa (or xformers/sage, which run as sdpa)",
         "s2_attention sage_attention",

@@ -122,6 +122,15 @@ class TrainingKeys(Section):
         description="Stop after this many evals without a lower eval loss; the best checkpoint's "
         "weights are saved (needs eval data).",
     )
+    load_best_model_at_end: bool = Field(False, description="Save the weights of the best evaluation's checkpoint "
+                                         "at the end (by metric_for_best_model; needs eval data; saves at each "
+                                         "evaluation).")  # fmt: skip
+    metric_for_best_model: str | None = Field(
+        None, description="The eval metric load_best_model_at_end and early_stopping_patience compare (default "
+        "eval_loss; an eval_ prefix is added as transformers adds it).",
+    )  # fmt: skip
+    greater_is_better: bool | None = Field(None, description="Whether a larger metric_for_best_model is better "
+                                           "(default: not for a loss, else yes, as transformers decides).")  # fmt: skip
     group_by_length: bool = Field(False, description="Batch rows of similar length together.")
     curriculum_sampling: bool = Field(False, description="Train on rows in data order, not shuffled per epoch.")
     neftune_noise_alpha: float | None = Field(None, gt=0, description="NEFTune: noise on the embeddings in training.")

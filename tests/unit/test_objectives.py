@@ -141,3 +141,31 @@ def test_the_cosine_floor_applies_to_both_cosine_names_and_cosine_with_min_lr_ne
         recipe_from_mapping({**base, "lr_scheduler": "cosine_with_min_lr"}, Path("r.yml"), check_files=False)
     floored = {**base, "lr_scheduler": "cosine_with_min_lr", "eta_min": 2e-6, "learning_rate": 2e-5}
     assert recipe_from_mapping(floored, Path("r.yml"), check_files=False).recipe.cosine_min_lr_ratio == 0.1
+
+
+def test_load_best_model_at_end_keeps_the_best_checkpoint_by_the_recipe_s_metric():
+    """load_best_model_at_end with metric_for_best_model and greater_is_better (they were refused unless they only
+    restated early_stopping_patience): the Trainer's arguments say them, saves follow the evaluations; without eval
+    data the plan says they have no effect."""
+    from pathlib import Path
+
+    from llmtune.plan import make_cluster, make_plan
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.engine.arguments import training_arguments
+
+    base = {"base_model": "org/m", "output_dir": "/tmp/unused-best", "datasets": [{"path": "o/d", "type": "alpaca"}],
+            "load_best_model_at_end": True, "eval_steps": 5, "save_steps": 7}  # fmt: skip
+    cluster = make_cluster(num_processes=1, device="cpu")
+    for keys, metric, greater in (({}, "eval_loss", False),
+                                  ({"metric_for_best_model": "eval_accuracy", "greater_is_better": True},
+                                   "eval_accuracy", True)):  # fmt: skip
+        recipe = recipe_from_mapping({**base, **keys, "val_set_size": 0.1}, Path("r.yml"), check_files=False).recipe
+        args = training_arguments(recipe, make_plan(recipe, cluster).to_dict(), 100, has_eval=True)
+        assert (args.load_best_model_at_end, args.metric_for_best_model, args.greater_is_better) == (True, metric,
+                                                                                                     greater)
+        assert args.save_steps == args.eval_steps == 5  # a checkpoint at every evaluation, as the Trainer needs
+    recipe = recipe_from_mapping(base, Path("r.yml"), check_files=False).recipe
+    plan = make_plan(recipe, cluster)
+    assert not training_arguments(recipe, plan.to_dict(), 100, has_eval=False).load_best_model_at_end
+    notes = plan.notes
+    assert any(note.startswith("load_best_model_at_end: no effect: the recipe has no eval data") for note in notes)

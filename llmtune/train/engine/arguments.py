@@ -185,8 +185,10 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
         use_cpu=rehearsal and not plan["strategy"].startswith("zero"),
         disable_tqdm=True,  # llmtune's own progress line replaces the Trainer's bar and its dict lines
     )
-    if recipe.early_stopping_patience and has_eval:
-        kwargs.update(load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False)
+    if (recipe.early_stopping_patience or recipe.load_best_model_at_end) and has_eval:
+        metric = recipe.metric_for_best_model or "eval_loss"
+        kwargs.update(load_best_model_at_end=True, metric_for_best_model=metric,
+                      greater_is_better=recipe.greater_is_better)  # fmt: skip
         if kwargs["save_strategy"] != kwargs["eval_strategy"] or kwargs["save_steps"] != (eval_steps or 500):
             kwargs.update(save_strategy=eval_strategy, save_steps=eval_steps or 500)
     kwargs["accelerator_config"] = {**kwargs["accelerator_config"], **extra.pop("accelerator_config", {})}

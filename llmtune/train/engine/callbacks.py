@@ -253,7 +253,8 @@ def early_stopping(recipe, has_eval: bool) -> list:
             if control.should_training_stop and state.is_world_process_zero:
                 from llmtune.train.runtime.progress import log
 
-                log(f"early stopping at step {state.global_step} of {state.max_steps}: eval loss has not improved "
+                metric = (args.metric_for_best_model or "eval_loss").replace("_", " ")
+                log(f"early stopping at step {state.global_step} of {state.max_steps}: {metric} has not improved "
                     f"for {self.early_stopping_patience} evaluation{'s' if self.early_stopping_patience > 1 else ''} (best {state.best_metric:.4f} at step "
                     f"{state.best_global_step}); the best checkpoint's weights are saved")  # fmt: skip
 
