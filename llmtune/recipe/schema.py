@@ -28,6 +28,12 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys, Pr
             self._context_parallel_rules()
         if self.loraplus_lr_ratio is not None:
             self._loraplus_rules()
+        metric = self.metric_for_best_model
+        if metric and not self.rl and not self.process_reward_model:  # what the Trainer's evaluation reports
+            reported = ("eval_loss", "eval_accuracy") if self.reward_model else ("eval_loss",)
+            if (metric if metric.startswith("eval_") else f"eval_{metric}") not in reported:
+                raise ValueError(f"metric_for_best_model: {metric}: this run's evaluation reports "
+                                 f"{' and '.join(reported)} only (transformers would stop at the first evaluation)")  # fmt: skip
         if self.lisa_n_layers and self.adapter:
             raise ValueError("lisa_n_layers samples layers of a full fine-tune; remove adapter (or lisa_n_layers)")
         if self.pipeline_parallel_size > 1 and (self.lisa_n_layers or self.use_eaft):

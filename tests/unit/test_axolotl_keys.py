@@ -299,7 +299,8 @@ def test_what_public_recipes_carry_that_axolotl_ignored_is_a_note_or_one_line_sa
     # the best-model keys (Axolotl sets them beside early_stopping_patience; a recipe may set them alone): the
     # Trainer keeps the best checkpoint by that metric (tests/unit/test_objectives.py checks its arguments)
     best = {"load_best_model_at_end": True, "metric_for_best_model": "eval_accuracy", "greater_is_better": True}
-    assert load(**best, val_set_size=0.1).recipe.metric_for_best_model == "eval_accuracy"
+    assert load(**best, val_set_size=0.1, reward_model=True, datasets=[{"path": "o/d", "type":
+                "bradley_terry.chat_template"}]).recipe.metric_for_best_model == "eval_accuracy"  # fmt: skip
     # hub and serialization spellings beside hub_model_id
     said = notes(hub_model_id="me/model", push_to_hub=True, hub_private_repo=True, safe_serialization=True)
     assert "push_to_hub" in said and "hub_private_repo" in said and "safe_serialization" in said

@@ -156,14 +156,16 @@ def test_load_best_model_at_end_keeps_the_best_checkpoint_by_the_recipe_s_metric
     base = {"base_model": "org/m", "output_dir": "/tmp/unused-best", "datasets": [{"path": "o/d", "type": "alpaca"}],
             "load_best_model_at_end": True, "eval_steps": 5, "save_steps": 7}  # fmt: skip
     cluster = make_cluster(num_processes=1, device="cpu")
-    for keys, metric, greater in (({}, "eval_loss", False),
-                                  ({"metric_for_best_model": "eval_accuracy", "greater_is_better": True},
-                                   "eval_accuracy", True)):  # fmt: skip
+    for keys, metric, greater in (({}, "eval_loss", False),  # transformers: a loss is better lower
+                                  ({"metric_for_best_model": "loss", "greater_is_better": False}, "loss", False)):
         recipe = recipe_from_mapping({**base, **keys, "val_set_size": 0.1}, Path("r.yml"), check_files=False).recipe
         args = training_arguments(recipe, make_plan(recipe, cluster).to_dict(), 100, has_eval=True)
         assert (args.load_best_model_at_end, args.metric_for_best_model, args.greater_is_better) == (True, metric,
                                                                                                      greater)
         assert args.save_steps == args.eval_steps == 5  # a checkpoint at every evaluation, as the Trainer needs
+    with pytest.raises(UserError, match="metric_for_best_model: eval_accuracy: this run's evaluation reports "
+                                        "eval_loss only"):  # fmt: skip
+        recipe_from_mapping({**base, "metric_for_best_model": "eval_accuracy"}, Path("r.yml"), check_files=False)
     recipe = recipe_from_mapping(base, Path("r.yml"), check_files=False).recipe
     plan = make_plan(recipe, cluster)
     assert not training_arguments(recipe, plan.to_dict(), 100, has_eval=False).load_best_model_at_end
