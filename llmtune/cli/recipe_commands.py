@@ -172,6 +172,9 @@ def estimate(
     )  # fmt: skip
     # Axolotl's keys llmtune accepts without doing what they do to GPU memory: said with the figures they change
     memory_notes = [note for note in found.notes if any(reason in note for reason in MEMORY_REASONS)]
+    if loaded.adapter and loaded.lora_rank_pattern:
+        memory_notes.append(f"lora_rank_pattern: the adapter is counted at lora_r {loaded.lora_r} in every adapted "
+                            "layer; layers the pattern gives another rank hold more or less")  # fmt: skip
     if json_output:
         import json
 

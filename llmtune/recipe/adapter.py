@@ -51,6 +51,27 @@ class AdapterKeys(Section):
     peft_use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
     peft_use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha / sqrt(r).")
     peft_layers_to_transform: list[int] | None = Field(None, description="Only adapt these layer indices.")
+    peft_layers_pattern: list[str] | str | None = Field(
+        None, description="The name of the layer list peft_layers_to_transform indexes (peft's layers_pattern)."
+    )
+    lora_rank_pattern: dict[str, int] | None = Field(
+        None, description="Per-module ranks by name or regex, e.g. {'.*down_proj': 32} (peft's rank_pattern); the "
+        "estimate counts lora_r everywhere.",
+    )  # fmt: skip
+    lora_alpha_pattern: dict[str, float] | None = Field(
+        None, description="Per-module alphas by name or regex (peft's alpha_pattern)."
+    )
+    peft_init_lora_weights: bool | Literal["gaussian"] | None = Field(
+        None, description="How LoRA starts: true (B zero, A Kaiming: the default), gaussian, or false (random: "
+        "the adapter changes the model from step 0). Inits that rewrite the base weights or need data (pissa, "
+        "olora, eva, corda) are refused: the saved adapter fits only their modified base.",
+    )  # fmt: skip
+    peft_ensure_weight_tying: bool | None = Field(
+        None, description="Keep a tied embedding and output head tied when both are adapted or trained (peft's)."
+    )
+    peft_autocast_adapter_dtype: bool = Field(
+        True, description="Keep the adapter's weights in float32 over a bf16/fp16 base (peft's default)."
+    )
     lora_model_dir: str | None = Field(None, description="An existing adapter folder to continue training from.")
     loraplus_lr_ratio: float | None = Field(
         None, gt=0, description="LoRA+: the B matrices learn at learning_rate times this (peft's LoRA+ optimizer; the "
@@ -97,12 +118,27 @@ class AdapterKeys(Section):
 
     @field_validator(
         "adapter", "lora_target_modules", "lora_modules_to_save", "lora_model_dir", "lora_target_parameters", "peft",
-        "unfrozen_parameters", "qat", "loraplus_lr_ratio", "loraplus_lr_embedding", mode="before",
+        "unfrozen_parameters", "qat", "loraplus_lr_ratio", "loraplus_lr_embedding", "lora_rank_pattern",
+        "lora_alpha_pattern", "peft_layers_pattern", "peft_init_lora_weights", "peft_ensure_weight_tying",
+        mode="before",
     )  # fmt: skip
     @classmethod
     def _adapter_empty(cls, value):
         value = empty_to_none(value)
         return None if isinstance(value, (list, dict)) and not value else value
+
+    @field_validator("peft_init_lora_weights", mode="before")
+    @classmethod
+    def _known_init(cls, value):
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if isinstance(value, str) and value.split("_")[0] in ("pissa", "olora", "eva", "corda", "loftq", "orthogonal"):
+            how = "needs a data pass before training" if value in ("eva", "corda") else \
+                "is set with peft: {loftq_config: ...}" if value == "loftq" else \
+                "rewrites the base weights, so the saved adapter fits only that modified base (llmtune's merge, " \
+                "eval and chat load the original)"  # fmt: skip
+            raise ValueError(f"'{value}' {how}; use true, false or gaussian")
+        return value
 
     @field_validator("unfrozen_parameters")
     @classmethod

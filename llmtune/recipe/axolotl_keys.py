@@ -230,10 +230,7 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     **_refused(
         "this peft option",
         "remove it",
-        """
-        peft_layers_pattern peft_layer_replication peft_init_lora_weights peft_trainable_token_indices
-        peft_ensure_weight_tying peft_autocast_adapter_dtype lora_alpha_pattern lora_rank_pattern
-    """,
+        "peft_layer_replication peft_trainable_token_indices",
     ),
     **_refused(
         "the settings of Axolotl's own optimizers",

@@ -142,3 +142,24 @@ def test_linear_layers_peft_takes_lora_off_are_said():
                                         "up_proj; e.g. model.layers.0.mlp.gate_proj)"), said  # fmt: skip
     for model in (LlamaForCausalLM(tiny_llama_config(64)), qwen2_moe()):
         assert frozen_linears(attach_adapter(model, recipe(lora_target_linear=True)), recipe(lora_target_linear=True)) is None
+
+
+def test_peft_options_axolotl_passes_reach_peft_and_inits_that_rewrite_the_base_are_refused(model):
+    """lora_rank_pattern, lora_alpha_pattern, peft_init_lora_weights (true, false, gaussian), peft_layers_pattern,
+    peft_ensure_weight_tying and peft_autocast_adapter_dtype go to peft as Axolotl passes them (they were refused);
+    pissa/olora rewrite the base weights the saved adapter then depends on, eva/corda need a data pass: refused."""
+    import torch
+
+    keys = {"lora_target_modules": ["q_proj", "v_proj"], "lora_rank_pattern": {"v_proj": 4}, "lora_alpha_pattern":
+            {"v_proj": 8}, "peft_init_lora_weights": "gaussian", "peft_autocast_adapter_dtype": False}  # fmt: skip
+    adapted = attach_adapter(model.to(torch.bfloat16), recipe(**keys))
+    config = adapted.peft_config["default"]
+    assert (config.rank_pattern, config.alpha_pattern, config.init_lora_weights) == ({"v_proj": 4}, {"v_proj": 8},
+                                                                                     "gaussian")  # fmt: skip
+    layer = adapted.base_model.model.model.layers[0].self_attn
+    assert layer.v_proj.lora_A["default"].weight.shape[0] == 4 and layer.q_proj.lora_A["default"].weight.shape[0] == 8
+    assert layer.q_proj.lora_B["default"].weight.dtype == torch.bfloat16  # not upcast: autocast off
+    assert layer.q_proj.lora_B["default"].weight.abs().sum() == 0  # gaussian still starts B at zero
+    for value in ("pissa", "olora", "eva"):
+        with pytest.raises(UserError, match=f"'{value}' "):
+            recipe(peft_init_lora_weights=value)

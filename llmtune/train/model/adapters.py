@@ -35,6 +35,11 @@ def lora_config(recipe):
     task = head_of(recipe)[1]
     if task != "CAUSAL_LM" and targets == "all-linear":
         extra["exclude_modules"] = ["score", "classifier"]  # the new head trains whole (peft's modules_to_save)
+    for key, name in (("lora_rank_pattern", "rank_pattern"), ("lora_alpha_pattern", "alpha_pattern"),
+                      ("peft_layers_pattern", "layers_pattern"), ("peft_init_lora_weights", "init_lora_weights"),
+                      ("peft_ensure_weight_tying", "ensure_weight_tying")):  # fmt: skip
+        if getattr(recipe, key) is not None:
+            extra[name] = getattr(recipe, key)
     loftq = recipe.peft.loftq_config if recipe.peft else None
     if loftq:
         from peft import LoftQConfig
@@ -90,7 +95,7 @@ def _with_adapter(model, recipe):
         if left_out:
             config.exclude_modules = sorted({*(config.exclude_modules or ()), *left_out})
     try:
-        adapted = get_peft_model(model, config)
+        adapted = get_peft_model(model, config, autocast_adapter_dtype=recipe.peft_autocast_adapter_dtype)
     except ValueError as err:
         if "not found in the base model" in str(err):  # nothing matched: name the entry that matches no module
             check_module_names(recipe, layout, key="lora_target_modules")
