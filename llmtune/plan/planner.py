@@ -36,7 +36,7 @@ from llmtune.plan.resume import length_line, resumed_accumulation
 from llmtune.plan.resume_checks import check_resume, check_weights_only
 from llmtune.plan.vocabulary import check_new_tokens
 from llmtune.recipe import Recipe
-from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, resolve_kernels
+from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, replan_batches, resolve_kernels
 from llmtune.recipe.loader import PER_MACHINE_KEYS, recipe_fingerprint
 from llmtune.recipe.preference import ONLINE_METHODS
 
@@ -241,7 +241,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
                      if cluster.rehearsal else "activation offloading: each checkpointed layer's input is held in "
                      "pinned CPU memory (transformers' checkpoint offload); slower steps, less GPU memory")  # fmt: skip
     kernels = _kernels(recipe, cluster, precision, strategy, mesh)
-    kernels.batches = planned_batches(recipe, kernels.batches)
+    replan_batches(kernels, planned_batches(recipe, kernels.batches))
     kernels.optimizer = fused_optimizer(recipe, cluster.device, strategy, deepspeed_config)
     if recipe.rl in ONLINE_METHODS:
         kernels.generation, kernels.vllm_share = _generation(recipe, cluster, facts, data_parallel, precision)

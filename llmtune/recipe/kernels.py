@@ -210,16 +210,27 @@ def _attention(recipe, device: str, precision: str, strategy: str | None, flash_
     else:
         return "flash_attention_2"
     key = "flash_attention" if recipe.flash_attention else "attn_implementation: flash_attention_2"
-    instead = (
-        f"{KERNELS[kernels.batches.kernel]} runs instead"
-        if split
-        else f"{kernels.batches.describe().split('attention: ')[-1]} reads the padding-free batches instead"
-        if kernels.batches and kernels.batches.padding_free
-        else "sdpa runs instead, with the block mask that keeps packed examples apart"
-    )
-    kernels.attention_fallback = f"{key}: {reason}; {instead}"
+    kernels.attention_fallback = f"{key}: {reason}; {_instead(kernels.batches, split)}"
     kernels.notes.append(kernels.attention_fallback)
     return "sdpa"
+
+
+def _instead(batches: Batches | None, split: bool = False) -> str:
+    if split:
+        return f"{KERNELS[batches.kernel]} runs instead"
+    if batches and batches.padding_free:
+        return f"{batches.describe().split('attention: ')[-1]} reads the padding-free batches instead"
+    return "sdpa runs instead (or the model's own attention where it has no sdpa path), with the mask that keeps " \
+        "packed examples apart"  # fmt: skip
+
+
+def replan_batches(kernels: Kernels, batches: Batches) -> None:
+    """The plan's batches after what the model's config says (plan/padding_free.planned_batches): a flash fallback
+    note written for padding-free batches is rewritten for the padded ones."""
+    old, kernels.batches = kernels.attention_fallback, batches
+    if old and not batches.padding_free and "padding-free" in old:
+        kernels.attention_fallback = f"{old.split('; ')[0]}; {_instead(batches)}"
+        kernels.notes = [kernels.attention_fallback if note == old else note for note in kernels.notes]
 
 
 def compile_arguments(recipe, device: str) -> dict:

@@ -99,6 +99,10 @@ def test_the_plan_pads_a_model_whose_config_soft_caps_attention(tmp_path):
     assert plan.kernels["batches"]["layout"] == PADDED and "soft-caps" in plan.kernels["batches"]["reason"]
     with pytest.raises(UserError, match="batch_flattening: true can't run with this model: its attention soft-caps"):
         make_plan(recipe(base_model=folder, batch_flattening=True), make_cluster(1, device="cpu"))
+    # flash_attention's CPU note speaks of the padded batches the plan shows (it spoke of padding-free ones)
+    notes = make_plan(recipe(base_model=folder, flash_attention=True), make_cluster(1, device="cpu")).notes
+    said = [note for note in notes if note.startswith("flash_attention: no effect in CPU rehearsal")]
+    assert len(said) == 1 and "padding-free" not in said[0] and "the model's own attention" in said[0], said
 
 
 def test_unknown_models_keep_the_plan_as_it_was(tmp_path):
