@@ -189,6 +189,17 @@ class ModelKeys(Section):
 
     _templates = field_validator("chat_template", "chat_template_jinja")(template_keys)
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _free_template_variables(cls, value):
+        """Names apply_chat_template takes itself would collide with llmtune's own arguments (a TypeError)."""
+        taken = sorted(set(value or {}) & {"conversation", "messages", "tools", "documents", "chat_template",
+                                           "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                           "truncation", "max_length", "return_tensors", "return_dict"})  # fmt: skip
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by llmtune for each rendering, not a template variable")
+        return value
+
     @field_validator("cls_model_config")
     @classmethod
     def _config_class(cls, value):

@@ -52,3 +52,14 @@ def test_grpo_s_config_gets_them_unless_trl_says_its_own(tmp_path):
     own = {**base, "trl": {**base["trl"], "chat_template_kwargs": {"enable_thinking": True}}}
     recipe = recipe_from_mapping(own, tmp_path / "r.yml", check_files=False).recipe
     assert online_arguments(recipe, "cpu")["chat_template_kwargs"] == {"enable_thinking": True}
+
+
+def test_a_name_llmtune_passes_itself_is_refused_as_a_template_variable():
+    import pytest
+
+    from llmtune.errors import UserError
+
+    keys = {"base_model": "org/m", "output_dir": "/x", "datasets": [{"path": "o/d", "type": "alpaca"}]}
+    with pytest.raises(UserError, match="chat_template_kwargs: .*add_generation_prompt: set by llmtune"):
+        recipe_from_mapping({**keys, "chat_template_kwargs": {"add_generation_prompt": True}}, Path("r.yml"),
+                            check_files=False)  # fmt: skip
