@@ -108,9 +108,8 @@ NOISE = (
     _noise(r"peft/tuners/tuners_utils\.py:\d+: RuntimeWarning: The following (rank|alpha)_pattern keys did not match any "
            r"targeted module and were ignored: \['\.\*\\\\\.gate_up_proj'\]",
            "peft gives a fused gate_up_proj rank 2r (and alpha 2x) through rank_pattern and alpha_pattern entries it "
-           "adds itself; where the recipe's "
-           "targets leave the fused experts frozen the entry matches nothing (llmtune says which experts stay frozen "
-           "and the key that trains them)",
+           "adds itself; where the recipe's targets leave the fused experts frozen the entries match nothing "
+           "(llmtune says which experts stay frozen and the key that trains them)",
            warning=r"The following (rank|alpha)_pattern keys did not match any targeted module and were ignored: "
                    r"\['\.\*\\\\\.gate_up_proj'\]"),
     _noise(r"peft/tuners/lora/layer\.py:\d+: UserWarning: fan_in_fan_out is set to False but the target module is "

@@ -36,7 +36,7 @@ from llmtune.plan.resume import length_line, resumed_accumulation
 from llmtune.plan.resume_checks import check_resume, check_weights_only
 from llmtune.plan.vocabulary import check_new_tokens
 from llmtune.recipe import Recipe
-from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, replan_batches, resolve_kernels
+from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, resolve_kernels
 from llmtune.recipe.loader import PER_MACHINE_KEYS, recipe_fingerprint
 from llmtune.recipe.preference import ONLINE_METHODS
 
@@ -241,7 +241,6 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
                      if cluster.rehearsal else "activation offloading: each checkpointed layer's input is held in "
                      "pinned CPU memory (transformers' checkpoint offload); slower steps, less GPU memory")  # fmt: skip
     kernels = _kernels(recipe, cluster, precision, strategy, mesh)
-    replan_batches(kernels, planned_batches(recipe, kernels.batches))
     kernels.optimizer = fused_optimizer(recipe, cluster.device, strategy, deepspeed_config)
     if recipe.rl in ONLINE_METHODS:
         kernels.generation, kernels.vllm_share = _generation(recipe, cluster, facts, data_parallel, precision)
@@ -372,7 +371,8 @@ def _kernels(recipe: Recipe, cluster: Cluster, precision: str, strategy: str, me
     """The fast path as the GPU run will take it (shown by `llmtune plan`); in rehearsal, notes that it is off."""
     # Looked up, not imported: the plan stays fast and torch-free. The worker imports it for real.
     flash = not cluster.rehearsal and importlib.util.find_spec("flash_attn") is not None
-    kernels = resolve_kernels(recipe, cluster.device, precision, strategy, flash, _torch_has_varlen(), mesh)
+    kernels = resolve_kernels(recipe, cluster.device, precision, strategy, flash, _torch_has_varlen(), mesh,
+                              refine_batches=lambda batches: planned_batches(recipe, batches))  # fmt: skip
     if kernels.liger_on and importlib.util.find_spec("liger_kernel") is None:
         kernels.notes.append(f"liger-kernel is not installed here; the GPU run needs it: {INSTALL_HINT}")
     return kernels

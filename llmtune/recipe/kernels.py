@@ -7,6 +7,7 @@ and the planner says so once, so the same recipe rehearses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmtune.errors import UserError
@@ -132,12 +133,17 @@ class Kernels:
 
 
 def resolve_kernels(recipe, device: str, precision: str, strategy: str | None, flash_attn_installed: bool,
-                    varlen_available: bool = True, mesh: dict | None = None) -> Kernels:  # fmt: skip
-    """What the recipe's fast-path keys become on this device. Raises UserError for a combination that can't run."""
+                    varlen_available: bool = True, mesh: dict | None = None,
+                    refine_batches: Callable[[Batches], Batches] | None = None) -> Kernels:  # fmt: skip
+    """What the recipe's fast-path keys become on this device. Raises UserError for a combination that can't run.
+    `refine_batches`: what the model itself allows (the plan reads its config: plan/padding_free.planned_batches),
+    applied before the attention is chosen, so the notes speak of the batches the run gets."""
     kernels = Kernels(device, liger=liger_requested(recipe))
     _loss_kernels(recipe, strategy, kernels)
     _plugin_notes(recipe, kernels)
     kernels.batches = resolve_batches(recipe, device, precision, strategy, flash_attn_installed, varlen_available, mesh)
+    if refine_batches is not None:
+        kernels.batches = refine_batches(kernels.batches)
     kernels.loader = loader_arguments(recipe, device)
     kernels.attention = _attention(recipe, device, precision, strategy, flash_attn_installed, kernels)
     kernels.compile = compile_arguments(recipe, device)
@@ -210,27 +216,17 @@ def _attention(recipe, device: str, precision: str, strategy: str | None, flash_
     else:
         return "flash_attention_2"
     key = "flash_attention" if recipe.flash_attention else "attn_implementation: flash_attention_2"
-    kernels.attention_fallback = f"{key}: {reason}; {_instead(kernels.batches, split)}"
+    instead = (
+        f"{KERNELS[kernels.batches.kernel]} runs instead"
+        if split
+        else f"{kernels.batches.describe().split('attention: ')[-1]} reads the padding-free batches instead"
+        if kernels.batches and kernels.batches.padding_free
+        else "sdpa runs instead (or the model's own attention where it has no sdpa path), with the mask that keeps "
+        "packed examples apart"
+    )
+    kernels.attention_fallback = f"{key}: {reason}; {instead}"
     kernels.notes.append(kernels.attention_fallback)
     return "sdpa"
-
-
-def _instead(batches: Batches | None, split: bool = False) -> str:
-    if split:
-        return f"{KERNELS[batches.kernel]} runs instead"
-    if batches and batches.padding_free:
-        return f"{batches.describe().split('attention: ')[-1]} reads the padding-free batches instead"
-    return "sdpa runs instead (or the model's own attention where it has no sdpa path), with the mask that keeps " \
-        "packed examples apart"  # fmt: skip
-
-
-def replan_batches(kernels: Kernels, batches: Batches) -> None:
-    """The plan's batches after what the model's config says (plan/padding_free.planned_batches): a flash fallback
-    note written for padding-free batches is rewritten for the padded ones."""
-    old, kernels.batches = kernels.attention_fallback, batches
-    if old and not batches.padding_free and "padding-free" in old:
-        kernels.attention_fallback = f"{old.split('; ')[0]}; {_instead(batches)}"
-        kernels.notes = [kernels.attention_fallback if note == old else note for note in kernels.notes]
 
 
 def compile_arguments(recipe, device: str) -> dict:

@@ -16,6 +16,8 @@ Nothing heavy is imported here; the tokenizer does the rendering.
 
 from __future__ import annotations
 
+import weakref
+
 from llmtune.errors import UserError, did_you_mean
 
 # Templates are written without newlines outside string literals, so Jinja's trim/lstrip settings
@@ -310,24 +312,20 @@ def resolve_chat_template(name: str | None, jinja: str | None, tokenizer) -> str
     )
 
 
-_TEMPLATE_KWARGS = None  # a weakref.WeakKeyDictionary: tokenizer -> the recipe's chat_template_kwargs
+# tokenizer -> the chat_template_kwargs of the recipe it was loaded for
+_TEMPLATE_KWARGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def use_template_kwargs(tokenizer, kwargs: dict | None) -> None:
     """The recipe's chat_template_kwargs for every rendering with this tokenizer (load_tokenizer calls it)."""
-    global _TEMPLATE_KWARGS
-    import weakref
-
-    if _TEMPLATE_KWARGS is None:
-        _TEMPLATE_KWARGS = weakref.WeakKeyDictionary()
     _TEMPLATE_KWARGS[tokenizer] = dict(kwargs or {})
 
 
 def template_kwargs(tokenizer) -> dict:
     """The chat_template_kwargs of the recipe this tokenizer was loaded for ({} for any other)."""
     try:
-        return dict(_TEMPLATE_KWARGS.get(tokenizer, {})) if _TEMPLATE_KWARGS is not None else {}
-    except TypeError:  # a tokenizer that can't be weakly referenced
+        return dict(_TEMPLATE_KWARGS.get(tokenizer, {}))
+    except TypeError:  # an object that can't be weakly referenced (a stand-in tokenizer): no recipe loaded it
         return {}
 
 
