@@ -5,10 +5,6 @@ and does its gradient come out as when the module is called? Prints one JSON lin
 from __future__ import annotations
 
 import json
-import os
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 
 
 def main() -> None:
@@ -19,7 +15,10 @@ def main() -> None:
     from deepspeed.utils import safe_get_full_grad
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    state = PartialState(cpu=False, backend="gloo")  # deepspeed.comm over gloo, as the CPU rehearsal forms it
+    from llmtune.train.rehearsal import configure
+
+    configure("zero3")  # deepspeed.comm over gloo, formed as the CPU rehearsal forms it (no shared-memory op)
+    state = PartialState()
 
     class Model(LlamaForCausalLM):
         direct = False
