@@ -269,16 +269,17 @@ def _resolve_optimizer(config: dict, recipe, notes: list[str]) -> None:
         "lr": recipe.learning_rate, "betas": [recipe.adam_beta1, recipe.adam_beta2],
         "eps": recipe.adam_epsilon, "weight_decay": recipe.weight_decay,
     }  # fmt: skip
-    if recipe.loraplus_lr_ratio and ("optimizer" in config or offloaded):
+    grouped = recipe.grouped_rates
+    if grouped and ("optimizer" in config or offloaded):
         source = recipe.deepspeed if isinstance(recipe.deepspeed, str) else "the inline mapping"
         why = (
             "has its own optimizer section"
             if "optimizer" in config
             else "offloads the optimizer (DeepSpeed's CPU Adam)"
         )
-        raise UserError(f"loraplus_lr_ratio needs the Trainer to build the optimizer, and deepspeed: {source} {why}, "
-                        "which DeepSpeed builds over plain parameter groups: LoRA+ would be ignored",
-                        "remove the optimizer section or the optimizer offload, or remove loraplus_lr_ratio")  # fmt: skip
+        raise UserError(f"{grouped[0]} needs the Trainer to build the optimizer, and deepspeed: {source} {why}, "
+                        f"which DeepSpeed builds over one group of parameters: {grouped[0]} would be ignored",
+                        f"remove the optimizer section or the optimizer offload, or remove {grouped[0]}")  # fmt: skip
     if "optimizer" in config:
         user = config["optimizer"]
         config["optimizer"] = {

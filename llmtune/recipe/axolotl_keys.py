@@ -192,7 +192,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "weights on the CPU for every restart whatever it says",
         "relora_cpu_offload",
     ),
-    **_refused("per-group learning rates", "use one learning_rate", "lr_groups embedding_lr embedding_lr_scale"),
     **_refused("one-cycle schedules (lr_div_factor)", "use lr_scheduler", "lr_div_factor"),
     **_refused(
         "PoSE position skipping",

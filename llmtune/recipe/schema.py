@@ -26,8 +26,8 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys, Pr
                              f"{'adapter' if self.adapter else 'qat'}, or tensor_parallel_size)")  # fmt: skip
         if self.context_parallel_size > 1:
             self._context_parallel_rules()
-        if self.loraplus_lr_ratio is not None:
-            self._loraplus_rules()
+        if self.grouped_rates:
+            self._grouped_rate_rules()
         metric = self.metric_for_best_model
         if metric and not self.rl and not self.process_reward_model:  # what the Trainer's evaluation reports
             reported = ("eval_loss", "eval_accuracy") if self.reward_model else ("eval_loss",)
@@ -74,17 +74,27 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys, Pr
             )
         return self
 
-    def _loraplus_rules(self) -> None:
-        """LoRA+ is an optimizer over a LoRA adapter's parameter groups, built by the Trainer."""
-        if not self.adapter:
+    def _grouped_rate_rules(self) -> None:
+        """LoRA+, embedding_lr(_scale) and lr_groups are optimizers over parameter groups, built by the Trainer."""
+        keys = self.grouped_rates
+        if self.loraplus_lr_ratio is not None and not self.adapter:
             raise ValueError("loraplus_lr_ratio sets the learning rate of LoRA's B matrices: it needs adapter: lora or "
                              "qlora (remove it for a full fine-tune)")  # fmt: skip
+        if "loraplus_lr_ratio" in keys and len(keys) > 1:
+            raise ValueError(f"loraplus_lr_ratio and {keys[1]} both set the learning rates of parameter groups, and "
+                             "peft's LoRA+ optimizer takes only its own; use one")  # fmt: skip
+        key = keys[0]
+        what = "peft's LoRA+ AdamW-style optimizer" if key == "loraplus_lr_ratio" else \
+            "the Trainer's optimizer over parameter groups"  # fmt: skip
         if self.optimizer == "muon" or self.optimizer.startswith(("galore", "apollo", "lomo", "adalomo")) or \
                 self.pipeline_parallel_size > 1 or self.relora:  # fmt: skip
-            what = "pipeline_parallel_size > 1" if self.pipeline_parallel_size > 1 else \
+            other = "pipeline_parallel_size > 1" if self.pipeline_parallel_size > 1 else \
                 "relora" if self.relora else f"optimizer: {self.optimizer}"  # fmt: skip
-            raise ValueError(f"loraplus_lr_ratio builds peft's LoRA+ AdamW-style optimizer, which {what} replaces "
-                             "with its own; remove one of them")  # fmt: skip
+            raise ValueError(f"{key} builds {what}, which {other} replaces with its own; remove one of them")
+        fsdp = self.resolved_fsdp()
+        if fsdp and fsdp[0] == 1 and not fsdp[1].use_orig_params:
+            raise ValueError(f"{key} gives parameter groups their own learning rates, which FSDP1 with "
+                             "use_orig_params: false flattens into one tensor; set fsdp_config.use_orig_params: true")  # fmt: skip
 
     def _reward_rules(self) -> None:
         """reward_model / process_reward_model: their data types, their head, and what can't go with them."""

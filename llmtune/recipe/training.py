@@ -38,6 +38,14 @@ PROFILE_STEPS = 5
 PROFILE_START = 2
 
 
+class LrGroup(Section):
+    """One of lr_groups: trainable parameters whose names contain one of `modules` learn at `lr`."""
+
+    name: str = Field(description="The group's name (in the run's log).")
+    modules: list[str] = Field(min_length=1, description="Substrings of parameter names, e.g. self_attn.o_proj.weight.")
+    lr: float = Field(gt=0, description="The group's peak learning rate (the schedule scales it as learning_rate).")
+
+
 class TrainingKeys(Section):
     output_dir: str = Field("./outputs", description="Where checkpoints, the final model and reports go.")
     micro_batch_size: int = Field(1, gt=0, description="Rows per device per forward pass.")
@@ -71,6 +79,18 @@ class TrainingKeys(Section):
     lr_quadratic_warmup: bool = Field(False, description="cosine: warm up quadratically, (step / warmup)^2, not "
                                       "linearly (Axolotl's; no effect with other schedules).")  # fmt: skip
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    embedding_lr: float | None = Field(
+        None, gt=0, description="The trainable input and output embeddings' peak learning rate (their weight decay "
+        "is 0, as under Axolotl).",
+    )  # fmt: skip
+    embedding_lr_scale: float | None = Field(
+        None, gt=0, description="The embeddings' learning rate as learning_rate times this (instead of embedding_lr)."
+    )
+    lr_groups: list[LrGroup] | None = Field(
+        None, description="Learning rates by parameter name: [{name, modules: [name substrings], lr}]; the first "
+        "group listed whose module a parameter's name contains sets its rate (every parameter of the group, biases "
+        "and norms too); a group that matches no trainable parameter is refused when the optimizer is built.",
+    )  # fmt: skip
     warmup_steps: int | None = Field(
         None,
         ge=0,
@@ -279,6 +299,13 @@ class TrainingKeys(Section):
                              "(transformers never reads optim_args for it); remove optim_args")  # fmt: skip
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("warmup_steps and warmup_ratio are both set; use one")
+        if self.embedding_lr is not None and self.embedding_lr_scale is not None:
+            raise ValueError("embedding_lr and embedding_lr_scale are both set; use one (Axolotl took the scale and "
+                             "dropped embedding_lr without a word)")  # fmt: skip
+        names = [group.name for group in self.lr_groups or []]
+        if len(set(names)) < len(names):
+            raise ValueError(f"lr_groups: the name {next(n for n in names if names.count(n) > 1)!r} is used twice; "
+                             "give each group its own name")  # fmt: skip
         if self.bf16 is True and self.fp16:
             raise ValueError("bf16 and fp16 are both true; choose one precision")
         if self.save_steps is not None and self.saves_per_epoch is not None:
@@ -286,6 +313,12 @@ class TrainingKeys(Section):
         if self.eval_steps is not None and self.evals_per_epoch is not None:
             raise ValueError("eval_steps and evals_per_epoch are both set; use one")
         return self
+
+    @property
+    def grouped_rates(self) -> list[str]:
+        """The keys that give parameter groups their own learning rates (the Trainer builds those optimizers)."""
+        keys = ("loraplus_lr_ratio", "embedding_lr", "embedding_lr_scale", "lr_groups")
+        return [key for key in keys if getattr(self, key, None)]
 
     @property
     def trackers(self) -> list[str]:

@@ -309,15 +309,19 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     )
     steady_seconds /= rank.world_size  # every rank times the same synchronised steps
     from llmtune.train.runtime.memory import cuda_peaks
-    from llmtune.train.runtime.ranks import checkpointing_report, engine_report, gather, local_parameter_numel
+    from llmtune.train.runtime.ranks import (
+        checkpointing_report,
+        engine_report,
+        gather,
+        local_parameter_numel,
+        optimizer_report,
+    )
 
     shards = gather({"rank": rank.rank, "local_parameters": local_parameter_numel(trainer.model),
                      "model_state_bytes": meter.result, "peak_rss_bytes": peak_rss_bytes(),
                      "peak_rss_at_load_bytes": loaded_rss, **cuda_peaks(),
                      **({"sequence_seen": seen.lengths} if cp > 1 else {}),
-                     "optimizer_class": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
-                     "optimizer_fused": bool(getattr(getattr(trainer.optimizer, "optimizer", trainer.optimizer),
-                                                     "defaults", {}).get("fused")),
+                     **optimizer_report(trainer.optimizer),
                      "libraries": libraries.imported(), **({"profile": profiler.report} if profiler else {}),
                      **({"host_syncs": sync_watch.syncs, "sync_steps_watched": sync_watch.steps_watched}
                         if sync_watch else {}),

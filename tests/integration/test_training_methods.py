@@ -130,3 +130,25 @@ def test_muon_on_two_fsdp2_ranks_matches_one_process(workspace, plain):
     # each rank orthogonalizes the whole matrix from its gathered update, then keeps its rows: as one process does
     assert losses(fsdp) == pytest.approx(losses(single), abs=2e-5)
     assert losses(single)[-1] < losses(single)[0] - 0.5, losses(single)
+
+
+def test_learning_rate_groups_on_two_fsdp2_ranks_reach_the_parameters_they_name(workspace):
+    """lr_groups and embedding_lr_scale under FSDP2 with its activation checkpointing, whose wrapper renames every
+    decoder layer's parameters (model.layers.1._checkpoint_wrapped_module.self_attn...): the groups still find the
+    names the recipe wrote, and each rank steps them at their own rates (at 1e-30 a weight holds still to the last
+    bit while the rest trains, layer 1's norms included)."""
+    from safetensors.torch import load_file
+
+    still = ["model.layers.1.self_attn.", "model.layers.1.mlp."]
+    metrics, output_dir = train_run(
+        workspace, "rate-groups", 2, max_steps=2, lr_scheduler="constant", learning_rate=1e-3, weight_decay=0.01,
+        embedding_lr_scale=0.5, lr_groups=[{"name": "still", "modules": still, "lr": 1e-30}],
+        fsdp_version=2, fsdp_config={"activation_checkpointing": True, "state_dict_type": "FULL_STATE_DICT"},
+    )  # fmt: skip
+    ranks = metrics["ranks"]
+    assert len(ranks) == 2 and all(r["engine"] == "fsdp2" for r in ranks), ranks
+    assert all(r["activation_checkpointing"] == "fsdp" for r in ranks), ranks
+    assert all(r["optimizer_peak_rates"] == [1e-30, 5e-4, 1e-3] for r in ranks), ranks
+    start, trained = load_file(str(workspace[2] / "model.safetensors")), saved_weights(output_dir)
+    for name, weight in start.items():
+        assert torch_equal(trained[name], weight) == name.startswith(tuple(still)), name

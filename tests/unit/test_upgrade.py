@@ -147,10 +147,10 @@ def test_a_recipe_in_todays_vocabulary_is_left_alone(run_cli, write_recipe, tmp_
 
 
 def test_keys_asking_for_missing_capabilities_stop_the_upgrade(run_cli, write_recipe, tmp_path):
-    path = write_recipe({"max_packed_sequence_len": 1024, "lr_groups": [{"name": "x"}], "kd_trainer": True})
+    path = write_recipe({"max_packed_sequence_len": 1024, "use_pose": True, "kd_trainer": True})
     result = run_cli("validate", "--upgrade", path)
     assert result.code == 2
-    assert "lr_groups (per-group learning rates)" in result.err
+    assert "use_pose (PoSE position skipping)" in result.err
     assert "kd_trainer (knowledge distillation" in result.err
     assert "nothing written" in result.err and "Traceback" not in result.err
     assert not (tmp_path / "recipe.upgraded.yaml").exists()

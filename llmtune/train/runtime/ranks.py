@@ -148,12 +148,22 @@ def local_parameter_numel(model) -> int:
 def checkpointing_report(model) -> str:
     """Who recomputes activations in this rank's live model: "fsdp" (torch's checkpoint wrapper around layers,
     accelerate's FSDP activation_checkpointing), "model" (the model's own, transformers') or "none"."""
-    if any(type(module).__name__ == "CheckpointWrapper" for module in model.modules()):
+    # by the class's ancestry: FSDP2's fully_shard gives each module it shards a subclass ("FSDPCheckpointWrapper")
+    if any(any(c.__name__ == "CheckpointWrapper" for c in type(module).__mro__) for module in model.modules()):
         return "fsdp"
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     on = getattr(base, "is_activation_checkpointing", None)
     on = getattr(base, "is_gradient_checkpointing", False) if on is None else on
     return "model" if on else "none"
+
+
+def optimizer_report(optimizer) -> dict:
+    """The optimizer this rank stepped (the torch one inside accelerate's or DeepSpeed's wrapper): its class, whether
+    its kernel is fused, and the peak learning rate of each parameter group (lr_groups, embedding_lr, LoRA+)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    rates = sorted({group.get("initial_lr", group["lr"]) for group in inner.param_groups})
+    return {"optimizer_class": type(inner).__name__, "optimizer_fused": bool(getattr(inner, "defaults", {}).get("fused")),
+            "optimizer_peak_rates": rates}  # fmt: skip
 
 
 def engine_report(trainer) -> dict:
