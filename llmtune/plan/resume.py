@@ -218,6 +218,52 @@ def resumed_accumulation(
     return Resumed(accumulation, line, universal)
 
 
+# DeepSpeed's default sub_group_size (ZeRO-3 steps its optimizer over sub-groups of this many parameters)
+DEFAULT_SUB_GROUP = 1_000_000_000
+
+
+def engine_layout(deepspeed_config: dict | None, fsdp_section: dict | None) -> dict:
+    """What shapes a ZeRO or FSDP checkpoint's saved state beyond the strategy: DeepSpeed's offload devices, ZeRO-3's
+    optimizer sub-groups and whether DeepSpeed or the Trainer owns the optimizer and the schedule; FSDP's state dict
+    format. The marker records it (trainer.py `_allocation`); a resume whose layout differs fails deep in loading."""
+    if deepspeed_config:
+        zero = deepspeed_config.get("zero_optimization") or {}
+        layout = {f"{key} device": (zero.get(key) or {}).get("device", "none")
+                  for key in ("offload_optimizer", "offload_param")}  # fmt: skip
+        if int(zero.get("stage", 0)) == 3:
+            layout["sub_group_size"] = zero.get("sub_group_size", DEFAULT_SUB_GROUP)
+        layout["optimizer"] = "DeepSpeed's" if "optimizer" in deepspeed_config else "the Trainer's"
+        layout["scheduler"] = "DeepSpeed's" if "scheduler" in deepspeed_config else "the Trainer's"
+        return layout
+    if fsdp_section:
+        return {"state_dict_type": fsdp_section.get("fsdp_state_dict_type", "FULL_STATE_DICT")}
+    return {}
+
+
+def check_layout(recipe, layout: dict) -> None:
+    """The checkpoint to resume was saved in the layout this launch has: DeepSpeed loads optimizer partitions only
+    into the offload and sub-group layout that wrote them, and accelerate reads an FSDP checkpoint only in the state
+    dict format it is told (each otherwise ends every rank in a traceback after loading)."""
+    checkpoint = resume_checkpoint(recipe)
+    saved = (read_marker(checkpoint) or {}).get("engine_layout") if checkpoint else None
+    if not isinstance(saved, dict) or not layout:
+        return  # (markers of older llmtune runs don't record it)
+    differ = [f"{key} {saved[key]} -> {layout.get(key)}" for key in saved if saved[key] != layout.get(key)]
+    if not differ:
+        return
+    fix = "set fsdp_config.state_dict_type back" if "state_dict_type" in saved else \
+        "use the DeepSpeed config it was saved with"  # fmt: skip
+    if any(item.startswith("sub_group_size") for item in differ):
+        fix += (" (Axolotl's zero3*.json files set sub_group_size 0; llmtune's presets, which stand in for them where "
+                "they aren't on disk, keep DeepSpeed's default)")  # fmt: skip
+    raise UserError(
+        f"{checkpoint.name} was saved with {'; '.join(differ)} (saved -> now): its engine state loads only into the "
+        "layout that wrote it",
+        f"{fix} to resume it; to train on from its weights in the new layout: llmtune merge {checkpoint}, then "
+        f"base_model: the merged folder in a new output_dir",
+    )
+
+
 def _same_world(recipe, saved: Saved, data_parallel: int) -> Resumed | None:
     """The world that saved the checkpoint, with micro_batch_size or gradient_accumulation_steps changed since (a
     smaller micro-batch after an OOM): the checkpoint's global batch is kept through the accumulation, as on another

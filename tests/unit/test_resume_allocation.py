@@ -479,3 +479,39 @@ def test_a_folder_inside_a_checkpoint_is_pointed_at_its_checkpoint(tmp_path):
         make_plan(recipe(tmp_path / "other", deepspeed="zero2", resume_from_checkpoint=str(checkpoint / "global_step4")),
                   make_cluster(2, device="cpu"))  # fmt: skip
     assert caught.value.hint == f"set resume_from_checkpoint: {checkpoint}"
+
+
+ZERO3_LAYOUT = {"offload_optimizer device": "none", "offload_param device": "none", "sub_group_size": 1_000_000_000,
+                "optimizer": "the Trainer's", "scheduler": "the Trainer's"}  # fmt: skip
+
+
+@pytest.mark.parametrize(("strategy", "layout", "changes", "differ", "fix"), [
+    # Axolotl's zero3_bf16.json read from disk when it saved; llmtune's preset stands in where it isn't on disk
+    ("zero3", {**ZERO3_LAYOUT, "sub_group_size": 0}, {"deepspeed": "deepspeed_configs/zero3_bf16.json"},
+     "sub_group_size 0 -> 1000000000", "use the DeepSpeed config it was saved with (Axolotl's zero3*.json files set "
+     "sub_group_size 0"),
+    ("zero3", ZERO3_LAYOUT, {"deepspeed": "zero3_offload"}, "offload_optimizer device none -> cpu; offload_param "
+     "device none -> cpu; optimizer the Trainer's -> DeepSpeed's", "use the DeepSpeed config it was saved with"),
+    ("fsdp2", {"state_dict_type": "FULL_STATE_DICT"}, FSDP2, "state_dict_type FULL_STATE_DICT -> SHARDED_STATE_DICT",
+     "set fsdp_config.state_dict_type back"),
+])  # fmt: skip
+@pytest.mark.parametrize("world", [2, 1])
+def test_a_checkpoint_resumes_only_in_the_engine_layout_that_wrote_it(tmp_path, strategy, layout, changes, differ,
+                                                                     fix, world):  # fmt: skip
+    """Each of these ended every rank in a traceback after loading (an offload change, the usual fix for an OOM,
+    and a recipe naming Axolotl's file run from another folder among them)."""
+    saved(tmp_path, **{**DDP_2, "strategy": strategy, "engine_layout": layout})
+    with pytest.raises(UserError) as caught:
+        make_plan(recipe(tmp_path, **changes), make_cluster(world, device="cpu"))
+    assert caught.value.message == (f"checkpoint-4 was saved with {differ} (saved -> now): its engine state loads only "
+                                    "into the layout that wrote it")  # fmt: skip
+    assert caught.value.hint.startswith(fix) and "llmtune merge" in caught.value.hint
+    if world != 2:  # (another world size also needs the engine's files to convert; the fakes have none)
+        return
+    from llmtune.plan.resume import engine_layout
+
+    fresh = tmp_path / "fresh"  # the layout the recipe plans is the one its checkpoints record: it resumes
+    plan = plan_alone(recipe(fresh, **changes), make_cluster(world, device="cpu"))
+    saved(fresh, **{**DDP_2, "strategy": strategy,
+                    "engine_layout": engine_layout(plan.deepspeed_config, (plan.accelerate_config or {}).get("fsdp_config"))})  # fmt: skip
+    make_plan(recipe(fresh, **changes), make_cluster(world, device="cpu"))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from transformers import Trainer
 
+from llmtune.plan.resume import engine_layout
 from llmtune.plan.resume_checks import marker_keys
 from llmtune.train.checkpoint.asynchronous import AsyncCheckpointing
 from llmtune.train.checkpoint.folders import STAGING
@@ -237,6 +238,8 @@ class LlmtuneTrainer(AsyncCheckpointing, Trainer):
                 **({"rows_seen": self.rows_before + round(rows)} if self.rows_before is not None else {}),
                 **({"tokens_seen": self.tokens_before + round(tokens)} if self.tokens_before is not None else {}),
                 "rows_per_epoch": len(self.train_dataset), "started_from": self.started_from,
+                "engine_layout": engine_layout(self.plan.get("deepspeed_config"),
+                                               (self.plan.get("accelerate_config") or {}).get("fsdp_config")),
                 # what a later resume checks the recipe against (llmtune/plan/resume_checks.py)
                 **(marker_keys(self.recipe) if self.recipe is not None else {})}  # fmt: skip
 
