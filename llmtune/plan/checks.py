@@ -190,9 +190,9 @@ def _check_elastic_sizes(recipe: Recipe, cluster: Cluster, strategy: str, global
 
 
 @functools.cache
-def _modelling_classes(model_type: str) -> tuple[frozenset[str], tuple[str, ...]] | None:
-    """(classes defined, the _no_split_modules among them) in transformers' modelling files for `model_type`, read
-    without importing them; None where transformers ships none (remote code)."""
+def _modelling_classes(model_type: str) -> tuple[frozenset[str], tuple[str, ...], frozenset[str]] | None:
+    """(classes defined, the _no_split_modules among them, the whole-model classes) in transformers' modelling files
+    for `model_type`, read without importing them; None where transformers ships none (remote code)."""
     import re
     from pathlib import Path
 
@@ -205,10 +205,24 @@ def _modelling_classes(model_type: str) -> tuple[frozenset[str], tuple[str, ...]
     if not files:
         return None
     source = "\n".join(file.read_text(encoding="utf-8", errors="replace") for file in files)
+    bases = dict(re.findall(r"^class (\w+)\(([^)]*)\)", source, flags=re.MULTILINE))
     defined = frozenset(re.findall(r"^class (\w+)\(", source, flags=re.MULTILINE))
     own = re.findall(r"_no_split_modules\s*=\s*\[([^\]]*)\]", source)
     layers = sorted({name for found in own for name in re.findall(r"[\"'](\w+)[\"']", found) if name in defined})
-    return defined, tuple(layers)
+    return defined, tuple(layers), _whole_models(bases)
+
+
+def _whole_models(bases: dict[str, str]) -> frozenset[str]:
+    """The classes that are whole models (PreTrainedModel subclasses, transitively) and never a module inside the
+    loaded one: the abstract *PreTrainedModel bases and the task models (...ForSequenceClassification) besides it."""
+    models = {name for name, base in bases.items() if "PreTrainedModel" in base}
+    while True:
+        more = {name for name, base in bases.items() if name not in models
+                and any(part.strip() in models for part in base.split(","))}  # fmt: skip
+        if not more:
+            break
+        models |= more
+    return frozenset(name for name in models if name.endswith("PreTrainedModel") or "For" in name)
 
 
 def check_wrap_class(names: str | None, facts: ModelFacts | None) -> None:
@@ -219,11 +233,13 @@ def check_wrap_class(names: str | None, facts: ModelFacts | None) -> None:
     found = _modelling_classes(facts.model_type) if names and facts is not None and facts.model_type else None
     if found is None:
         return
-    defined, layers = found
+    defined, layers, whole = found
     for name in (part.strip() for part in names.split(",")):
-        if name and name not in defined:
-            raise UserError(f"fsdp_config.transformer_layer_cls_to_wrap: {name} is not a class of {facts.model_type} "
-                            "models (accelerate would stop every rank after loading the model)",
+        what = f"is not a class of {facts.model_type} models" if name not in defined else \
+            "is a whole-model class, not a layer inside the model" if name in whole else None  # fmt: skip
+        if name and what:
+            raise UserError(f"fsdp_config.transformer_layer_cls_to_wrap: {name} {what} (accelerate would stop every "
+                            "rank after loading the model)",
                             f"use {' or '.join(layers[:3]) or 'the model decoder layer class'}, or remove the key "
                             "(the model's own _no_split_modules are wrapped)")  # fmt: skip
 
@@ -234,6 +250,11 @@ FSDP1_ONLY = ("use_orig_params", "sync_module_states", "backward_prefetch", "for
 def fsdp2_notes(recipe, settings) -> list[str]:
     """What an FSDP2 plan says of FSDP1 intent: the version chosen without being asked for (Axolotl runs fsdp_config
     alone as FSDP1, deprecated), and FSDP1 keys the recipe sets that FSDP2 has no use for."""
+    if settings.auto_wrap_policy == "SIZE_BASED_WRAP":
+        raise UserError("fsdp_config.auto_wrap_policy: SIZE_BASED_WRAP under FSDP2: accelerate's size rule also picks "
+                        "the ModuleList that holds the layers, which fully_shard refuses (every rank would stop after "
+                        "loading the model)", "use TRANSFORMER_BASED_WRAP (the default: each decoder layer is a unit), "
+                        "or fsdp_version: 1 for a size-based wrap")  # fmt: skip
     notes = []
     if not recipe.fsdp_version and not settings.version:
         notes.append("fsdp_config without fsdp_version runs FSDP2 (Axolotl would run FSDP1, which transformers "

@@ -143,8 +143,9 @@ def build_deepspeed_config(
         "fp16": {"enabled": precision == "fp16"},
     }
     config = dict(user)
+    resumed = accumulation != recipe.gradient_accumulation_steps  # another world's resume keeps its global batch
     for key, value in resolved.items():
-        config[key] = _merge(key, config.get(key), value, recipe.deepspeed)
+        config[key] = _merge(key, config.get(key), value, recipe.deepspeed, resumed)
     if preset_name:
         config["zero_optimization"] = _preset_zero(PRESETS[preset_name], recipe, facts, data_parallel_size)
         if preset_name != recipe.deepspeed:  # Axolotl's shipped file, named by its path in Axolotl's repository
@@ -244,19 +245,40 @@ def _user_zero(config: dict, recipe) -> dict:
     return zero
 
 
-def _merge(key: str, user_value: Any, recipe_value: Any, source: Any) -> Any:
+# Where the recipe's value of each DeepSpeed key comes from, for the line that says they disagree
+FROM_RECIPE = {
+    "train_batch_size": "micro_batch_size x gradient_accumulation_steps x data-parallel processes",
+    "train_micro_batch_size_per_gpu": "micro_batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "max_grad_norm (default 1.0)", "bf16.enabled": "the recipe's precision",
+    "fp16.enabled": "the recipe's precision", "optimizer.params.lr": "learning_rate",
+    "optimizer.params.betas": "adam_beta1, adam_beta2", "optimizer.params.eps": "adam_epsilon",
+    "optimizer.params.weight_decay": "weight_decay",
+}  # fmt: skip
+RESUME_SET = ("train_batch_size", "gradient_accumulation_steps")  # what a resume on another world size sets
+
+
+def _merge(key: str, user_value: Any, recipe_value: Any, source: Any, resumed: bool = False) -> Any:
     if user_value is None or user_value == "auto":
         return recipe_value
     if isinstance(recipe_value, dict) and isinstance(user_value, dict):
         merged = {**user_value}
         for sub, value in recipe_value.items():
-            merged[sub] = _merge(f"{key}.{sub}", user_value.get(sub), value, source)
+            merged[sub] = _merge(f"{key}.{sub}", user_value.get(sub), value, source, resumed)
         return merged
     if user_value != recipe_value:
         where = "the inline deepspeed mapping" if isinstance(source, dict) else f"deepspeed file {source}"
+        if resumed and key in RESUME_SET:  # the recipe isn't what sets it: the checkpoint's global batch is
+            raise UserError(
+                f"{where} sets {key} = {user_value!r}, and resuming the checkpoint on this world size needs "
+                f"{recipe_value!r} (the gradient accumulation that keeps the global batch it trained with)",
+                f'set {key} to "auto" in the JSON (llmtune fills it), or resume on the world size that saved it',
+            )  # fmt: skip
+        origin = FROM_RECIPE.get(key)
         raise UserError(
-            f"{where} sets {key} = {user_value!r} but the recipe implies {recipe_value!r}",
-            'set it to "auto" in the JSON (llmtune fills it from the recipe) or change the recipe',
+            f"{where} sets {key} = {user_value!r} but the recipe implies {recipe_value!r}"
+            + (f" (from {origin})" if origin else ""),
+            f'set it to "auto" in the JSON (llmtune fills it from the recipe) or change '
+            f"{origin.split(' (')[0] if origin else 'the recipe'}",
         )
     return user_value
 

@@ -25,10 +25,14 @@ class FsdpConfig(Section):
 
     version: Literal[1, 2] | None = Field(None, description="Same as the top-level fsdp_version.")
     auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"] = Field(
-        "TRANSFORMER_BASED_WRAP", description="How modules are grouped into FSDP units."
+        "TRANSFORMER_BASED_WRAP",
+        description="How modules are grouped into FSDP units (SIZE_BASED_WRAP: FSDP1 only; "
+        "under FSDP2 accelerate's size rule picks the ModuleList of layers, which fully_shard refuses).",
     )
     transformer_layer_cls_to_wrap: str | None = Field(
-        None, description="Decoder layer class(es), comma separated; default: the model's _no_split_modules."
+        None,
+        description="Decoder layer class(es), comma separated or a list (spaces dropped); default: the model's "
+        "_no_split_modules.",
     )
     min_num_params: int = Field(100_000_000, gt=0, description="SIZE_BASED_WRAP threshold.")
     sharding_strategy: Literal[SHARDING_STRATEGIES] = Field("FULL_SHARD", description="FSDP1 sharding strategy.")  # type: ignore[valid-type]
@@ -60,6 +64,11 @@ class FsdpConfig(Section):
             }
             if "backward_prefetch_policy" in data and "backward_prefetch" not in data:  # accelerate's older name
                 data["backward_prefetch"] = data.pop("backward_prefetch_policy")
+            classes = data.get("transformer_layer_cls_to_wrap")
+            if isinstance(classes, list):  # a YAML list, as some recipes write it
+                classes = ",".join(str(name) for name in classes)
+            if isinstance(classes, str):  # accelerate splits on "," and keeps any space: "A, B" asks for " B"
+                data["transformer_layer_cls_to_wrap"] = ",".join(n.strip() for n in classes.split(",") if n.strip())
         return data
 
 

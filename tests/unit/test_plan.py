@@ -550,8 +550,15 @@ def test_a_deepspeed_file_that_forces_bf16_rehearses_in_fp32_and_says_so(tmp_pat
     assert any("deepspeed config's bf16.enabled becomes fp32" in note for note in cpu.notes)
     gpu = make_plan(recipe(deepspeed=str(path), bf16=True), make_cluster(2, device="cuda"))
     assert gpu.deepspeed_config["bf16"]["enabled"] is True
-    with pytest.raises(UserError, match="sets bf16.enabled = True but the recipe implies False"):
+    with pytest.raises(UserError, match=r"sets bf16.enabled = True but the recipe implies False \(from the recipe's "
+                                        r"precision\)"):  # fmt: skip
         make_plan(recipe(deepspeed=str(path), bf16=False), make_cluster(2, device="cuda"))  # the recipe must agree
+    clipped = tmp_path / "clip.json"
+    clipped.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 0.3}))
+    with pytest.raises(UserError) as err:  # the recipe key that disagrees, named (the recipe had left it out)
+        make_plan(recipe(deepspeed=str(clipped)), make_cluster(2, device="cuda"))
+    assert err.value.message.endswith("sets gradient_clipping = 0.3 but the recipe implies 1.0 (from max_grad_norm "
+                                      "(default 1.0))") and err.value.hint.endswith("or change max_grad_norm")  # fmt: skip
     # bf16 left out is Axolotl's bf16: auto, which agrees with the file on a GPU
     assert make_plan(recipe(deepspeed=str(path)), make_cluster(2, device="cuda")).precision == "bf16"
 
@@ -593,6 +600,26 @@ def test_fsdp_plans_say_what_axolotl_would_have_run_and_refuse_another_models_la
                                                                           "LlamaDecoderLayer"}),
                     make_cluster(8, device="cuda"))  # fmt: skip
     assert own.accelerate_config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    # accelerate splits on "," and looks for " LlamaRMSNorm" (with its space): written as accelerate reads it
+    for written in ("LlamaDecoderLayer, LlamaRMSNorm", ["LlamaDecoderLayer", " LlamaRMSNorm"]):
+        two = make_plan(recipe(base_model=llama, fsdp_version=2, fsdp_config={"transformer_layer_cls_to_wrap": written}),
+                        make_cluster(8, device="cuda"))  # fmt: skip
+        assert two.accelerate_config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == \
+            "LlamaDecoderLayer,LlamaRMSNorm"  # fmt: skip
+    # a class of the modelling file that is a whole model, never a module inside the loaded one
+    for whole in ("LlamaForSequenceClassification", "LlamaPreTrainedModel"):
+        with pytest.raises(UserError) as err:
+            make_plan(recipe(base_model=llama, fsdp_version=2, fsdp_config={"transformer_layer_cls_to_wrap": whole}),
+                      make_cluster(8, device="cuda"))  # fmt: skip
+        assert f"{whole} is a whole-model class, not a layer inside the model" in err.value.one_line()
+    # FSDP2's size-based wrap would hand fully_shard the ModuleList of layers: refused, with what works
+    with pytest.raises(UserError) as err:
+        make_plan(recipe(base_model=llama, fsdp_version=2, fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP",
+                                                                         "min_num_params": 100_000_000}),
+                  make_cluster(8, device="cuda"))  # fmt: skip
+    assert "SIZE_BASED_WRAP under FSDP2" in err.value.message and "TRANSFORMER_BASED_WRAP" in err.value.hint
+    assert make_plan(recipe(base_model=llama, fsdp_version=1, fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP"}),
+                     make_cluster(8, device="cuda")).strategy == "fsdp1"  # fmt: skip
 
 
 def test_precision_defaults_to_bf16_auto_as_axolotl_and_falls_back_to_fp16_before_ampere(monkeypatch):

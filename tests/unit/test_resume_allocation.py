@@ -470,6 +470,15 @@ def test_a_deepspeed_file_pinning_the_global_batch_resumes_on_another_world_size
     for world, accumulation in ((1, 4), (4, 1)):
         plan = make_plan(recipe(tmp_path, deepspeed=str(config)), make_cluster(world, device="cpu"))
         assert (plan.gradient_accumulation_steps, plan.deepspeed_config["train_batch_size"]) == (accumulation, 8)
+    # a file pinning the accumulation itself: the resume needs another, and the line says so (not "change the
+    # recipe", which holds no such value)
+    config.write_text(json.dumps({"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(UserError) as caught:
+        make_plan(recipe(tmp_path, deepspeed=str(config)), make_cluster(1, device="cpu"))
+    assert caught.value.message.endswith("sets gradient_accumulation_steps = 2, and resuming the checkpoint on this "
+                                         "world size needs 4 (the gradient accumulation that keeps the global batch "
+                                         "it trained with)")  # fmt: skip
+    assert "recipe" not in caught.value.hint and "resume on the world size that saved it" in caught.value.hint
 
 
 def test_a_folder_inside_a_checkpoint_is_pointed_at_its_checkpoint(tmp_path):
