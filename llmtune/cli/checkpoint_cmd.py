@@ -40,7 +40,11 @@ def describe(folder: Path) -> list[str]:
         world = info.get("world_size", "?")
         line = f"{path.name:<16} step {info.get('step', step_of(path))}, world size {world}"
         if strategy:
-            line += f" ({STRATEGY_TITLES.get(strategy, strategy)})"
+            layout = info.get("engine_layout") or {}
+            shown = "; ".join(
+                f"{key} {value}" for key, value in layout.items() if value not in ("none", "the Trainer's")
+            )
+            line += f" ({STRATEGY_TITLES.get(strategy, strategy)}{'; ' + shown if shown else ''})"
         if info.get("global_batch_size"):
             line += f", data parallel {info['data_parallel_size']}, global batch {info['global_batch_size']}"
         if info.get("rows_seen") is not None:

@@ -210,6 +210,12 @@ def test_the_checkpoint_command_shows_each_checkpoints_allocation(tmp_path, run_
     assert lines[3].startswith("a resume (auto_resume_from_checkpoints) starts from checkpoint-6")
     empty = run_cli("checkpoint", tmp_path / "checkpoint-6" / "nothing")
     assert empty.code == 2 and "no such folder" in empty.err
+    offloaded = tmp_path / "zero"  # the engine layout a resume must keep, where it isn't the default
+    saved(offloaded, step=2, **{**DDP_2, "strategy": "zero3", "engine_layout": {
+        **ZERO3_LAYOUT, "offload_optimizer device": "cpu", "optimizer": "DeepSpeed's"}})  # fmt: skip
+    assert run_cli("checkpoint", offloaded).out.splitlines()[0] == (
+        "checkpoint-2     step 2, world size 2 (DeepSpeed ZeRO-3; offload_optimizer device cpu; sub_group_size "
+        "1000000000; optimizer DeepSpeed's), data parallel 2, global batch 8")  # fmt: skip
 
 
 def test_reshard_converts_only_what_needs_it_and_refuses_what_cant_move(tmp_path, run_cli):
