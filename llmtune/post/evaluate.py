@@ -168,6 +168,9 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
     if info.adapter_dir:
         from peft import PeftModel
 
+        from llmtune.post.generate import fit_embeddings
+
+        fit_embeddings(model, tokenizer, recipe)
         model = PeftModel.from_pretrained(model, info.adapter_dir)
     model.to(device).eval()
     from llmtune.recipe.preference import ONLINE_METHODS

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from pathlib import Path
 
 from llmtune.errors import UserError
 from llmtune.recipe.preference import WITH_REFERENCE, beta
@@ -47,7 +48,7 @@ def reply_logps(model, sequences: list[tuple[list[int], int]], pad: int, batch_s
     return out
 
 
-def _reference_model(info, model):
+def _reference_model(info, model, tokenizer):
     """The reference's context: the adapter switched off (a LoRA run), else the starting model loaded apart; None
     for a reference-free method or for the base model itself (policy == reference)."""
     recipe = info.recipe
@@ -57,17 +58,30 @@ def _reference_model(info, model):
         return model, model.disable_adapter
     from transformers import AutoModelForCausalLM
 
-    from llmtune.post.generate import inference_device
+    from llmtune.post.generate import fit_embeddings, inference_device
     from llmtune.train.model.load import model_source
 
     device, dtype = inference_device()
     base = AutoModelForCausalLM.from_pretrained(model_source(recipe)[0], dtype=dtype,
                                                 trust_remote_code=recipe.trust_remote_code)  # fmt: skip
-    if info.adapter_dir:  # trained on from lora_model_dir: that adapter, frozen, is the reference (as in training)
-        from peft import PeftModel
+    fit_embeddings(base, tokenizer, recipe)  # (tokens the run added: the reference reads the same ids)
+    if recipe.lora_model_dir:  # trained on from that adapter: it, frozen, is the reference (as in training), for
+        from peft import PeftModel  # the run's own adapter and for its merged folder alike
 
-        base = PeftModel.from_pretrained(base, recipe.lora_model_dir)
+        base = PeftModel.from_pretrained(base, saved_reference(info))
     return base.to(device).eval(), nullcontext
+
+
+def saved_reference(info) -> str:
+    """The starting adapter as the run froze it (the ref/ folder peft saves beside the run's adapter), for the run
+    folder, a checkpoint or a merged folder inside the run; else lora_model_dir as the recipe names it (whose
+    contents may have changed since)."""
+    places = [Path(info.adapter_dir)] if info.adapter_dir else []
+    places += [info.result_file.parent, info.result_file.parent.parent]
+    for folder in places:
+        if (folder / "ref" / "adapter_config.json").is_file():
+            return str(folder / "ref")
+    return info.recipe.lora_model_dir
 
 
 def preference_eval(info, model, tokenizer, rows: list[dict], batch_size: int) -> dict:
@@ -81,7 +95,7 @@ def preference_eval(info, model, tokenizer, rows: list[dict], batch_size: int) -
     sequences = [reply_tokens(tokenizer, row["prompt"], row[side]) for row in rows for side in sides]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     policy = reply_logps(model, sequences, pad, batch_size)
-    reference_model, switch = _reference_model(info, model)
+    reference_model, switch = _reference_model(info, model, tokenizer)
     if reference_model is not None:
         with switch():
             reference = reply_logps(reference_model, sequences, pad, batch_size)

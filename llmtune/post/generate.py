@@ -154,6 +154,7 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
     if adapter is not None:
         from peft import PeftModel
 
+        fit_embeddings(model, tokenizer, recipe)
         model = PeftModel.from_pretrained(model, adapter)
     model.to(device).eval()
     if tokenizer.pad_token is None:
@@ -163,6 +164,19 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
     if tokenizer.chat_template is None and prompt_format is None:
         print(f"note: {label} has no chat template: prompts go in as plain text, as with --raw", file=sys.stderr)
     return Loaded(model, tokenizer, label, prompt_format)
+
+
+def fit_embeddings(model, tokenizer, recipe) -> None:
+    """The base model's embeddings grown to the run's tokenizer, as training grew them (tokens or special_tokens
+    added; rounded up to 32 with resize_token_embeddings_to_32x): the adapter holds the grown rows (peft saves an
+    embedding whose size changed), which load only onto a base of the same size."""
+    import math
+
+    rows = len(tokenizer)
+    if recipe is not None and getattr(recipe, "resize_token_embeddings_to_32x", False):
+        rows = math.ceil(rows / 32) * 32
+    if rows > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(rows, mean_resizing=False)  # (the adapter's rows replace the new ones)
 
 
 def base_of(recipe, fallback: str) -> str:

@@ -148,6 +148,24 @@ def one_split_only(label: str, split: str | None, where) -> UserError | None:
                      "folder whose file names say the splits (train.jsonl, test.jsonl)")  # fmt: skip
 
 
+def check_adapter_folder(recipe, recipe_path: Path) -> None:
+    """lora_model_dir is an adapter (peft fails deep in loading on a merged or fully fine-tuned model folder), and
+    not, for a preference or RL run, the folder the run writes into (the adapter it starts from is its reference)."""
+    folder = Path(recipe.lora_model_dir) if recipe.lora_model_dir else None
+    if folder is None or not folder.is_dir():
+        return
+    if not (folder / "adapter_config.json").is_file():
+        model = (folder / "config.json").is_file()
+        raise UserError(f"{recipe_path}: lora_model_dir: {folder} holds no adapter (adapter_config.json)"
+                        + (": it is a whole model (a merged or fully fine-tuned folder)" if model else ""),
+                        f"train on from it as base_model: {folder} (without lora_model_dir)" if model else
+                        "point lora_model_dir at a LoRA run's output_dir or a saved adapter")  # fmt: skip
+    if recipe.rl and folder.resolve() == Path(recipe.output_dir).expanduser().resolve():
+        raise UserError(f"{recipe_path}: output_dir is lora_model_dir ({folder}): rl: {recipe.rl} would overwrite the "
+                        "adapter it starts from, which is also its reference (eval could not measure against it)",
+                        "give this run its own output_dir")  # fmt: skip
+
+
 def check_local_paths(recipe, recipe_path: Path) -> None:
     """Replace local names in the recipe by absolute paths, failing on ones that don't exist."""
     check_output_dir(recipe.output_dir, recipe_path)
@@ -157,6 +175,7 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
         value = getattr(recipe, key)
         if value:
             setattr(recipe, key, resolve(value, key, recipe_path))
+    check_adapter_folder(recipe, recipe_path)
     if recipe.resume_from_checkpoint:
         in_output = Path(recipe.output_dir).expanduser() / recipe.resume_from_checkpoint
         if (

@@ -172,3 +172,14 @@ def test_a_reward_module_in_the_working_directory_resolves_as_under_axolotl(tmp_
     assert str(tmp_path / "examples" / "rewards_missing.py") in caught.value.message
     assert str(tmp_path / "rewards_missing.py") in caught.value.message
     assert caught.value.hint == "put rewards_missing.py beside the recipe or in the working directory"
+
+
+def test_a_kl_term_on_an_adapter_from_lora_model_dir_plans_the_frozen_copy_the_run_keeps():
+    """GRPO with beta > 0 on an adapter: the base with the adapter off is the reference, unless the adapter came from
+    lora_model_dir, where the run keeps a frozen copy of it (the plan had said 'none' and left the copy out)."""
+    from llmtune.plan.memory.preference import no_reference, reference_bytes
+
+    plain = recipe(beta=0.04)
+    assert no_reference(plain) == "none: the base model with the adapter disabled is the reference"
+    onward = plain.model_copy(update={"lora_model_dir": "/runs/sft"})
+    assert no_reference(onward) is None and reference_bytes(onward, FACTS, True, trainable=1000) == 4000

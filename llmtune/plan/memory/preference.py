@@ -39,7 +39,7 @@ def no_reference(recipe) -> str | None:
         beta = (recipe.trl or {}).get("beta", recipe.rl_beta)
         if not beta:
             return "none: beta 0, no KL term (TRL's default)"
-        if recipe.adapter:
+        if recipe.adapter and not recipe.lora_model_dir:  # (from lora_model_dir: a frozen copy of that adapter)
             return "none: the base model with the adapter disabled is the reference"
         return None
     if rl not in WITH_REFERENCE:

@@ -44,7 +44,7 @@ def load_tokenizer(recipe, source: str):
 
     from llmtune.train.data.templates import resolve_chat_template, use_template_kwargs
 
-    name = recipe.tokenizer_config or source
+    name = recipe.tokenizer_config or adapter_tokenizer(recipe) or source
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             name, trust_remote_code=recipe.trust_remote_code, use_fast=recipe.tokenizer_use_fast,
@@ -63,6 +63,13 @@ def load_tokenizer(recipe, source: str):
     use_template_kwargs(tokenizer, recipe.chat_template_kwargs)
     tokenizer.padding_side = "right"
     return tokenizer
+
+
+def adapter_tokenizer(recipe) -> str | None:
+    """lora_model_dir's own tokenizer, where the run that trained it saved one: the tokens it added keep their ids
+    (the adapter's embedding rows are theirs) and its chat template stays, without the recipe repeating them."""
+    folder = Path(recipe.lora_model_dir) if getattr(recipe, "lora_model_dir", None) else None
+    return str(folder) if folder is not None and (folder / "tokenizer_config.json").is_file() else None
 
 
 def add_recipe_tokens(recipe, tokenizer, name: str, source: str) -> None:

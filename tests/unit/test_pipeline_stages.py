@@ -1,0 +1,110 @@
+"""A pipeline's stages handing over to each other: an adapter trained with added tokens loads for infer and eval; a
+preference run that trained on from lora_model_dir is measured against that frozen adapter, from its run folder and
+from its merged folder alike; a lora_model_dir that is no adapter is one line at validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from tiny import load_tokenizer, make_tiny_model
+
+from llmtune.errors import UserError
+from llmtune.recipe.loader import recipe_from_mapping
+
+
+def test_an_adapter_that_added_tokens_answers_in_infer(tmp_path, run_cli):
+    """The run's tokenizer holds tokens the base doesn't; peft saved the grown embedding and head, which load only
+    onto a base grown to the same size (infer, chat and eval failed with a size mismatch)."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from llmtune.post.generate import fit_embeddings
+
+    base = make_tiny_model(tmp_path / "base")
+    tokenizer = load_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|a|>", "<|b|>"]})
+    tokenizer.add_tokens(["<think>"])
+    model = AutoModelForCausalLM.from_pretrained(base)
+    model.resize_token_embeddings(len(tokenizer))
+    torch.manual_seed(0)
+    adapted = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
+                                               modules_to_save=["embed_tokens", "lm_head"]))  # fmt: skip
+    run = tmp_path / "run"
+    adapted.save_pretrained(run)
+    tokenizer.save_pretrained(run)
+    probe = torch.tensor([[1, 5, len(tokenizer) - 1]])  # the last added token
+    with torch.no_grad():
+        expected = adapted(input_ids=probe).logits
+    fresh = AutoModelForCausalLM.from_pretrained(base)
+    fit_embeddings(fresh, tokenizer, SimpleNamespace(resize_token_embeddings_to_32x=False))
+    with torch.no_grad():
+        loaded = PeftModel.from_pretrained(fresh, run)(input_ids=probe).logits
+    assert torch.allclose(loaded, expected, atol=1e-6)
+    grown = AutoModelForCausalLM.from_pretrained(base)
+    fit_embeddings(grown, tokenizer, SimpleNamespace(resize_token_embeddings_to_32x=True))
+    assert grown.get_input_embeddings().weight.shape[0] == -(-len(tokenizer) // 32) * 32
+    result = run_cli("infer", run, "-p", "hello", "--max-new-tokens", "2")  # the command that failed
+    assert result.code == 0, result.err[-2000:]
+    assert json.loads(result.out.strip().splitlines()[-1])["prompt"] == "hello"
+
+
+def test_the_reference_of_a_run_from_lora_model_dir_is_the_adapter_it_froze(tmp_path):
+    from llmtune.post.evaluate_preference import saved_reference
+
+    run = tmp_path / "dpo"
+    (run / "ref").mkdir(parents=True)
+    (run / "ref" / "adapter_config.json").write_text("{}")
+    recipe = SimpleNamespace(lora_model_dir=str(tmp_path / "sft"))
+    for target in (SimpleNamespace(recipe=recipe, adapter_dir=str(run), result_file=run / "eval.json"),
+                   SimpleNamespace(recipe=recipe, adapter_dir=None, result_file=run / "merged" / "eval.json")):  # fmt: skip
+        assert saved_reference(target) == str(run / "ref")  # (the merged folder measured against the raw base)
+    moved = SimpleNamespace(recipe=recipe, adapter_dir=None, result_file=tmp_path / "elsewhere" / "eval.json")
+    assert saved_reference(moved) == str(tmp_path / "sft")
+
+
+def test_a_lora_model_dir_that_is_no_adapter_is_one_line(tmp_path):
+    merged = make_tiny_model(tmp_path / "merged")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n")
+    base = {"base_model": str(merged), "datasets": [{"path": str(data), "type": "alpaca"}], "adapter": "lora",
+            "output_dir": str(tmp_path / "out")}  # fmt: skip
+    with pytest.raises(UserError) as caught:
+        recipe_from_mapping({**base, "lora_model_dir": str(merged)}, Path("r.yml"))
+    assert "holds no adapter (adapter_config.json): it is a whole model" in caught.value.message
+    assert caught.value.hint == f"train on from it as base_model: {merged} (without lora_model_dir)"
+    adapter = tmp_path / "sft"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    recipe_from_mapping({**base, "lora_model_dir": str(adapter), "output_dir": str(adapter)}, Path("r.yml"))  # SFT
+    with pytest.raises(UserError, match="rl: dpo would overwrite the adapter it starts from, which is also its "
+                                        "reference"):  # fmt: skip
+        recipe_from_mapping({**base, "lora_model_dir": str(adapter), "output_dir": str(adapter), "rl": "dpo",
+                             "datasets": [{"path": str(data), "type": "chatml.intel"}]}, Path("r.yml"))  # fmt: skip
+
+
+def test_training_on_from_lora_model_dir_keeps_its_tokenizer_s_ids_and_template(tmp_path):
+    """The next stage's recipe need not repeat the tokens the adapter's run added (its model would not load), and
+    listing them in another order must not give them other ids (the adapter's trained rows would serve others)."""
+    from llmtune.train.model.load import load_tokenizer as stage_tokenizer
+
+    base = make_tiny_model(tmp_path / "base")
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "adapter_config.json").write_text("{}")
+    saved = load_tokenizer()
+    saved.add_special_tokens({"additional_special_tokens": ["<|a|>", "<|b|>", "<|c|>"]})
+    saved.chat_template = "{{ 'SFT TEMPLATE' }}"
+    saved.save_pretrained(sft)
+    keys = {"base_model": str(base), "datasets": [{"path": "o/d", "type": "chatml.intel"}], "rl": "dpo",
+            "adapter": "lora", "lora_model_dir": str(sft), "output_dir": str(tmp_path / "dpo"),
+            "lora_modules_to_save": ["embed_tokens", "lm_head"]}  # fmt: skip
+    for extra in ({}, {"special_tokens": {"additional_special_tokens": ["<|c|>", "<|b|>", "<|a|>"]}}):
+        recipe = recipe_from_mapping({**keys, **extra}, Path("r.yml"), check_files=False).recipe
+        tokenizer = stage_tokenizer(recipe, str(base))
+        assert [tokenizer.convert_tokens_to_ids(t) for t in ("<|a|>", "<|b|>", "<|c|>")] == \
+            [saved.convert_tokens_to_ids(t) for t in ("<|a|>", "<|b|>", "<|c|>")]  # fmt: skip
+        assert len(tokenizer) == len(saved) and tokenizer.chat_template == "{{ 'SFT TEMPLATE' }}"
