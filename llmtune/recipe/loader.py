@@ -135,6 +135,7 @@ def recipe_from_mapping(raw: dict, path: Path, check_files: bool = True) -> Load
         notes.append(f"WARNING trust_remote_code: true: Python code shipped with {recipe.base_model} will run on "
                      "every rank; use it only for models whose code you trust")  # fmt: skip
     if recipe.lora_model_dir:  # PEFT loads the adapter as it was saved: the recipe's shape keys have no say
+        notes += _adapter_base_note(recipe)
         shape = [key for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear",
                                  "lora_modules_to_save") if key in data]  # fmt: skip
         if shape:
@@ -245,3 +246,23 @@ def recipe_fingerprint(recipe, exclude: set[str] | frozenset[str] | None = None)
 
     values = recipe.model_dump(mode="json", exclude=set(exclude or ()))
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _adapter_base_note(recipe) -> list[str]:
+    """lora_model_dir's adapter names the base it was trained on; another base_model gets a note (its deltas were
+    learned on other weights; a stage's merged folder or a moved copy of the same base is said as such)."""
+    import json
+
+    try:
+        named = json.loads((Path(recipe.lora_model_dir) / "adapter_config.json").read_text()).get(
+            "base_model_name_or_path"
+        )
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not named or Path(str(named).rstrip("/")).name == Path(str(recipe.base_model).rstrip("/")).name:
+        return []
+    return [
+        f"lora_model_dir: the adapter was trained on {named}, and base_model is {recipe.base_model}: it trains "
+        "on from there on these weights (right for a copy of the same model; otherwise its deltas were learned "
+        "on other weights)"
+    ]

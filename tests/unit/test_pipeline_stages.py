@@ -108,3 +108,15 @@ def test_training_on_from_lora_model_dir_keeps_its_tokenizer_s_ids_and_template(
         assert [tokenizer.convert_tokens_to_ids(t) for t in ("<|a|>", "<|b|>", "<|c|>")] == \
             [saved.convert_tokens_to_ids(t) for t in ("<|a|>", "<|b|>", "<|c|>")]  # fmt: skip
         assert len(tokenizer) == len(saved) and tokenizer.chat_template == "{{ 'SFT TEMPLATE' }}"
+
+
+def test_an_adapter_trained_on_another_base_is_said(tmp_path):
+    adapter = tmp_path / "sft"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base-a"}))
+    keys = {"datasets": [{"path": "o/d", "type": "alpaca"}], "adapter": "lora", "lora_model_dir": str(adapter)}
+    other = recipe_from_mapping({**keys, "base_model": "/runs/sft-full"}, Path("r.yml"), check_files=False)
+    assert any(note.startswith("lora_model_dir: the adapter was trained on /models/base-a, and base_model is "
+                               "/runs/sft-full") for note in other.notes), other.notes  # fmt: skip
+    same = recipe_from_mapping({**keys, "base_model": "org/base-a"}, Path("r.yml"), check_files=False)
+    assert not any("was trained on" in note for note in same.notes)  # the same model, downloaded elsewhere
