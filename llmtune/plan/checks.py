@@ -244,6 +244,18 @@ def check_wrap_class(names: str | None, facts: ModelFacts | None) -> None:
                             "(the model's own _no_split_modules are wrapped)")  # fmt: skip
 
 
+def wrap_class_error(err: Exception) -> UserError | None:
+    """accelerate's refusal of a wrap class it can't find in the loaded model (one the plan could not read, of a
+    model with remote code), as the user error it is; None for any other error."""
+    text = str(err)
+    if not isinstance(err, ValueError) or not text.startswith("Could not find the transformer layer class"):
+        return None
+    name = text.removeprefix("Could not find the transformer layer class").removesuffix("in the model.").strip()
+    return UserError(f"fsdp_config.transformer_layer_cls_to_wrap: the loaded model has no {name} module (accelerate "
+                     "wraps only classes of modules inside it)",
+                     "name the class of the model's decoder layers (its _no_split_modules), or remove the key")  # fmt: skip
+
+
 FSDP1_ONLY = ("use_orig_params", "sync_module_states", "backward_prefetch", "forward_prefetch", "limit_all_gathers")
 
 

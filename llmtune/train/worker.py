@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from llmtune.errors import EXIT_USER_ERROR, UserError
+from llmtune.plan.checks import wrap_class_error
 from llmtune.recipe import Recipe
 from llmtune.recipe.loader import recipe_fingerprint
 from llmtune.train.engine.arguments import tracking_env
@@ -386,10 +387,13 @@ def main(argv: list[str]) -> int:
         rank = distributed.setup(plan, recipe.ddp_timeout)
         mark("process_group")  # torch imported, the rank's device and process group set
         train(recipe, plan, rank)
-    except UserError as err:
+    except (UserError, ValueError) as err:
         # No barrier on the way out: the other ranks may be inside a collective and would wait forever.
         # The launcher sees this rank exit and stops the rest.
-        print(f"error: {err.one_line()}", file=sys.stderr)
+        user = err if isinstance(err, UserError) else wrap_class_error(err)
+        if user is None:
+            raise
+        print(f"error: {user.one_line()}", file=sys.stderr)
         return EXIT_USER_ERROR
     collectives.teardown()
     return 0  # `python -m llmtune.train` then ends without finalizing the interpreter (see __main__.py)

@@ -120,3 +120,28 @@ def test_an_adapter_trained_on_another_base_is_said(tmp_path):
                                "/runs/sft-full") for note in other.notes), other.notes  # fmt: skip
     same = recipe_from_mapping({**keys, "base_model": "org/base-a"}, Path("r.yml"), check_files=False)
     assert not any("was trained on" in note for note in same.notes)  # the same model, downloaded elsewhere
+
+
+def test_a_wrap_class_accelerate_can_t_find_ends_the_rank_with_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """A model with remote code: the plan can't read its classes, and accelerate refuses the class after loading.
+    That is the recipe's value, not a crash (it was every rank's traceback and exit 1)."""
+    import llmtune.train.worker as worker
+    from llmtune.errors import EXIT_USER_ERROR
+
+    def refuse(*_):
+        raise ValueError("Could not find the transformer layer class MyLayer in the model.")
+
+    recipe = recipe_from_mapping({"base_model": "org/m", "datasets": [{"path": "o/d", "type": "alpaca"}]},
+                                 Path("r.yml"), check_files=False).recipe  # fmt: skip
+    payload = tmp_path / "plan.json"
+    payload.write_text(json.dumps({"recipe": recipe.model_dump(mode="json"), "plan": {"strategy": "fsdp2"}}))
+    monkeypatch.setattr(worker.libraries, "hide_unused", lambda *_: None)
+    monkeypatch.setattr(worker.distributed, "setup", refuse)
+    assert worker.main([str(payload)]) == EXIT_USER_ERROR
+    assert capsys.readouterr().err.strip() == (
+        "error: fsdp_config.transformer_layer_cls_to_wrap: the loaded model has no MyLayer module (accelerate wraps "
+        "only classes of modules inside it) (hint: name the class of the model's decoder layers (its "
+        "_no_split_modules), or remove the key)")  # fmt: skip
+    monkeypatch.setattr(worker.distributed, "setup", lambda *_: (_ for _ in ()).throw(ValueError("other")))
+    with pytest.raises(ValueError, match="other"):  # any other error stays a crash, with its traceback
+        worker.main([str(payload)])
