@@ -78,6 +78,7 @@ def _model_target(recipe, model: str) -> Target:
     """Any model measured on the recipe's eval data: an adapter folder (on the recipe's base model), a model folder,
     or a hub id."""
     from llmtune.post.generate import check_model_name
+    from llmtune.recipe.paths import adapter_trained_on
     from llmtune.train.model.load import model_source
 
     check_model_name(model, "--model")
@@ -85,9 +86,9 @@ def _model_target(recipe, model: str) -> Target:
     if folder.is_dir():
         if (folder / "adapter_config.json").exists():
             base = model_source(recipe)[0]
-            named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+            named = adapter_trained_on(folder, recipe.base_model)  # another base (by name)
             note = None
-            if named and Path(named).name != Path(str(recipe.base_model)).name:  # a moved folder, or another base
+            if named:
                 note = (f"the adapter says it was trained on {named}; it is measured on the recipe's base_model "
                         f"{recipe.base_model}")  # fmt: skip
             return Target(recipe, base, str(folder), folder / "eval.json", f"adapter {model} on {recipe.base_model}",

@@ -170,11 +170,9 @@ def fit_embeddings(model, tokenizer, recipe) -> None:
     """The base model's embeddings grown to the run's tokenizer, as training grew them (tokens or special_tokens
     added; rounded up to 32 with resize_token_embeddings_to_32x): the adapter holds the grown rows (peft saves an
     embedding whose size changed), which load only onto a base of the same size."""
-    import math
+    from llmtune.train.model.load import embedding_rows
 
-    rows = len(tokenizer)
-    if recipe is not None and getattr(recipe, "resize_token_embeddings_to_32x", False):
-        rows = math.ceil(rows / 32) * 32
+    rows = embedding_rows(recipe, tokenizer)
     if rows > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(rows, mean_resizing=False)  # (the adapter's rows replace the new ones)
 

@@ -251,15 +251,10 @@ def recipe_fingerprint(recipe, exclude: set[str] | frozenset[str] | None = None)
 def _adapter_base_note(recipe) -> list[str]:
     """lora_model_dir's adapter names the base it was trained on; another base_model gets a note (its deltas were
     learned on other weights; a stage's merged folder or a moved copy of the same base is said as such)."""
-    import json
+    from llmtune.recipe.paths import adapter_trained_on
 
-    try:
-        named = json.loads((Path(recipe.lora_model_dir) / "adapter_config.json").read_text()).get(
-            "base_model_name_or_path"
-        )
-    except (OSError, ValueError, AttributeError):
-        return []
-    if not named or Path(str(named).rstrip("/")).name == Path(str(recipe.base_model).rstrip("/")).name:
+    named = adapter_trained_on(recipe.lora_model_dir, recipe.base_model)
+    if named is None:
         return []
     return [
         f"lora_model_dir: the adapter was trained on {named}, and base_model is {recipe.base_model}: it trains "

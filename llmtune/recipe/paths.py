@@ -7,6 +7,7 @@ on disk and doesn't look like a path is taken as a hub id and left for the worke
 from __future__ import annotations
 
 import glob
+import json
 from pathlib import Path
 
 from llmtune.errors import UserError
@@ -146,6 +147,16 @@ def one_split_only(label: str, split: str | None, where) -> UserError | None:
     return UserError(f"{label}.split: '{split}': {where} is read as one split, 'train' (Axolotl's load_dataset "
                      "raised for any other)", "remove split, take a slice (split: train[90%:]), or point path at a "
                      "folder whose file names say the splits (train.jsonl, test.jsonl)")  # fmt: skip
+
+
+def adapter_trained_on(folder: str | Path, base_model: str) -> str | None:
+    """The base an adapter folder says it was trained on (its adapter_config.json), where that names another model
+    than `base_model` by its last name (a hub id and its download, or a moved folder, are the same model); else None."""
+    try:
+        named = json.loads((Path(folder) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return named if named and Path(str(named)).name != Path(str(base_model)).name else None
 
 
 def check_adapter_folder(recipe, recipe_path: Path) -> None:

@@ -65,6 +65,13 @@ def load_tokenizer(recipe, source: str):
     return tokenizer
 
 
+def embedding_rows(recipe, tokenizer) -> int:
+    """The embedding rows a run's tokenizer needs (its added tokens), rounded up to 32 with
+    resize_token_embeddings_to_32x: what training grows the base to, and what loading its adapter needs again."""
+    rows = len(tokenizer)
+    return math.ceil(rows / 32) * 32 if getattr(recipe, "resize_token_embeddings_to_32x", False) else rows
+
+
 def adapter_tokenizer(recipe) -> str | None:
     """lora_model_dir's own tokenizer, where the run that trained it saved one: the tokens it added keep their ids
     (the adapter's embedding rows are theirs) and its chat template stays, without the recipe repeating them."""
@@ -327,7 +334,7 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
         reinitialise(model, log)
     weight = model.get_input_embeddings().weight
     embeddings = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 partitioned: the full shape is ds_shape
-    rows = math.ceil(len(tokenizer) / 32) * 32 if recipe.resize_token_embeddings_to_32x else len(tokenizer)
+    rows = embedding_rows(recipe, tokenizer)
     if rows > embeddings:
         if mesh:
             raise UserError(f"the tokenizer has {rows} tokens but the model's embeddings {embeddings} rows; a "
