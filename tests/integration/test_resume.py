@@ -161,6 +161,11 @@ def resume_elsewhere(workspace, straight, checkpoint: Path, strategy: str, proce
     marker = json.loads((out / "checkpoint-8" / "llmtune-complete.json").read_text())
     assert (marker["world_size"], marker["global_batch_size"], marker["rows_seen"]) == (processes, 8, 64)
     assert marker["tokens_seen"] == metrics["tokens_seen"]
+    # the engine layout a later resume must keep (plan/resume.py check_layout), as the live run wrote it
+    zero = {"offload_optimizer device": "none", "offload_param device": "none", "optimizer": "the Trainer's",
+            "scheduler": "the Trainer's"}  # fmt: skip
+    assert marker["engine_layout"] == {"ddp": {}, "zero2": zero, "zero3": {**zero, "sub_group_size": 1_000_000_000},
+                                       "fsdp2": {"state_dict_type": "SHARDED_STATE_DICT"}}[strategy]  # fmt: skip
     if strategy.startswith("zero"):  # converted once, in place, before the engine loaded it
         assert ("converted checkpoint-6 to DeepSpeed's universal checkpoint" in resumed.stderr) != ahead
         assert (out / "checkpoint-6" / "latest_universal").read_text() == "global_step6_universal"
