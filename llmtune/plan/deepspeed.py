@@ -36,6 +36,7 @@ PRESETS = {
 }
 # Axolotl ships deepspeed_configs/<name>.json; recipes name those files. They mean these presets.
 DEFAULT_BUCKET = 500_000_000
+AXOLOTL_SUB_GROUP = 0  # what Axolotl's zero3*.json files set
 
 
 # DeepSpeed's ZeRO fields and the stage3_ aliases it reads them by (deepspeed/runtime/zero/config.py): a file may
@@ -149,8 +150,13 @@ def build_deepspeed_config(
     if preset_name:
         config["zero_optimization"] = _preset_zero(PRESETS[preset_name], recipe, facts, data_parallel_size)
         if preset_name != recipe.deepspeed:  # Axolotl's shipped file, named by its path in Axolotl's repository
+            kept = ""
+            if PRESETS[preset_name].stage == 3:  # the file's optimizer sub-groups (one per parameter), as on disk:
+                # a checkpoint saved with the file resumes with the stand-in and back (the layout check compares it)
+                config["zero_optimization"]["sub_group_size"] = AXOLOTL_SUB_GROUP
+                kept = f", with the file's sub_group_size {AXOLOTL_SUB_GROUP}"
             notes.append(f"deepspeed: {recipe.deepspeed} is Axolotl's own file, not on disk here: llmtune's "
-                         f"{preset_name} preset stands for it (a file at that path would be read instead)")  # fmt: skip
+                         f"{preset_name} preset stands for it{kept} (a file at that path would be read instead)")  # fmt: skip
     else:
         zero = _user_zero(config, recipe)
         if int(zero.get("stage") or 0) < 3 and (zero.get("offload_param") or {}).get("device", "none") != "none":
@@ -176,6 +182,12 @@ def build_deepspeed_config(
     if config.get("fp16", {}).get("enabled"):
         config["fp16"] = {"loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
                           "hysteresis": 2, "min_loss_scale": 1, **config["fp16"]}  # fmt: skip
+    if int((config.get("zero_optimization") or {}).get("stage") or 0) == 3 and recipe.peft_trainable_token_indices:
+        # peft 0.21 gathers the rows under ZeRO-3 on a CUDA device it hard-codes, and its forward reads the partitioned
+        # embedding outside the module DeepSpeed gathers it for: not run here, so not offered
+        raise UserError("peft_trainable_token_indices with ZeRO-3: peft's trainable tokens read the embedding outside "
+                        "the module ZeRO-3 gathers it for, and llmtune can't rehearse it", "use ZeRO-2 or fsdp_version: "
+                        "2 (both trained and merged here), or lora_modules_to_save: [embed_tokens, lm_head]")  # fmt: skip
     _resolve_optimizer(config, recipe, notes)
     if "scheduler" in config:
         del config["scheduler"]

@@ -254,8 +254,8 @@ def check_layout(recipe, layout: dict) -> None:
     fix = "set fsdp_config.state_dict_type back" if "state_dict_type" in saved else \
         "use the DeepSpeed config it was saved with"  # fmt: skip
     if any(item.startswith("sub_group_size") for item in differ):
-        fix += (" (Axolotl's zero3*.json files set sub_group_size 0; llmtune's presets, which stand in for them where "
-                "they aren't on disk, keep DeepSpeed's default)")  # fmt: skip
+        fix += (" (Axolotl's zero3*.json files, and llmtune's stand-ins for them where they aren't on disk, set "
+                "sub_group_size 0; llmtune's own zero3 presets keep DeepSpeed's default)")  # fmt: skip
     raise UserError(
         f"{checkpoint.name} was saved with {'; '.join(differ)} (saved -> now): its engine state loads only into the "
         "layout that wrote it",

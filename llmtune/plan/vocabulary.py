@@ -38,34 +38,71 @@ def embedding_modules_of(model_type: str | None) -> tuple[str, str]:
     return EMBEDDING_MODULES.get(model_type or "", DEFAULT_EMBEDDING_MODULES)
 
 
-def check_modules_to_save(recipe, new: list[tuple[str, str]], name: str, modules: tuple[str, str]) -> None:
-    """Refuse new tokens under an adapter that would leave their embedding rows frozen at random values."""
+def check_modules_to_save(recipe, new: list[tuple[str, str]], name: str, modules: tuple[str, str],
+                          ids: list[int] | None = None, tied: bool = False) -> None:  # fmt: skip
+    """Refuse new tokens under an adapter that would leave their embedding rows frozen at random values: the input
+    and output embeddings must be in lora_modules_to_save, or their new rows in peft_trainable_token_indices (`ids`:
+    the new tokens' ids, known once the tokenizer holds them; a tied output head follows the input embedding)."""
     if not new or not recipe.adapter:
         return
-    saved = recipe.lora_modules_to_save or []
-    if recipe.lora_model_dir:  # a loaded adapter trains the modules_to_save it was saved with
-        saved = _saved_modules(recipe.lora_model_dir)
-        if saved is None:
+    saved, rows = recipe.lora_modules_to_save or [], getattr(recipe, "peft_trainable_token_indices", None)
+    if recipe.lora_model_dir:  # a loaded adapter trains the modules_to_save and token rows it was saved with
+        config = _saved_config(recipe.lora_model_dir)
+        if config is None:
             return
+        saved, rows = list(config.get("modules_to_save") or []), config.get("trainable_token_indices")
     if all(module in saved for module in modules):
         return
+    tokens = ", ".join(dict.fromkeys(t for _, t in new))
+    if rows is not None:
+        if ids is None:
+            return  # plan time: the ids exist once the tokenizer adds the tokens, where this runs again
+        frozen = untrained_rows(rows, saved, modules, ids, tied)
+        if not frozen:
+            return
+        wanted = ", ".join(f"{module}: {sorted(set(ids) | set(_listed(rows, module, modules) or ()))}"
+                           for module in (modules[:1] if tied else modules))  # fmt: skip
+        where = f"lora_model_dir: {recipe.lora_model_dir}'s adapter" if recipe.lora_model_dir else \
+            "peft_trainable_token_indices"  # fmt: skip
+        raise UserError(f"tokens the vocabulary of {name} lacks ({tokens}, ids {sorted(ids)}) have rows in "
+                        f"{' and '.join(frozen)} that {where} doesn't train: they would stay frozen at random values",
+                        f"set peft_trainable_token_indices: {{{wanted}}}" if not recipe.lora_model_dir else
+                        "train a new adapter that trains those rows")  # fmt: skip
     if recipe.lora_model_dir:
-        raise UserError(f"tokens the vocabulary of {name} lacks ({', '.join(dict.fromkeys(t for _, t in new))}) "
+        raise UserError(f"tokens the vocabulary of {name} lacks ({tokens}) "
                         f"with lora_model_dir: {recipe.lora_model_dir}, whose adapter doesn't train "
                         f"{' and '.join(modules)} (its modules_to_save): the new embedding rows would train frozen at "
                         "random values", "use tokens the vocabulary has, or train a new adapter with "
                         f"lora_modules_to_save: [{', '.join(modules)}]")  # fmt: skip
     keys = list(dict.fromkeys(key if key == "tokens" else f"special_tokens.{key}" for key, _ in new))
-    shown = ", ".join(dict.fromkeys(token for _, token in new))
     raise UserError(f"{' and '.join(keys)} add{'s' if len(keys) == 1 else ''} tokens the vocabulary of {name} lacks "
-                    f"({shown}) with adapter: {recipe.adapter}, but lora_modules_to_save doesn't hold "
+                    f"({tokens}) with adapter: {recipe.adapter}, but lora_modules_to_save doesn't hold "
                     f"{' and '.join(modules)}: their new embedding rows would train frozen at random values",
-                    f"set lora_modules_to_save: [{', '.join(modules)}] (or use tokens the vocabulary has)")  # fmt: skip
+                    f"set lora_modules_to_save: [{', '.join(modules)}], or peft_trainable_token_indices for their "
+                    "rows alone (or use tokens the vocabulary has)")  # fmt: skip
 
 
-def _saved_modules(folder: str) -> list[str] | None:
+def _listed(rows, module: str, modules: tuple[str, str]) -> list[int] | None:
+    """The ids peft's trainable tokens train in `module`: a list names the input embedding's, a mapping names
+    modules by name (peft matches the end of the module path)."""
+    if isinstance(rows, dict):
+        return next((ids for key, ids in rows.items() if key == module or key.endswith(f".{module}")), None)
+    return rows if module == modules[0] else None
+
+
+def untrained_rows(rows, saved: list[str], modules: tuple[str, str], ids: list[int], tied: bool) -> list[str]:
+    """The embedding modules (input, output) in which some of `ids` would not train."""
+
+    def trains(module: str) -> bool:
+        return module in saved or set(ids) <= set(_listed(rows, module, modules) or ())
+
+    head = trains(modules[1]) or (tied and trains(modules[0]))
+    return [module for module, ok in ((modules[0], trains(modules[0])), (modules[1], head)) if not ok]
+
+
+def _saved_config(folder: str) -> dict | None:
     try:
-        return list(json.loads((Path(folder) / "adapter_config.json").read_text()).get("modules_to_save") or [])
+        return json.loads((Path(folder) / "adapter_config.json").read_text())
     except (OSError, ValueError, AttributeError):
         return None  # not readable here: peft says so when it loads
 

@@ -33,8 +33,9 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def read_adapter(folder: Path) -> tuple[dict[str, LoraPair], dict[str, object], dict]:
-    """LoRA pairs by base weight name, whole tensors the adapter replaces (modules_to_save), the adapter config."""
+def read_adapter(folder: Path) -> tuple[dict[str, LoraPair], dict[str, object], dict[str, tuple], dict]:
+    """LoRA pairs by base weight name, whole tensors the adapter replaces (modules_to_save), rows it replaces
+    (peft's trainable tokens: (ids, values) by weight name), the adapter config."""
     import math
 
     from safetensors.torch import load_file
@@ -50,15 +51,21 @@ def read_adapter(folder: Path) -> tuple[dict[str, LoraPair], dict[str, object], 
                         "adapter has weights")  # fmt: skip
     pairs: dict[str, dict] = {}
     replaced: dict[str, object] = {}
+    tokens: dict[str, object] = {}
     for key, tensor in state.items():
         name = key.removeprefix("base_model.model.")
+        if re.search(r"\.token_adapter\.trainable_tokens_delta(\.[^.]+)?$", name):  # the trained rows' values
+            tokens[f"{name.split('.token_adapter.')[0]}.weight"] = tensor
+            continue
         match = re.fullmatch(r"(.+)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.[^.]+)?(?:\.weight)?", name)  # fmt: skip
         if match:
             module, part = match.groups()
             pairs.setdefault(module, {})[part] = tensor
         else:  # modules_to_save (a trained lm_head, a resized embedding): the tensor replaces the base's
             # (PEFT also saves an adapted embedding's own weight as ".base_layer.weight" when it may be resized)
-            replaced[re.sub(r"\.(modules_to_save|original_module)(\.[^.]+)?\.|\.base_layer\.", ".", name)] = tensor
+            # (and a trainable-tokens layer's resized embedding as ".token_adapter.base_layer.weight")
+            replaced[re.sub(r"\.(modules_to_save|original_module)(\.[^.]+)?\.|\.(token_adapter\.)?base_layer\.", ".",
+                            name)] = tensor  # fmt: skip
     lora = {}
     for module, parts in pairs.items():
         rank = _pattern_value(config.get("rank_pattern"), module, config["r"])
@@ -73,7 +80,22 @@ def read_adapter(folder: Path) -> tuple[dict[str, LoraPair], dict[str, object], 
         if a is None or b is None:
             raise UserError(f"adapter module {module} has only one of its LoRA matrices", "the adapter file is damaged")
         lora[f"{module}.weight"] = LoraPair(a, b, scale, embedding, parts.get("lora_magnitude_vector"))
-    return lora, replaced, config
+    rows = {}
+    for name, values in tokens.items():
+        ids = token_ids(config.get("trainable_token_indices"), name.removesuffix(".weight"), tokens)
+        if ids is None or len(ids) != values.shape[0]:
+            raise UserError(f"the adapter's trained token rows of {name} don't match its trainable_token_indices",
+                            "the adapter file is damaged")  # fmt: skip
+        rows[name] = (ids, values)
+    return lora, replaced, rows, config
+
+
+def token_ids(spec, module: str, tokens: dict) -> list[int] | None:
+    """The ids whose rows peft's trainable tokens trained in `module`: a list is the input embedding's (and a tied
+    head's, which peft saves beside it), a mapping names modules by the end of their path."""
+    if isinstance(spec, dict):
+        return next((ids for key, ids in spec.items() if module == key or module.endswith(f".{key}")), None)
+    return spec
 
 
 def merged_weight(base, pair: LoraPair, fan_in_fan_out: bool):
@@ -114,8 +136,12 @@ def _fold_linearized(tensor, name: str, lora: dict, fan_in_fan_out: bool):
 
 def fold_adapter(adapter: Path, folder: Path, writer: ShardWriter, target, progress: Callable) -> tuple[int, dict]:
     """Base weights from `folder` with the adapter folded in, into the writer: (modules folded, config changes)."""
-    lora, replaced, adapter_config = read_adapter(adapter)
+    lora, replaced, rows, adapter_config = read_adapter(adapter)
     base_config = json.loads((folder / "config.json").read_text())
+    if base_config.get("tie_word_embeddings", True) and any(not n.endswith("lm_head.weight") for n in rows):
+        for name in [n for n in rows if n.endswith("lm_head.weight")]:  # a tied head is the embedding: one tensor
+            rows.pop(name)
+            replaced.pop(name, None)
     fan_in_fan_out = bool(adapter_config.get("fan_in_fan_out"))
     changes, done, embedding = {}, 0, None  # embedding: (name, rows) of the input embedding, kept as facts only
     # A reward model's adapter (peft's SEQ_CLS / TOKEN_CLS): its new head replaces the base's language-model head
@@ -130,6 +156,11 @@ def fold_adapter(adapter: Path, folder: Path, writer: ShardWriter, target, progr
         pair = lora.pop(name, None)
         if pair is not None:
             tensor = merged_weight(tensor, pair, fan_in_fan_out)
+            done += 1
+        if name in rows:  # peft's trainable tokens: those rows take their trained values
+            ids, values = rows.pop(name)
+            tensor = tensor.clone()
+            tensor[ids] = values.to(tensor.dtype)
             done += 1
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and lora:  # llama4_linearized_experts
             tensor, folded = _fold_linearized(tensor, name, lora, fan_in_fan_out)
@@ -161,8 +192,8 @@ def fold_adapter(adapter: Path, folder: Path, writer: ShardWriter, target, progr
                 ]
                 changes["id2label"] = {str(i): f"LABEL_{i}" for i in range(labels)}
                 changes["label2id"] = {f"LABEL_{i}": i for i in range(labels)}
-    if lora or replaced:
-        missing = ", ".join(sorted([*lora, *replaced])[:3])
+    if lora or replaced or rows:
+        missing = ", ".join(sorted([*lora, *replaced, *rows])[:3])
         raise UserError(f"the adapter changes weights the base model doesn't have ({missing})",
                         "the adapter was trained on another base model")  # fmt: skip
     if embedding is not None and embedding[1] != base_config.get("vocab_size"):

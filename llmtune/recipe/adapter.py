@@ -69,6 +69,12 @@ class AdapterKeys(Section):
     peft_ensure_weight_tying: bool | None = Field(
         None, description="Keep a tied embedding and output head tied when both are adapted or trained (peft's)."
     )
+    peft_trainable_token_indices: list[int] | dict[str, list[int]] | None = Field(
+        None, description="Train only these rows of the embeddings beside LoRA (peft's trainable tokens): a list "
+        "for the input embedding (a tied output head follows it), or {module: [ids]}, e.g. {embed_tokens: [ids], "
+        "lm_head: [ids]} for an untied head. Covers tokens the recipe adds instead of lora_modules_to_save; "
+        "llmtune merge writes the trained rows into the embedding. Not with ZeRO-3.",
+    )  # fmt: skip
     peft_autocast_adapter_dtype: bool = Field(
         True, description="Keep the adapter's weights in float32 over a bf16/fp16 base (peft's default)."
     )
@@ -120,7 +126,7 @@ class AdapterKeys(Section):
         "adapter", "lora_target_modules", "lora_modules_to_save", "lora_model_dir", "lora_target_parameters", "peft",
         "unfrozen_parameters", "qat", "loraplus_lr_ratio", "loraplus_lr_embedding", "lora_rank_pattern",
         "lora_alpha_pattern", "peft_layers_pattern", "peft_init_lora_weights", "peft_ensure_weight_tying",
-        mode="before",
+        "peft_trainable_token_indices", mode="before",
     )  # fmt: skip
     @classmethod
     def _adapter_empty(cls, value):
@@ -138,6 +144,20 @@ class AdapterKeys(Section):
                 "rewrites the base weights, so the saved adapter fits only that modified base (llmtune's merge, " \
                 "eval and chat load the original)"  # fmt: skip
             raise ValueError(f"'{value}' {how}; use true, false or gaussian")
+        return value
+
+    @field_validator("peft_trainable_token_indices", mode="before")
+    @classmethod
+    def _one_token(cls, value):
+        return [value] if isinstance(value, int) and not isinstance(value, bool) else value  # as Axolotl reads one id
+
+    @field_validator("peft_trainable_token_indices")
+    @classmethod
+    def _token_ids(cls, value):
+        for module, ids in value.items() if isinstance(value, dict) else [(None, value)] if value else []:
+            where = f" ({module})" if module else ""
+            if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+                raise ValueError(f"the token ids{where} must be distinct ids, 0 or more (got {ids})")
         return value
 
     @field_validator("unfrozen_parameters")
@@ -183,8 +203,24 @@ class AdapterKeys(Section):
         if loftq and (self.load_in_4bit or self.load_in_8bit or self.lora_model_dir):
             raise ValueError("peft.loftq_config initialises a new adapter on the 16-bit weights; remove "
                              "load_in_4bit/load_in_8bit/lora_model_dir")  # fmt: skip
+        if self.peft_trainable_token_indices is not None:
+            self._trainable_token_rules()
         self._relora_rules()
         return self
+
+    def _trainable_token_rules(self) -> None:
+        if self.adapter is None:
+            raise ValueError("peft_trainable_token_indices trains embedding rows beside a LoRA adapter; set adapter: "
+                             "lora (or train the full model)")  # fmt: skip
+        if self.lora_model_dir:
+            raise ValueError("peft_trainable_token_indices with lora_model_dir: the loaded adapter trains the token "
+                             "rows it was saved with; remove the key")  # fmt: skip
+        if self.relora:
+            raise ValueError("relora with peft_trainable_token_indices is not supported: a restart merges plain LoRA "
+                             "layers only; remove one")  # fmt: skip
+        if getattr(self, "pipeline_parallel_size", 1) > 1:
+            raise ValueError("peft_trainable_token_indices with pipeline_parallel_size > 1 is not supported: the "
+                             "pipeline's stages are cut from the plain model; use lora_modules_to_save")  # fmt: skip
 
     @field_validator("jagged_restart_warmup_steps", "jagged_restart_anneal_steps", mode="before")
     @classmethod

@@ -227,9 +227,9 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
     ),
     **_refused("custom trainer classes", "remove it", "trainer_cls"),
     **_refused(
-        "this peft option",
+        "peft's layer replication (replicated layers share base weights that a merge can't fold per replica)",
         "remove it",
-        "peft_layer_replication peft_trainable_token_indices",
+        "peft_layer_replication",
     ),
     **_refused(
         "the settings of Axolotl's own optimizers",
@@ -250,15 +250,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "overrides_of_model_kwargs model_kwargs",
     ),
     **_refused("searching for a batch size", "use llmtune estimate to choose micro_batch_size", "auto_find_batch_size"),
-    **_refused("dropping the last partial batch", "remove it", "dataloader_drop_last"),
-    **_refused("sharding the merged dataset", "use datasets[].shards", "dataset_shard_num dataset_shard_idx"),
-    **_refused(
-        "shuffling each dataset before merging",
-        "shuffle_merged_datasets shuffles the mixture",
-        "shuffle_before_merging_datasets",
-        accepted=(True,),
-    ),
-    **_refused("a separate eval sequence length", "remove it (eval uses sequence_len)", "eval_sequence_len"),
     **_refused(
         "Axolotl's deprecated attention switches",
         "use attn_implementation: sdpa (or xformers/sage, which run as sdpa)",

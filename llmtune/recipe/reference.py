@@ -22,6 +22,7 @@ from llmtune.recipe.axolotl_keys import (
 )
 from llmtune.recipe.data import CustomFormat, DataKeys, DatasetSpec
 from llmtune.recipe.distributed import DistributedKeys, FsdpConfig
+from llmtune.recipe.mixing import MixingKeys
 from llmtune.recipe.model import ModelKeys
 from llmtune.recipe.preference import PreferenceFormat, PreferenceKeys
 from llmtune.recipe.qat import Qat
@@ -32,6 +33,7 @@ SECTIONS = [
     ("Adapters and quantization", AdapterKeys),
     ("`qat` (quantization-aware training, torchao)", Qat),
     ("Data", DataKeys),
+    ("Merging, sharding and batching the rows", MixingKeys),
     ("Each entry of `datasets` / `test_datasets`", DatasetSpec),
     ("Custom format (`type:` as a mapping)", CustomFormat),
     ("Training", TrainingKeys),

@@ -7,13 +7,14 @@ from pydantic import model_validator
 from llmtune.recipe.adapter import AdapterKeys
 from llmtune.recipe.data import DataKeys
 from llmtune.recipe.distributed import DistributedKeys
+from llmtune.recipe.mixing import MixingKeys
 from llmtune.recipe.model import ModelKeys
 from llmtune.recipe.preference import PreferenceKeys
 from llmtune.recipe.preference import check as check_preference
 from llmtune.recipe.training import TrainingKeys
 
 
-class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys, PreferenceKeys):
+class Recipe(ModelKeys, AdapterKeys, DataKeys, MixingKeys, TrainingKeys, DistributedKeys, PreferenceKeys):
     """A validated, normalised recipe. Nothing downstream re-reads YAML or re-checks keys."""
 
     @model_validator(mode="after")
@@ -28,6 +29,7 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, TrainingKeys, DistributedKeys, Pr
             self._context_parallel_rules()
         if self.grouped_rates:
             self._grouped_rate_rules()
+        self.mixing_rules()
         metric = self.metric_for_best_model
         if metric and not self.rl and not self.process_reward_model:  # what the Trainer's evaluation reports
             reported = ("eval_loss", "eval_accuracy") if self.reward_model else ("eval_loss",)

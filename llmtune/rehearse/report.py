@@ -49,7 +49,7 @@ def full_scale_data(recipe, plan, data) -> dict:
     full_rows = round(rows * total / sampled) if total is not None and sampled else None
     sizes = {"micro_batch_size": plan.micro_batch_size, "data_parallel_size": plan.data_parallel_size,
              "gradient_accumulation_steps": plan.gradient_accumulation_steps}  # fmt: skip
-    per_epoch = steps_per_epoch(full_rows, sizes) if full_rows else None
+    per_epoch = steps_per_epoch(full_rows, sizes, recipe.dataloader_drop_last) if full_rows else None
     rows_per_step = plan.micro_batch_size * plan.data_parallel_size * plan.gradient_accumulation_steps
     per_thousand = round(1000 * rows / sampled / rows_per_step, 2) if sampled else None
     total_steps = recipe.max_steps or (math.ceil(per_epoch * recipe.num_epochs) if per_epoch else None)

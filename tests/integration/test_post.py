@@ -13,11 +13,14 @@ from tiny import make_tiny_model, write_jsonl
 
 pytestmark = pytest.mark.integration
 
+# the DDP and FSDP2 runs train two embedding rows beside LoRA (peft's trainable tokens): ' is' and '.', in every prompt
+TOKEN_ROWS = [17, 264]
+ROWS = {"peft_trainable_token_indices": {"embed_tokens": TOKEN_ROWS, "lm_head": TOKEN_ROWS}}
 STRATEGIES = {
     "single": (1, {}),
-    "ddp": (2, {}),
+    "ddp": (2, ROWS),
     "zero3": (2, {"deepspeed": "zero3"}),
-    "fsdp2": (2, {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}}),
+    "fsdp2": (2, {"fsdp_version": 2, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}, **ROWS}),
 }
 PIPELINE = (2, {"pipeline_parallel_size": 2, "pipeline_microbatches": 2, "pipeline_schedule": "1f1b"})
 PROBE = [[1, 17, 42, 99, 5, 23, 64, 8]]
@@ -71,7 +74,14 @@ def test_merged_lora_equals_base_plus_adapter(lora_runs, workspace, strategy):
     assert "merged" in (merged_dir / "README.md").read_text()
     weights = load_file(str(merged_dir / "model.safetensors"))
     assert not any("lora" in key for key in weights)
-    assert set(weights) == set(load_file(str(workspace[2] / "model.safetensors")))
+    base_weights = load_file(str(workspace[2] / "model.safetensors"))
+    assert set(weights) == set(base_weights)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # LoRA leaves the embeddings as they were...
+        rows = TOKEN_ROWS if "peft_trainable_token_indices" in STRATEGIES.get(strategy, (0, {}))[1] else []
+        others = [i for i in range(base_weights[name].shape[0]) if i not in rows]
+        assert torch.equal(weights[name][others], base_weights[name][others].to(weights[name].dtype)), name
+        if rows:  # ...but the rows peft_trainable_token_indices named, which trained on both ranks
+            assert not torch.allclose(weights[name][TOKEN_ROWS], base_weights[name][TOKEN_ROWS], atol=1e-6), name
 
 
 def test_merge_shards_with_a_correct_index(lora_runs, tmp_path):
@@ -105,6 +115,7 @@ def test_full_finetune_consolidated_from_sharded_checkpoint(workspace, strategy,
     from safetensors.torch import load_file
 
     processes, changes = STRATEGIES[strategy]
+    changes = {key: value for key, value in changes.items() if key not in ROWS}  # (token rows: beside LoRA only)
     _, run = train_run(workspace, f"full-{strategy}", processes, **changes, save_strategy="steps", save_steps=2)
     final = load_file(str(run / "model.safetensors"))
     broken = tmp_path / "no-final-save"

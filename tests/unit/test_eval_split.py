@@ -3,9 +3,12 @@ train_test_split(test_size, shuffle=False), which takes the last ceil(test_size 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from llmtune.train.data.base import shuffled_order, split_eval
+from llmtune.recipe.mixing import merged_order
+from llmtune.train.data.base import split_eval
 
 
 @pytest.mark.parametrize(("rows", "size"), [(16, 0.2), (25, 0.1), (16, 0.15), (10, 0.5), (30, 4)])
@@ -24,4 +27,5 @@ def test_the_merged_rows_are_shuffled_as_datasets_shuffles_them(seed):
     from datasets import Dataset
 
     data = Dataset.from_dict({"i": list(range(50))})
-    assert shuffled_order(50, seed) == data.shuffle(seed=seed)["i"]
+    assert merged_order(50, SimpleNamespace(seed=seed, shuffle_merged_datasets=True, curriculum_sampling=False,
+                                            dataset_shard_num=None)) == data.shuffle(seed=seed)["i"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -501,10 +502,10 @@ ZERO3_LAYOUT = {"offload_optimizer device": "none", "offload_param device": "non
 
 
 @pytest.mark.parametrize(("strategy", "layout", "changes", "differ", "fix"), [
-    # Axolotl's zero3_bf16.json read from disk when it saved; llmtune's preset stands in where it isn't on disk
-    ("zero3", {**ZERO3_LAYOUT, "sub_group_size": 0}, {"deepspeed": "deepspeed_configs/zero3_bf16.json"},
-     "sub_group_size 0 -> 1000000000", "use the DeepSpeed config it was saved with (Axolotl's zero3*.json files set "
-     "sub_group_size 0"),
+    # saved with Axolotl's zero3_bf16.json (sub_group_size 0, on disk or stood in for), resumed with llmtune's preset
+    ("zero3", {**ZERO3_LAYOUT, "sub_group_size": 0}, {"deepspeed": "zero3"},
+     "sub_group_size 0 -> 1000000000", "use the DeepSpeed config it was saved with (Axolotl's zero3*.json files, and "
+     "llmtune's stand-ins for them"),
     ("zero3", ZERO3_LAYOUT, {"deepspeed": "zero3_offload"}, "offload_optimizer device none -> cpu; offload_param "
      "device none -> cpu; optimizer the Trainer's -> DeepSpeed's", "use the DeepSpeed config it was saved with"),
     ("fsdp2", {"state_dict_type": "FULL_STATE_DICT"}, FSDP2, "state_dict_type FULL_STATE_DICT -> SHARDED_STATE_DICT",
@@ -530,3 +531,31 @@ def test_a_checkpoint_resumes_only_in_the_engine_layout_that_wrote_it(tmp_path, 
     saved(fresh, **{**DDP_2, "strategy": strategy,
                     "engine_layout": engine_layout(plan.deepspeed_config, (plan.accelerate_config or {}).get("fsdp_config"))})  # fmt: skip
     make_plan(recipe(fresh, **changes), make_cluster(world, device="cpu"))
+
+
+def test_axolotl_s_zero3_file_and_its_stand_in_save_the_same_layout(tmp_path):
+    """A recipe naming deepspeed_configs/zero3_bf16.json reads the file where it is on disk and llmtune's stand-in
+    where it isn't (another folder, another machine): a checkpoint of one resumes with the other (it was refused,
+    sub_group_size 0 -> 1000000000)."""
+    from llmtune.plan.resume import engine_layout
+
+    name = "deepspeed_configs/zero3_bf16.json"
+    stood_in = plan_alone(recipe(tmp_path / "a", deepspeed=name), make_cluster(2, device="cpu"))
+    assert any("stands for it, with the file's sub_group_size 0" in note for note in stood_in.notes)
+    (tmp_path / "deepspeed_configs").mkdir()
+    axolotl = {"zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 0,
+               "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+               "stage3_param_persistence_threshold": "auto", "max_live_parameters": 0, "max_reuse_distance": 0,
+               "gather_16bit_weights_on_model_save": True}, "bf16": {"enabled": True},
+               "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+               "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}  # fmt: skip (Axolotl's file)
+    (tmp_path / name).write_text(json.dumps(axolotl))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        read = plan_alone(recipe(tmp_path / "b", deepspeed=name), make_cluster(2, device="cpu"))
+    finally:
+        os.chdir(cwd)
+    assert not any("stands for it" in note for note in read.notes)
+    layouts = [engine_layout(plan.deepspeed_config, None) for plan in (stood_in, read)]
+    assert layouts[0] == layouts[1] and layouts[0]["sub_group_size"] == 0

@@ -37,12 +37,27 @@ def split_eval(train, size: float):
     return train[len(train) - count :], train[: len(train) - count]
 
 
-def shuffled_order(count: int, seed: int) -> list[int]:
-    """The order `shuffle_merged_datasets` puts the merged rows in: the permutation datasets' `shuffle(seed=seed)`
-    draws (numpy's default generator), so a recipe's rows come in Axolotl's order for the same seed."""
-    import numpy as np
+def arrange(train, evaluation, recipe) -> tuple:
+    """The merged rows as a run draws them: the training rows in `merged_order` (shuffled, sharded), eval rows
+    sharded alike, then val_set_size's split of the training rows. Returns (train, eval)."""
+    from llmtune.errors import UserError
+    from llmtune.recipe.mixing import merged_order
 
-    return np.random.default_rng(seed).permutation(count).tolist()
+    def take(rows, order):
+        if order is None:
+            return rows
+        return rows.reorder(order) if hasattr(rows, "reorder") else [rows[i] for i in order]
+
+    count = len(train)
+    train = take(train, merged_order(count, recipe))
+    if evaluation is not None:
+        evaluation = take(evaluation, merged_order(len(evaluation), recipe, shuffle=False))
+    if not len(train):
+        raise UserError(f"dataset_shard_idx {recipe.dataset_shard_idx} of dataset_shard_num {recipe.dataset_shard_num} "
+                        f"holds no training rows (the datasets give {count})", "lower dataset_shard_num")  # fmt: skip
+    if recipe.val_set_size:
+        evaluation, train = split_eval(train, recipe.val_set_size)
+    return train, evaluation
 
 
 class RowError(ValueError):

@@ -14,7 +14,8 @@ import inspect
 from types import SimpleNamespace
 
 from llmtune.errors import UserError
-from llmtune.train.data.base import PreparedData, empty_data, no_progress, shuffled_order, split_eval
+from llmtune.recipe.mixing import shuffle_each
+from llmtune.train.data.base import PreparedData, arrange, empty_data, no_progress
 from llmtune.train.data.sources import read_rows
 
 
@@ -53,7 +54,7 @@ def read_group(specs, group: str, recipe, tokenizer, functions: dict, stats: dic
     budget = recipe.sequence_len - int(trl_value(recipe, "max_completion_length", 512))  # TRL's default
     rows: list[dict] = []
     for index, spec in enumerate(specs):
-        label = f"{group}[{index}]"
+        label, start = f"{group}[{index}]", len(rows)
         function = functions.get(f"{label}.type")
         transform_fn, options = _transform(function, recipe, f"{label}.type") if function else (None, {})
         drop = set(options.get("remove_columns") or [])
@@ -81,6 +82,7 @@ def read_group(specs, group: str, recipe, tokenizer, functions: dict, stats: dic
                 stats["dropped_too_long"] += 1
                 continue
             rows.append(row)
+        shuffle_each(rows, start, recipe, len(specs))
     return rows
 
 
@@ -96,9 +98,6 @@ def prepare_online_data(recipe, tokenizer, functions: dict, progress=no_progress
         raise UserError(f"no usable prompts: {stats['rows']} read, {stats['dropped_too_long']} longer than "
                         "sequence_len minus trl.max_completion_length",
                         "raise sequence_len, or lower trl.max_completion_length")  # fmt: skip
-    if recipe.shuffle_merged_datasets and not recipe.curriculum_sampling:
-        train = [train[i] for i in shuffled_order(len(train), recipe.seed)]
-    if recipe.val_set_size:
-        evaluation, train = split_eval(train, recipe.val_set_size)
+    train, evaluation = arrange(train, evaluation, recipe)
     stats.update(train_examples=len(train), eval_examples=len(evaluation) if evaluation else 0, train_rows=len(train))
     return PreparedData(train, evaluation or None, stats)

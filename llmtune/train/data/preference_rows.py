@@ -8,8 +8,9 @@ checked against sequence_len and max_prompt_len before any GPU starts, and the s
 from __future__ import annotations
 
 from llmtune.errors import UserError
+from llmtune.recipe.mixing import shuffle_each
 from llmtune.recipe.preference import preference_type
-from llmtune.train.data.base import PreparedData, empty_data, no_progress, shuffled_order, split_eval
+from llmtune.train.data.base import PreparedData, arrange, empty_data, no_progress
 from llmtune.train.data.preference import context_for, convert_rows, converter_for
 from llmtune.train.data.sources import read_rows
 
@@ -54,7 +55,7 @@ def _keep_end(text: str, tokenizer, count: int) -> str:
 def read_group(specs, group: str, recipe, tokenizer, stats: dict, progress) -> list[dict]:
     rows: list[dict] = []
     for index, spec in enumerate(specs):
-        label = f"{group}[{index}]"
+        label, start = f"{group}[{index}]", len(rows)
         kind = spec.type.model_dump(exclude_none=True) if hasattr(spec.type, "model_dump") else spec.type
         options = {key: getattr(spec, key) for key in OPTION_KEYS if getattr(spec, key, None) is not None}
         ctx = context_for(recipe.rl, kind, tokenizer, _template(spec, recipe, tokenizer), options, label)
@@ -82,6 +83,7 @@ def read_group(specs, group: str, recipe, tokenizer, stats: dict, progress) -> l
                     continue
                 stats["truncated"] += 1  # TRL keeps the start: the prompt whole, the replies cut
             rows.append(row)
+        shuffle_each(rows, start, recipe, len(specs))
     return rows
 
 
@@ -111,10 +113,7 @@ def prepare_preference_data(recipe, tokenizer, progress=no_progress) -> Prepared
         raise UserError(f"no usable preference rows: {stats['rows']} read, {stats['dropped_too_long']} longer than "
                         f"sequence_len {recipe.sequence_len}, {stats['dropped_long_prompt']} with a prompt over "
                         f"max_prompt_len", hint)  # fmt: skip
-    if recipe.shuffle_merged_datasets and not recipe.curriculum_sampling:
-        train = [train[i] for i in shuffled_order(len(train), recipe.seed)]
-    if recipe.val_set_size:
-        evaluation, train = split_eval(train, recipe.val_set_size)
+    train, evaluation = arrange(train, evaluation, recipe)
     if recipe.rl == "kto":
         labels = {bool(row["label"]) for row in train}
         if len(labels) < 2:

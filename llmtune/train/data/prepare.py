@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.train.data.base import PreparedData, empty_data, no_progress, shuffled_order, split_eval
+from llmtune.recipe.mixing import shuffle_each
+from llmtune.train.data.base import PreparedData, arrange, empty_data, no_progress
 from llmtune.train.data.formats import IGNORE, FormatContext, RowError
 from llmtune.train.data.packing import pack_examples
 from llmtune.train.data.reward import converter, fit_pair
@@ -56,10 +57,14 @@ def cache_key(recipe, tokenizer) -> str:
                 "min_sample_len",
                 "dataset_exact_deduplication",
                 "default_system_message",
+                "eval_sequence_len",
+                "shuffle_before_merging_datasets",
             )
         },  # fmt: skip
         "streamed_rows": stream_budget(recipe),
-        "shard_seed": recipe.seed if any(s.shards for specs in groups.values() for s in specs) else None,
+        "shard_seed": recipe.seed
+        if any(s.shards for specs in groups.values() for s in specs) or recipe.shuffle_before_merging_datasets
+        else None,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -144,9 +149,12 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
     examples: list[dict] = []
     eot_ids = eot_token_ids(recipe, tokenizer)
     budget = stream_budget(recipe) if group == "datasets" else None
+    # eval_sequence_len: test_datasets rows are measured against it (Axolotl's split == "test")
+    key, limit = (("eval_sequence_len", recipe.eval_sequence_len) if group == "test_datasets" and recipe.eval_sequence_len
+                  else ("sequence_len", recipe.sequence_len))  # fmt: skip
     for index, spec in enumerate(specs):
         label = f"{group}[{index}]"
-        ctx = FormatContext(tokenizer, spec, recipe.train_on_inputs, recipe.sequence_len,
+        ctx = FormatContext(tokenizer, spec, recipe.train_on_inputs, limit,
                             _template_for(spec, recipe, tokenizer), eot_ids, recipe.num_labels or 2,
                             _default_system(recipe), template_name=_template_name(spec, recipe))  # fmt: skip
         to_examples = converter(spec)
@@ -163,19 +171,19 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
             stats["rows"] += 1
             for ids, labels in pieces:
                 if spec.type == "bradley_terry.chat_template":  # a stored pair: each side must fit
-                    fitted = fit_pair(ids, labels, recipe.sequence_len, recipe.excess_length_strategy == "truncate")
+                    fitted = fit_pair(ids, labels, limit, recipe.excess_length_strategy == "truncate")
                     if fitted is None:
-                        too_long(recipe, where, label, spec, "a side of the pair is longer than")
+                        too_long(recipe, where, label, spec, "a side of the pair is longer than", key, limit)
                         stats["dropped_too_long"] += 1
                         continue
                     stats["truncated"] += fitted[0] is not ids
                     ids, labels = fitted
-                elif len(ids) > recipe.sequence_len:
-                    too_long(recipe, where, label, spec, f"{len(ids)} tokens, longer than")
+                elif len(ids) > limit:
+                    too_long(recipe, where, label, spec, f"{len(ids)} tokens, longer than", key, limit)
                     if recipe.excess_length_strategy == "drop":
                         stats["dropped_too_long"] += 1
                         continue
-                    ids, labels = ids[: recipe.sequence_len], labels[: recipe.sequence_len]
+                    ids, labels = ids[:limit], labels[:limit]
                     stats["truncated"] += 1
                 if all(label_id == IGNORE for label_id in labels[1:]):
                     stats["dropped_no_labels"] += 1
@@ -187,6 +195,7 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
                 taken += len(ids) if recipe.sample_packing else 1
         read = stats["rows"] - rows_before
         stats.setdefault("per_dataset", {})[label] = {"rows": read, "examples": len(examples) - kept_before}
+        shuffle_each(examples, kept_before, recipe, len(specs))
         if not read and len(specs) > 1 and os.environ.get("RANK", "0") == "0":  # one empty source among several
             print(f"[llmtune] warning: {label} ({spec.path}) has no rows: the run trains on the other "
                   f"{group} only", file=sys.stderr, flush=True)  # fmt: skip
@@ -204,13 +213,13 @@ def shown_type(kind) -> str:
     return "a mapping {" + ", ".join(f"{key}: {value}" for key, value in given.items()) + "}"
 
 
-def too_long(recipe, where: str, label: str, spec, what: str) -> None:
-    """excess_length_strategy: raise: a row longer than sequence_len stops preparation, named like a malformed row."""
+def too_long(recipe, where: str, label: str, spec, what: str, key: str, limit: int) -> None:
+    """excess_length_strategy: raise: a row longer than `key` (sequence_len, or eval_sequence_len for test_datasets)
+    stops preparation, named like a malformed row."""
     if recipe.excess_length_strategy == "raise":
-        raise UserError(f"{where}: {what} sequence_len {recipe.sequence_len} ({label}.type is "
-                        f"{shown_type(spec.type)}; excess_length_strategy is raise)",
-                        "shorten or remove the row, raise sequence_len, or set excess_length_strategy: drop or "
-                        "truncate")  # fmt: skip
+        raise UserError(f"{where}: {what} {key} {limit} ({label}.type is {shown_type(spec.type)}; "
+                        "excess_length_strategy is raise)", f"shorten or remove the row, raise {key}, or set "
+                        "excess_length_strategy: drop or truncate")  # fmt: skip
 
 
 def _save(directory: Path, groups: dict[str, TokenRows], stats: dict) -> None:
@@ -306,19 +315,16 @@ def tokenize_with_cache(recipe, tokenizer, progress=no_progress, purpose: str = 
 
 
 def split_and_pack(recipe, groups: dict[str, list[dict]], stats: dict) -> PreparedData:
-    train = groups["train"]
-    if recipe.shuffle_merged_datasets and not recipe.curriculum_sampling:  # curriculum: the data's own order
-        train = train.reorder(shuffled_order(len(train), recipe.seed))
-    evaluation = groups.get("test")
-    if recipe.val_set_size:
-        evaluation, train = split_eval(train, recipe.val_set_size)
+    train, evaluation = arrange(groups["train"], groups.get("test"), recipe)  # curriculum: the data's own order
     stats = dict(stats, train_examples=len(train), eval_examples=len(evaluation) if evaluation is not None else 0)
     stats["train_tokens"] = train.total_tokens()
     if recipe.sample_packing:
         train, efficiency = pack_examples(train, recipe.sequence_len, recipe.seed)
         stats["packing_efficiency"] = round(efficiency, 4)
         if evaluation and (recipe.eval_sample_packing if recipe.eval_sample_packing is not None else True):
-            evaluation, _ = pack_examples(evaluation, recipe.sequence_len, recipe.seed)
+            # test_datasets rows may be up to eval_sequence_len long: packed to it (val_set_size's to sequence_len)
+            length = (recipe.eval_sequence_len if recipe.test_datasets else None) or recipe.sequence_len
+            evaluation, _ = pack_examples(evaluation, length, recipe.seed)
     stats["train_rows"] = len(train)
     return PreparedData(train, evaluation, stats)
 

@@ -311,10 +311,9 @@ def shard_of(rows: list, shards: int, index: int, seed: int) -> list:
     longer)."""
     import numpy as np
 
-    order = np.random.default_rng(seed).permutation(len(rows))
-    size, longer = divmod(len(rows), shards)
-    start = size * index + min(index, longer)
-    return [rows[i] for i in order[start : start + size + (1 if index < longer else 0)]]
+    from llmtune.recipe.mixing import shard_block
+
+    return [rows[i] for i in shard_block(np.random.default_rng(seed).permutation(len(rows)), shards, index)]
 
 
 def fingerprint_source(spec) -> str:

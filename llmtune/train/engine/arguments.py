@@ -25,9 +25,12 @@ def model_checkpointing(recipe, plan: dict) -> bool:
     )
 
 
-def steps_per_epoch(train_rows: int, plan: dict) -> int:
-    per_step = plan["micro_batch_size"] * plan["data_parallel_size"] * plan["gradient_accumulation_steps"]
-    return max(1, math.ceil(train_rows / per_step))
+def steps_per_epoch(train_rows: int, plan: dict, drop_last: bool = False) -> int:
+    """Optimizer steps per epoch, as the Trainer counts them: each rank's micro-batches (the last round of them
+    wrapped around to fill every rank, or dropped with dataloader_drop_last), in steps of the accumulation."""
+    rounds = plan["micro_batch_size"] * plan["data_parallel_size"]
+    micro = train_rows // rounds if drop_last else math.ceil(train_rows / rounds)
+    return max(1, math.ceil(micro / plan["gradient_accumulation_steps"]))
 
 
 def _every(steps: float | None, per_epoch: int | None, epoch_steps: int) -> tuple[str, float | None]:
@@ -116,7 +119,7 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
     from llmtune.train.checkpoint.manifest import own_disk
 
     _check_optimizer_package(recipe.optimizer)
-    epoch_steps = steps_per_epoch(train_rows, plan)
+    epoch_steps = steps_per_epoch(train_rows, plan, recipe.dataloader_drop_last)
     precision = plan["precision"]
     rehearsal = plan["cluster"]["device"] == "cpu"
     _check_bf16_device(precision, rehearsal)
@@ -182,6 +185,7 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
         ddp_find_unused_parameters=recipe.ddp_find_unused_parameters,
         ddp_bucket_cap_mb=recipe.ddp_bucket_cap_mb,
         remove_unused_columns=False,
+        dataloader_drop_last=recipe.dataloader_drop_last,  # training's batches only (LlmtuneTrainer's eval loader)
         use_cpu=rehearsal and not plan["strategy"].startswith("zero"),
         disable_tqdm=True,  # llmtune's own progress line replaces the Trainer's bar and its dict lines
     )

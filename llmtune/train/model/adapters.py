@@ -37,7 +37,8 @@ def lora_config(recipe):
         extra["exclude_modules"] = ["score", "classifier"]  # the new head trains whole (peft's modules_to_save)
     for key, name in (("lora_rank_pattern", "rank_pattern"), ("lora_alpha_pattern", "alpha_pattern"),
                       ("peft_layers_pattern", "layers_pattern"), ("peft_init_lora_weights", "init_lora_weights"),
-                      ("peft_ensure_weight_tying", "ensure_weight_tying")):  # fmt: skip
+                      ("peft_ensure_weight_tying", "ensure_weight_tying"),
+                      ("peft_trainable_token_indices", "trainable_token_indices")):  # fmt: skip
         if getattr(recipe, key) is not None:
             extra[name] = getattr(recipe, key)
     loftq = recipe.peft.loftq_config if recipe.peft else None

@@ -86,8 +86,6 @@ def add_recipe_tokens(recipe, tokenizer, name: str, source: str) -> None:
     from llmtune.plan.vocabulary import ADDITIONAL_SPECIAL_TOKENS, check_modules_to_save, new_tokens
 
     new = new_tokens(recipe, set(tokenizer.get_vocab()))
-    if new and recipe.adapter:
-        check_modules_to_save(recipe, new, name, embedding_modules(recipe, source))
     named = {k: v for k, v in (recipe.special_tokens or {}).items() if k != ADDITIONAL_SPECIAL_TOKENS}
     additional = (recipe.special_tokens or {}).get(ADDITIONAL_SPECIAL_TOKENS) or []
     if named:
@@ -96,10 +94,15 @@ def add_recipe_tokens(recipe, tokenizer, name: str, source: str) -> None:
         tokenizer.add_tokens(list(recipe.tokens))
     if additional:
         tokenizer.add_special_tokens({ADDITIONAL_SPECIAL_TOKENS: list(additional)})
+    if new and recipe.adapter:  # (the tokenizer in memory only: a refusal leaves nothing changed on disk)
+        modules, tied = embedding_modules(recipe, source)
+        ids = [tokenizer.convert_tokens_to_ids(token) for _, token in new]
+        check_modules_to_save(recipe, new, name, modules, ids, tied)
 
 
-def embedding_modules(recipe, source: str) -> tuple[str, str]:
-    """The names of the model's input and output embedding modules, as lora_modules_to_save wants them."""
+def embedding_modules(recipe, source: str) -> tuple[tuple[str, str], bool]:
+    """The names of the model's input and output embedding modules, as lora_modules_to_save wants them, and whether
+    the output head is tied to the input embedding."""
     from llmtune.plan.vocabulary import DEFAULT_EMBEDDING_MODULES, embedding_modules_of
 
     try:
@@ -108,8 +111,10 @@ def embedding_modules(recipe, source: str) -> tuple[str, str]:
         config = transformers.AutoConfig.from_pretrained(recipe.base_model_config or source,
                                                          trust_remote_code=recipe.trust_remote_code)  # fmt: skip
     except Exception:  # unreadable here: the common names
-        return DEFAULT_EMBEDDING_MODULES
-    return embedding_modules_of(getattr(config, "model_type", None))
+        return DEFAULT_EMBEDDING_MODULES, False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+    return embedding_modules_of(getattr(config, "model_type", None)), tied
 
 
 def weights_dtype(recipe, precision: str, frozen: bool = False):
