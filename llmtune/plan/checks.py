@@ -276,3 +276,23 @@ def fsdp2_notes(recipe, settings) -> list[str]:
         notes.append(f"fsdp_config: {', '.join(unused)} {'are FSDP1 keys' if len(unused) > 1 else 'is an FSDP1 key'}"
                      " with no FSDP2 counterpart: not used")  # fmt: skip
     return notes
+
+
+def eval_batch_note(recipe, facts: ModelFacts | None) -> str | None:
+    """Eval's forward passes, where they carry more tokens than training's micro-batches (eval_batch_size,
+    eval_sequence_len): the estimate counts training's, and eval's logits grow with its tokens."""
+    if recipe.rl or not (recipe.test_datasets or recipe.val_set_size):
+        return None
+    length = (recipe.eval_sequence_len if recipe.test_datasets else None) or recipe.sequence_len
+    tokens, trained = (
+        (recipe.eval_batch_size or recipe.micro_batch_size) * length,
+        recipe.micro_batch_size * recipe.sequence_len,
+    )
+    if tokens <= trained:
+        return None
+    logits = f": its fp32 logits alone are {tokens * facts.vocab_size * 4 / 2**30:.2f} GiB" if facts else ""
+    return (
+        f"eval: forward passes of up to {tokens} tokens per rank (eval_batch_size x "
+        f"{'eval_sequence_len' if length != recipe.sequence_len else 'sequence_len'}), more than training's "
+        f"{trained}; the estimate counts training's micro-batches{logits} (no gradients or saved activations)"
+    )

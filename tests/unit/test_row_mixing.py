@@ -155,3 +155,23 @@ def test_the_last_partial_round_is_dropped_from_training_alone(tmp_path, tok):
         assert trainer.evaluate()["eval_tokens"] == 5 * 2  # every eval row's 2 predicted tokens
         assert args.dataloader_drop_last is drop  # the eval loader left training's setting as it was
     assert steps == {False: 3, True: 2}
+
+
+def test_the_plan_says_when_eval_s_forward_carries_more_tokens_than_training_s():
+    from llmtune.plan import make_cluster
+    from llmtune.plan import make_plan as plan_alone
+    from llmtune.plan.checks import eval_batch_note
+    from llmtune.plan.memory.facts import ModelFacts
+
+    test = {"test_datasets": [{"path": "org/test", "type": "alpaca"}], "sequence_len": 1024, "micro_batch_size": 2}
+    facts = ModelFacts.__new__(ModelFacts)
+    object.__setattr__(facts, "vocab_size", 128_256)
+    note = eval_batch_note(recipe(**test, eval_sequence_len=8192), facts)
+    assert note == ("eval: forward passes of up to 16384 tokens per rank (eval_batch_size x eval_sequence_len), more "
+                    "than training's 2048; the estimate counts training's micro-batches: its fp32 logits alone are "
+                    "7.83 GiB (no gradients or saved activations)")  # fmt: skip
+    assert "eval_batch_size x sequence_len" in eval_batch_note(recipe(**test, eval_batch_size=8), None)
+    assert eval_batch_note(recipe(**test, eval_sequence_len=512), facts) is None  # fewer tokens than training's
+    assert eval_batch_note(recipe(sequence_len=1024, eval_batch_size=8), facts) is None  # no eval data
+    plan = plan_alone(recipe(**test, eval_sequence_len=8192), make_cluster(1, device="cpu"))
+    assert any(n.startswith("eval: forward passes of up to 16384 tokens") for n in plan.notes)
