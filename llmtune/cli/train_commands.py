@@ -256,6 +256,10 @@ def preprocess(
                                           "eval" if name == "test" else name, label_classes(loaded.recipe)):  # fmt: skip
                     typer.echo(line)
         stats = split_and_pack(loaded.recipe, groups, stats).stats
+        if debug and loaded.recipe.dataset_shard_num is not None:
+            typer.echo(f"(listed in the datasets' order, before sharding: the run trains shard "
+                       f"{loaded.recipe.dataset_shard_idx} of {loaded.recipe.dataset_shard_num}, "
+                       f"{stats['train_examples']} examples)")  # fmt: skip
         where = stats["cache_dir"] or "(no cache: dataset_prepared_path is empty)"
         typer.echo(f"{'cache hit' if stats['cache_hit'] else 'tokenized'}: {where}")
     for key in ("rows", "train_examples", "eval_examples", "train_tokens", "dropped_too_long", "truncated",

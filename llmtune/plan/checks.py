@@ -278,21 +278,28 @@ def fsdp2_notes(recipe, settings) -> list[str]:
     return notes
 
 
-def eval_batch_note(recipe, facts: ModelFacts | None) -> str | None:
-    """Eval's forward passes, where they carry more tokens than training's micro-batches (eval_batch_size,
+def eval_notes(recipe, facts: ModelFacts | None) -> list[str]:
+    """eval_sequence_len where it has no effect (Axolotl's too: it measures supervised test_datasets only), and eval's
+    forward passes where they carry more tokens than training's micro-batches (eval_batch_size,
     eval_sequence_len): the estimate counts training's, and eval's logits grow with its tokens."""
+    notes = []
+    if recipe.eval_sequence_len and (recipe.rl or not recipe.test_datasets):
+        where = "preference and GRPO rows are measured at sequence_len" if recipe.rl else \
+            "val_set_size's eval rows come from the training rows, at sequence_len"  # fmt: skip
+        notes.append(f"eval_sequence_len has no effect here: it measures supervised test_datasets rows; {where}")
     if recipe.rl or not (recipe.test_datasets or recipe.val_set_size):
-        return None
+        return notes
     length = (recipe.eval_sequence_len if recipe.test_datasets else None) or recipe.sequence_len
     tokens, trained = (
         (recipe.eval_batch_size or recipe.micro_batch_size) * length,
         recipe.micro_batch_size * recipe.sequence_len,
     )
     if tokens <= trained:
-        return None
+        return notes
     logits = f": its fp32 logits alone are {tokens * facts.vocab_size * 4 / 2**30:.2f} GiB" if facts else ""
-    return (
+    return [
+        *notes,
         f"eval: forward passes of up to {tokens} tokens per rank (eval_batch_size x "
         f"{'eval_sequence_len' if length != recipe.sequence_len else 'sequence_len'}), more than training's "
-        f"{trained}; the estimate counts training's micro-batches{logits} (no gradients or saved activations)"
-    )
+        f"{trained}; the estimate counts training's micro-batches{logits} (no gradients or saved activations)",
+    ]

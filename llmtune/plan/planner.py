@@ -22,7 +22,7 @@ from llmtune.plan.checks import (
     check_chat_templates,
     check_kto_batch,
     check_wrap_class,
-    eval_batch_note,
+    eval_notes,
     fsdp2_notes,
     gptq_check,
 )
@@ -165,7 +165,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
         notes.append(_check_relora(recipe, strategy))
     if recipe.async_checkpoint:
         notes.append(_check_async_checkpoint(recipe, strategy, facts))
-    notes += [note for note in [eval_batch_note(recipe, facts)] if note]
+    notes += eval_notes(recipe, facts)
     if pipeline and (recipe.precision == "fp16" or precision == "fp16"):  # (bf16: auto on a GPU without bf16 too)
         # refused in rehearsal too: the GPU run would refuse it
         raise UserError("pipeline runs take bf16 or fp32: fp16 needs loss scaling, which the pipeline loop does not do",

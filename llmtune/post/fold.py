@@ -81,8 +81,11 @@ def read_adapter(folder: Path) -> tuple[dict[str, LoraPair], dict[str, object], 
             raise UserError(f"adapter module {module} has only one of its LoRA matrices", "the adapter file is damaged")
         lora[f"{module}.weight"] = LoraPair(a, b, scale, embedding, parts.get("lora_magnitude_vector"))
     rows = {}
+    spec = config.get("trainable_token_indices")
     for name, values in tokens.items():
-        ids = token_ids(config.get("trainable_token_indices"), name.removesuffix(".weight"), tokens)
+        ids = token_ids(spec, name.removesuffix(".weight"))
+        if ids is None and isinstance(spec, dict) and len(tokens) > 1:  # a tied head's copy of the embedding's rows,
+            ids = next((i for i in spec.values() if len(i) == values.shape[0]), None)  # which peft saves unnamed
         if ids is None or len(ids) != values.shape[0]:
             raise UserError(f"the adapter's trained token rows of {name} don't match its trainable_token_indices",
                             "the adapter file is damaged")  # fmt: skip
@@ -90,7 +93,7 @@ def read_adapter(folder: Path) -> tuple[dict[str, LoraPair], dict[str, object], 
     return lora, replaced, rows, config
 
 
-def token_ids(spec, module: str, tokens: dict) -> list[int] | None:
+def token_ids(spec, module: str) -> list[int] | None:
     """The ids whose rows peft's trainable tokens trained in `module`: a list is the input embedding's (and a tied
     head's, which peft saves beside it), a mapping names modules by the end of their path."""
     if isinstance(spec, dict):

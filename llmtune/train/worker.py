@@ -119,9 +119,9 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
             + (f", {stats['truncated_prompt']} cut to its last max_prompt_len tokens" if stats.get("truncated_prompt")
                else ""))  # fmt: skip
     else:
-        long = (f"{stats.get('truncated', 0)} longer than sequence_len truncated"
-                if recipe.excess_length_strategy == "truncate"
-                else f"{stats['dropped_too_long']} longer than sequence_len dropped")  # fmt: skip
+        limit = f"sequence_len{' (eval_sequence_len for test rows)' * bool(recipe.eval_sequence_len and recipe.test_datasets)}"  # fmt: skip
+        long = (f"{stats.get('truncated', 0)} longer than {limit} truncated" if recipe.excess_length_strategy ==
+                "truncate" else f"{stats['dropped_too_long']} longer than {limit} dropped")  # fmt: skip
         log(f"data: {stats['train_examples']} train / {stats['eval_examples']} eval examples "
             f"({'cache hit' if stats['cache_hit'] else 'tokenized'}; {long}, {stats['dropped_no_labels']} without "
             "trained tokens)" + (f", packing efficiency {stats['packing_efficiency']:.1%}" if recipe.sample_packing

@@ -160,18 +160,44 @@ def test_the_last_partial_round_is_dropped_from_training_alone(tmp_path, tok):
 def test_the_plan_says_when_eval_s_forward_carries_more_tokens_than_training_s():
     from llmtune.plan import make_cluster
     from llmtune.plan import make_plan as plan_alone
-    from llmtune.plan.checks import eval_batch_note
+    from llmtune.plan.checks import eval_notes
     from llmtune.plan.memory.facts import ModelFacts
 
     test = {"test_datasets": [{"path": "org/test", "type": "alpaca"}], "sequence_len": 1024, "micro_batch_size": 2}
     facts = ModelFacts.__new__(ModelFacts)
     object.__setattr__(facts, "vocab_size", 128_256)
-    note = eval_batch_note(recipe(**test, eval_sequence_len=8192), facts)
-    assert note == ("eval: forward passes of up to 16384 tokens per rank (eval_batch_size x eval_sequence_len), more "
-                    "than training's 2048; the estimate counts training's micro-batches: its fp32 logits alone are "
-                    "7.83 GiB (no gradients or saved activations)")  # fmt: skip
-    assert "eval_batch_size x sequence_len" in eval_batch_note(recipe(**test, eval_batch_size=8), None)
-    assert eval_batch_note(recipe(**test, eval_sequence_len=512), facts) is None  # fewer tokens than training's
-    assert eval_batch_note(recipe(sequence_len=1024, eval_batch_size=8), facts) is None  # no eval data
+    assert eval_notes(recipe(**test, eval_sequence_len=8192), facts) == [
+        "eval: forward passes of up to 16384 tokens per rank (eval_batch_size x eval_sequence_len), more than "
+        "training's 2048; the estimate counts training's micro-batches: its fp32 logits alone are 7.83 GiB (no "
+        "gradients or saved activations)"]  # fmt: skip
+    assert "eval_batch_size x sequence_len" in eval_notes(recipe(**test, eval_batch_size=8), None)[0]
+    assert eval_notes(recipe(**test, eval_sequence_len=512), facts) == []  # fewer tokens than training's
+    assert eval_notes(recipe(sequence_len=1024, eval_batch_size=8), facts) == []  # no eval data
     plan = plan_alone(recipe(**test, eval_sequence_len=8192), make_cluster(1, device="cpu"))
     assert any(n.startswith("eval: forward passes of up to 16384 tokens") for n in plan.notes)
+    # where it measures nothing, as in Axolotl, it says so
+    (split,) = eval_notes(recipe(val_set_size=4, eval_sequence_len=64), facts)
+    assert split.startswith("eval_sequence_len has no effect here") and "val_set_size's eval rows" in split
+    pairs = [{"path": "org/p", "type": "chat_template.default"}]
+    preference = recipe(rl="dpo", datasets=pairs, test_datasets=pairs, eval_sequence_len=64)
+    assert "preference and GRPO rows" in eval_notes(preference, facts)[0]
+
+
+def test_eval_and_shard_rows_that_leave_nothing_to_run_are_one_line(tmp_path, tok):
+    """Both ended in the Trainer's traceback (exit 1): an eval set emptied by its length or its shard, and
+    dataloader_drop_last over fewer rows than one round."""
+    from llmtune.train.engine.arguments import training_arguments
+
+    with pytest.raises(UserError, match=r"test_datasets leave no eval rows in shard 9 of 10") as caught:
+        arrange(list(range(30)), list(range(7)), recipe(dataset_shard_num=10, dataset_shard_idx=9,
+                                                        test_datasets=[{"path": "t", "type": "alpaca"}]))  # fmt: skip
+    assert caught.value.hint.startswith("lower dataset_shard_num")
+    with pytest.raises(UserError, match=r"test_datasets leave no eval rows \(every row dropped\)") as caught:
+        arrange(list(range(30)), [], recipe(eval_sequence_len=80, test_datasets=[{"path": "t", "type": "alpaca"}]))
+    assert "check the rows against eval_sequence_len" in caught.value.hint
+    plan = {"precision": "no", "cluster": {"device": "cpu"}, "strategy": "ddp", "micro_batch_size": 4,
+            "data_parallel_size": 2, "gradient_accumulation_steps": 1}  # fmt: skip
+    with pytest.raises(UserError, match=r"drops every training row: 7 don't fill one round of micro_batch_size 4 x 2"):
+        training_arguments(recipe(output_dir=str(tmp_path), micro_batch_size=4, dataloader_drop_last=True), plan, 7,
+                           False)  # fmt: skip
+    assert training_arguments(recipe(output_dir=str(tmp_path), micro_batch_size=4), plan, 7, False).max_steps == -1

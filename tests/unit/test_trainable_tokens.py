@@ -79,6 +79,7 @@ def test_added_tokens_train_when_their_rows_are_listed_for_every_untied_embeddin
     (True, True, [512, 5]),
     (False, False, [5, 9]),
     (True, False, {"embed_tokens": [9]}),
+    (True, True, {"embed_tokens": [512, 513]}),  # peft saves the tied head's copy, which the mapping doesn't name
 ])  # fmt: skip
 def test_merge_writes_the_trained_rows_as_peft_merges_them(tmp_path, tied, grown, rows):
     import torch
@@ -93,7 +94,7 @@ def test_merge_writes_the_trained_rows_as_peft_merges_them(tmp_path, tied, grown
     model = AutoModelForCausalLM.from_pretrained(base)
     if grown:  # tokens the recipe added: the embedding grew before peft wrapped it
         tokenizer = load_tokenizer()
-        tokenizer.add_tokens(["<think>"])
+        tokenizer.add_tokens(["<think>", "</think>"])
         model.resize_token_embeddings(len(tokenizer))
     adapted = get_peft_model(model, lora_config(recipe(peft_trainable_token_indices=rows)))
     trained = [name for name, p in adapted.named_parameters() if p.requires_grad and "token_adapter" in name]
@@ -111,7 +112,7 @@ def test_merge_writes_the_trained_rows_as_peft_merges_them(tmp_path, tied, grown
     writer.finish()
     merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
     embedding = merged["model.embed_tokens.weight"]
-    assert embedding.shape[0] == (513 if grown else 512)
+    assert embedding.shape[0] == (514 if grown else 512)
     assert torch.equal(embedding, expected["model.embed_tokens.weight"])
     head = "lm_head.weight"
     assert (head in merged) is not tied  # a tied head stays the embedding, one tensor
@@ -122,7 +123,8 @@ def test_merge_writes_the_trained_rows_as_peft_merges_them(tmp_path, tied, grown
     kept = [i for i in range(untouched.shape[0]) if i not in listed]
     old_rows = [i for i in listed if i < 512]
     assert torch.equal(embedding[kept], untouched[kept])  # every other row as the base has it
-    assert not torch.allclose(embedding[old_rows], untouched[old_rows])  # the listed rows took their trained values
+    if old_rows:  # the listed rows took their trained values
+        assert not torch.allclose(embedding[old_rows], untouched[old_rows])
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -143,3 +145,22 @@ def test_the_tokenizer_names_the_new_ids_and_the_model_says_whether_its_head_is_
         both = recipe(tokens=["<think>", "</think>"], peft_trainable_token_indices={"embed_tokens": [512, 513],
                                                                                     "lm_head": [512, 513]})  # fmt: skip
         add_recipe_tokens(both, load_tokenizer(), "m", str(source))
+
+
+def test_ids_and_modules_the_model_lacks_are_one_line(tmp_path):
+    """peft stopped on an IndexError (an id past the vocabulary), or blamed lora_target_linear (a module name the
+    model lacks)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtune.train.model.adapters import check_token_rows
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m"))
+    check_token_rows(model, [0, 511])
+    check_token_rows(model, {"embed_tokens": [3], "lm_head": [3]})
+    with pytest.raises(UserError, match=r"id 600 is past the input embedding's 512 rows \(ids 0 to 511\)"):
+        check_token_rows(model, [5, 600])
+    with pytest.raises(UserError, match="id 512 is past model.embed_tokens's 512 rows"):
+        check_token_rows(model, {"embed_tokens": [512]})
+    with pytest.raises(UserError, match="wte names no embedding or output layer of the model") as caught:
+        check_token_rows(model, {"wte": [5]})
+    assert caught.value.hint == "use its names: embed_tokens, lm_head"

@@ -55,6 +55,13 @@ def arrange(train, evaluation, recipe) -> tuple:
     if not len(train):
         raise UserError(f"dataset_shard_idx {recipe.dataset_shard_idx} of dataset_shard_num {recipe.dataset_shard_num} "
                         f"holds no training rows (the datasets give {count})", "lower dataset_shard_num")  # fmt: skip
+    if evaluation is not None and not len(evaluation):  # the Trainer would stop at its first evaluation
+        sharded = recipe.dataset_shard_num is not None
+        raise UserError("test_datasets leave no eval rows" + (f" in shard {recipe.dataset_shard_idx} of "
+                        f"{recipe.dataset_shard_num}" if sharded else " (every row dropped)"),
+                        ("lower dataset_shard_num, or " if sharded else "") + "check the rows against "
+                        f"{'eval_sequence_len' if recipe.eval_sequence_len else 'sequence_len'} (excess_length_strategy:"
+                        " truncate keeps long rows), or remove test_datasets")  # fmt: skip
     if recipe.val_set_size:
         evaluation, train = split_eval(train, recipe.val_set_size)
     return train, evaluation

@@ -33,6 +33,18 @@ def steps_per_epoch(train_rows: int, plan: dict, drop_last: bool = False) -> int
     return max(1, math.ceil(micro / plan["gradient_accumulation_steps"]))
 
 
+def _check_drop_last(recipe, plan: dict, train_rows: int) -> None:
+    """dataloader_drop_last with fewer training rows than one round of micro-batches: nothing would train (the
+    Trainer stops on a loader without length)."""
+    from llmtune.errors import UserError
+
+    rounds = plan["micro_batch_size"] * plan["data_parallel_size"]
+    if recipe.dataloader_drop_last and train_rows < rounds:
+        raise UserError(f"dataloader_drop_last drops every training row: {train_rows} don't fill one round of "
+                        f"micro_batch_size {plan['micro_batch_size']} x {plan['data_parallel_size']} data-parallel "
+                        "rank(s)", "remove dataloader_drop_last, or lower micro_batch_size")  # fmt: skip
+
+
 def _every(steps: float | None, per_epoch: int | None, epoch_steps: int) -> tuple[str, float | None]:
     """(strategy, steps) for Axolotl's save_steps/saves_per_epoch style pairs."""
     if steps is not None:
@@ -119,6 +131,7 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
     from llmtune.train.checkpoint.manifest import own_disk
 
     _check_optimizer_package(recipe.optimizer)
+    _check_drop_last(recipe, plan, train_rows)
     epoch_steps = steps_per_epoch(train_rows, plan, recipe.dataloader_drop_last)
     precision = plan["precision"]
     rehearsal = plan["cluster"]["device"] == "cpu"

@@ -90,6 +90,8 @@ def _with_adapter(model, recipe):
         return PeftModel.from_pretrained(model, recipe.lora_model_dir, is_trainable=True)
     layout = ModuleLayout.of(model)  # before peft wraps it
     check_module_names(recipe, layout, key="lora_modules_to_save")
+    if recipe.peft_trainable_token_indices is not None:
+        check_token_rows(model, recipe.peft_trainable_token_indices)
     config = lora_config(recipe)
     if config.target_modules == "all-linear":
         left_out = all_linear_exclusions(model)
@@ -112,6 +114,32 @@ def _with_adapter(model, recipe):
     converted = set() if isinstance(kept, str) or kept is None else set(recipe.lora_target_modules or ()) - set(kept)
     check_module_names(recipe, layout, key="lora_target_modules", converted=converted)
     return adapted
+
+
+def check_token_rows(model, rows) -> None:
+    """peft_trainable_token_indices against the model: each module it names is an embedding or a linear head of the
+    model, and each id one of its rows (peft would stop on an IndexError, or blame lora_target_modules)."""
+    import torch
+
+    wanted = rows.items() if isinstance(rows, dict) else [(None, rows)]
+    layers = {name: module for name, module in model.named_modules()
+              if isinstance(module, (torch.nn.Embedding, torch.nn.Linear))}  # fmt: skip
+    for key, ids in wanted:
+        if key is None:
+            found, module = "the input embedding", model.get_input_embeddings()
+        else:
+            found = next((name for name in layers if name == key or name.endswith(f".{key}")), None)
+            module = layers.get(found)
+        if module is None:
+            embeddings = [name.rsplit(".", 1)[-1] for name, layer in layers.items()
+                          if isinstance(layer, torch.nn.Embedding) or layer is model.get_output_embeddings()]  # fmt: skip
+            raise UserError(f"peft_trainable_token_indices: {key} names no embedding or output layer of the model",
+                            f"use its names: {', '.join(dict.fromkeys(embeddings))}")  # fmt: skip
+        size = module.weight.shape[0]
+        if max(ids) >= size:
+            raise UserError(f"peft_trainable_token_indices: id {max(ids)} is past {found}'s {size} rows (ids 0 to "
+                            f"{size - 1})", "list token ids of the run's tokenizer (tokens it adds come after "
+                            "its vocabulary)")  # fmt: skip
 
 
 class ModuleLayout:
