@@ -29,6 +29,9 @@ SCHEDULE_KEYS = ("learning_rate", "lr_scheduler", "lr_scheduler_kwargs", "warmup
                  "cosine_min_lr_ratio", "cosine_constant_lr_ratio")  # fmt: skip
 
 
+MIXING_KEYS = ("shuffle_before_merging_datasets", "dataset_shard_num", "dataset_shard_idx", "dataloader_drop_last")
+
+
 def data_key(recipe) -> str:
     """The datasets as the recipe names them (type, split, fields..., and the path: a local one by its file or
     folder name, so that the same data on another mount or from another working folder is the same)."""
@@ -38,7 +41,11 @@ def data_key(recipe) -> str:
         if isinstance(values.get("path"), str) and Path(values["path"]).is_absolute():
             values["path"] = Path(values["path"]).name
         specs.append(values)
-    return hashlib.sha256(json.dumps(specs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    # which of the rows, and in which batches: in the key only when set (so a recipe without them keys as before)
+    drawn = {key: getattr(recipe, key, None) for key in MIXING_KEYS}
+    drawn = {key: value for key, value in drawn.items() if value not in (None, False)}
+    payload = {"datasets": specs, "drawn": drawn} if drawn else specs
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def marker_keys(recipe) -> dict:
@@ -163,7 +170,7 @@ def _check_recipe(recipe, checkpoint: Path, marker: dict) -> list[str]:
             ", not train the model named",
             f"set base_model back to resume it; to train the changed recipe from the start: {start_over(recipe)}",
         )
-    changed = [what for what, key, now in (("datasets", "data_key", data_key(recipe)),
+    changed = [what for what, key, now in (("datasets (or shard, merge order, drop_last)", "data_key", data_key(recipe)),
                                            ("seed (the data order)", "data_seed", _data_seed(recipe)))
                if saved.get(key) is not None and saved[key] != now]  # fmt: skip
     if changed:

@@ -332,6 +332,15 @@ def test_a_damaged_checkpoint_or_one_another_recipe_trained_is_refused_or_explai
         plan(tmp_path / "b", seed=7)
     with pytest.raises(UserError, match="trained with other datasets"):
         plan(tmp_path / "b", datasets=[{"path": "org/other", "type": "alpaca"}])
+    for drawn in ({"dataset_shard_num": 2, "dataset_shard_idx": 1}, {"dataloader_drop_last": True}):
+        with pytest.raises(UserError, match=r"trained with other datasets \(or shard, merge order, drop_last\)"):
+            plan(tmp_path / "b", **drawn)
+    sharded = marker_keys(recipe(tmp_path / "s", dataset_shard_num=2, dataset_shard_idx=0))
+    assert sharded["data_key"] != keys["data_key"]  # (and a recipe without them keys as before these keys existed)
+    checkpoint(tmp_path / "s", **sharded)
+    with pytest.raises(UserError, match="trained with other datasets"):
+        plan(tmp_path / "s", dataset_shard_num=2, dataset_shard_idx=1)
+    plan(tmp_path / "s", dataset_shard_num=2, dataset_shard_idx=0)
     # another base model of the same shape: the resume would load the checkpoint's weights, not train it
     with pytest.raises(UserError, match="trained from base_model model, and the recipe now names other-model"):
         plan(tmp_path / "b", base_model="org/other-model")
