@@ -183,11 +183,12 @@ def build_deepspeed_config(
         config["fp16"] = {"loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
                           "hysteresis": 2, "min_loss_scale": 1, **config["fp16"]}  # fmt: skip
     if int((config.get("zero_optimization") or {}).get("stage") or 0) == 3 and recipe.peft_trainable_token_indices:
-        # peft 0.21 gathers the rows under ZeRO-3 on a CUDA device it hard-codes, and its forward reads the partitioned
-        # embedding outside the module DeepSpeed gathers it for: not run here, so not offered
-        raise UserError("peft_trainable_token_indices with ZeRO-3: peft's trainable tokens read the embedding outside "
-                        "the module ZeRO-3 gathers it for, and llmtune can't rehearse it", "use ZeRO-2 or fsdp_version: "
-                        "2 (both trained and merged here), or lora_modules_to_save: [embed_tokens, lm_head]")  # fmt: skip
+        # peft 0.21 gathers the rows under ZeRO-3 on a CUDA device it hard-codes (the CPU ranks stop there, measured)
+        # and its forward reads the embedding's weight outside the module DeepSpeed gathers: never run, not offered
+        raise UserError("peft_trainable_token_indices with ZeRO-3: peft gathers the rows under ZeRO-3 on a CUDA device "
+                        "it hard-codes, so llmtune can't rehearse it, and it has not run here", "use ZeRO-2 or "
+                        "fsdp_version: 2 (both trained and merged here), or lora_modules_to_save: [embed_tokens, "
+                        "lm_head]")  # fmt: skip
     _resolve_optimizer(config, recipe, notes)
     if "scheduler" in config:
         del config["scheduler"]
