@@ -289,7 +289,7 @@ def eval_notes(recipe, facts: ModelFacts | None) -> list[str]:
         notes.append(f"eval_sequence_len has no effect here: it measures supervised test_datasets rows; {where}")
     if recipe.rl or not (recipe.test_datasets or recipe.val_set_size):
         return notes
-    length = (recipe.eval_sequence_len if recipe.test_datasets else None) or recipe.sequence_len
+    key, length = recipe.test_row_limit if recipe.test_datasets else ("sequence_len", recipe.sequence_len)
     tokens, trained = (
         (recipe.eval_batch_size or recipe.micro_batch_size) * length,
         recipe.micro_batch_size * recipe.sequence_len,
@@ -300,6 +300,6 @@ def eval_notes(recipe, facts: ModelFacts | None) -> list[str]:
     return [
         *notes,
         f"eval: forward passes of up to {tokens} tokens per rank (eval_batch_size x "
-        f"{'eval_sequence_len' if length != recipe.sequence_len else 'sequence_len'}), more than training's "
+        f"{key}), more than training's "
         f"{trained}; the estimate counts training's micro-batches{logits} (no gradients or saved activations)",
     ]

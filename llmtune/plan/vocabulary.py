@@ -10,6 +10,7 @@ from pathlib import Path
 
 from llmtune.errors import UserError
 from llmtune.plan.memory.facts import local_config, model_file
+from llmtune.recipe.adapter import names_module
 from llmtune.recipe.model import ADDITIONAL_SPECIAL_TOKENS
 
 # The input and output embedding modules by config model_type (Axolotl's get_linear_embedding_layers)
@@ -86,7 +87,7 @@ def _listed(rows, module: str, modules: tuple[str, str]) -> list[int] | None:
     """The ids peft's trainable tokens train in `module`: a list names the input embedding's, a mapping names
     modules by name (peft matches the end of the module path)."""
     if isinstance(rows, dict):
-        return next((ids for key, ids in rows.items() if key == module or key.endswith(f".{module}")), None)
+        return next((ids for key, ids in rows.items() if names_module(key, module)), None)
     return rows if module == modules[0] else None
 
 

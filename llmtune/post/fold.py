@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtune.errors import UserError
+from llmtune.recipe.adapter import names_module
 from llmtune.train.model.shards import ShardWriter, iter_tensors, read_tensor
 
 
@@ -97,7 +98,7 @@ def token_ids(spec, module: str) -> list[int] | None:
     """The ids whose rows peft's trainable tokens trained in `module`: a list is the input embedding's (and a tied
     head's, which peft saves beside it), a mapping names modules by the end of their path."""
     if isinstance(spec, dict):
-        return next((ids for key, ids in spec.items() if module == key or module.endswith(f".{key}")), None)
+        return next((ids for key, ids in spec.items() if names_module(module, key)), None)
     return spec
 
 

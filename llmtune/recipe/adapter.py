@@ -13,6 +13,12 @@ from llmtune.recipe.qat import Qat
 UNFROZEN_RANGE = re.compile(r"^(.+)\[([0-9]*)(?::([0-9]*))?\]$")
 
 
+def names_module(path: str, name: str) -> bool:
+    """peft's trainable-token module keys: `path` is the module `name`, or ends with it at a dot (as peft matches a
+    key against a module's path)."""
+    return path == name or path.endswith(f".{name}")
+
+
 def unfrozen_pattern(pattern: str) -> tuple[re.Pattern, tuple[int | None, int | None] | None]:
     """Axolotl's reading of an unfrozen_parameters entry: a regex matched from the start of the parameter name,
     where '.' is a literal dot unless followed by '+', and an optional trailing [start:end] row range."""

@@ -44,6 +44,14 @@ class MixingKeys(Section):
                              f"{self.dataset_shard_num}'s shards (0 to {self.dataset_shard_num - 1})")  # fmt: skip
         return self
 
+    @property
+    def test_row_limit(self) -> tuple[str, int]:
+        """The key and length test_datasets rows are measured and packed at (val_set_size's eval rows are training
+        rows, at sequence_len)."""
+        if self.eval_sequence_len:
+            return "eval_sequence_len", self.eval_sequence_len
+        return "sequence_len", self.sequence_len
+
     def mixing_rules(self) -> None:
         """Rules across sections (Recipe's cross-concern validator calls this)."""
         if self.dataset_shard_num is not None and self.streaming:

@@ -60,7 +60,7 @@ def arrange(train, evaluation, recipe) -> tuple:
         raise UserError("test_datasets leave no eval rows" + (f" in shard {recipe.dataset_shard_idx} of "
                         f"{recipe.dataset_shard_num}" if sharded else " (every row dropped)"),
                         ("lower dataset_shard_num, or " if sharded else "") + "check the rows against "
-                        f"{'eval_sequence_len' if recipe.eval_sequence_len else 'sequence_len'} (excess_length_strategy:"
+                        f"{recipe.test_row_limit[0]} (excess_length_strategy:"
                         " truncate keeps long rows), or remove test_datasets")  # fmt: skip
     if recipe.val_set_size:
         evaluation, train = split_eval(train, recipe.val_set_size)

@@ -150,8 +150,7 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
     eot_ids = eot_token_ids(recipe, tokenizer)
     budget = stream_budget(recipe) if group == "datasets" else None
     # eval_sequence_len: test_datasets rows are measured against it (Axolotl's split == "test")
-    key, limit = (("eval_sequence_len", recipe.eval_sequence_len) if group == "test_datasets" and recipe.eval_sequence_len
-                  else ("sequence_len", recipe.sequence_len))  # fmt: skip
+    key, limit = recipe.test_row_limit if group == "test_datasets" else ("sequence_len", recipe.sequence_len)
     for index, spec in enumerate(specs):
         label = f"{group}[{index}]"
         ctx = FormatContext(tokenizer, spec, recipe.train_on_inputs, limit,
@@ -323,7 +322,7 @@ def split_and_pack(recipe, groups: dict[str, list[dict]], stats: dict) -> Prepar
         stats["packing_efficiency"] = round(efficiency, 4)
         if evaluation and (recipe.eval_sample_packing if recipe.eval_sample_packing is not None else True):
             # test_datasets rows may be up to eval_sequence_len long: packed to it (val_set_size's to sequence_len)
-            length = (recipe.eval_sequence_len if recipe.test_datasets else None) or recipe.sequence_len
+            length = recipe.test_row_limit[1] if recipe.test_datasets else recipe.sequence_len
             evaluation, _ = pack_examples(evaluation, length, recipe.seed)
     stats["train_rows"] = len(train)
     return PreparedData(train, evaluation, stats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llmtune.errors import UserError
+from llmtune.recipe.adapter import names_module
 
 REGEX_CHARS = set("[]()*+?^$|\\")
 
@@ -128,7 +129,7 @@ def check_token_rows(model, rows) -> None:
         if key is None:
             found, module = "the input embedding", model.get_input_embeddings()
         else:
-            found = next((name for name in layers if name == key or name.endswith(f".{key}")), None)
+            found = next((name for name in layers if names_module(name, key)), None)
             module = layers.get(found)
         if module is None:
             embeddings = [name.rsplit(".", 1)[-1] for name, layer in layers.items()
