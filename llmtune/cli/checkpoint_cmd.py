@@ -100,8 +100,8 @@ def reshard(target: Path | None) -> None:
         raise UserError(f"{checkpoint.name} has no DeepSpeed engine state (no `latest` file naming a global_stepN "
                         "folder)", "give a checkpoint a ZeRO run saved")  # fmt: skip
     convert(checkpoint, typer.echo)
-    typer.echo(f"{checkpoint.name} now resumes on any data-parallel size (the plan says how, e.g. `llmtune plan "
-               "RECIPE --num-processes N`)")  # fmt: skip
+    typer.echo(f"{checkpoint.name} now resumes on any data-parallel size, and at another ZeRO stage, offload or "
+               "sub-group size (the plan says how, e.g. `llmtune plan RECIPE --num-processes N`)")  # fmt: skip
 
 
 def checkpoint(where: Where, target: Target = None) -> None:

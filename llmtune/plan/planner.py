@@ -33,7 +33,8 @@ from llmtune.plan.memory.facts import read_model_facts
 from llmtune.plan.mesh import plan_mesh
 from llmtune.plan.padding_free import planned_batches
 from llmtune.plan.pipeline import PipelinePlan, pipeline_plan
-from llmtune.plan.resume import check_layout, engine_layout, length_line, resumed_accumulation
+from llmtune.plan.relayout import check_layout
+from llmtune.plan.resume import length_line, resumed_accumulation
 from llmtune.plan.resume_checks import check_resume, check_weights_only
 from llmtune.plan.vocabulary import check_new_tokens
 from llmtune.recipe import Recipe
@@ -279,8 +280,10 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
                      "ends the job whatever max_restarts says (rdzv_backend: etcd keeps it off the training machines)")  # fmt: skip
     weights_only = strategy == "tp" and recipe.save_only_model  # snapshots a run never resumes
     resume = resume and not weights_only
-    if resume:  # before another world's conversion: no conversion loads engine state into another layout
-        check_layout(recipe, engine_layout(deepspeed_config, fsdp))
+    relayout = check_layout(recipe, strategy, STRATEGY_TITLES, deepspeed_config, fsdp) if resume else None
+    if relayout:  # another ZeRO layout: the engine loads the checkpoint's universal conversion (the worker converts)
+        notes.append(relayout)
+        deepspeed_config["checkpoint"] = {**deepspeed_config.get("checkpoint", {}), "load_universal": True}
     resumed = resumed_accumulation(recipe, strategy, world, data_parallel, mesh, STRATEGY_TITLES, offload, resume)
     if resumed:  # the checkpoint it resumes was saved on another world size: keep its global batch
         accumulation = resumed.accumulation

@@ -23,6 +23,12 @@ MOVABLE = {"single": "replicated", "ddp": "replicated", "fsdp2": "fsdp2", "zero1
 UNIVERSAL_DONE = "latest_universal"  # DeepSpeed writes it last, naming the converted folder: the conversion is complete
 
 
+def _family(strategy: str) -> str:
+    """Strategies whose checkpoints load into each other: ZeRO's stages through DeepSpeed's universal checkpoint
+    (plan/relayout.py refuses what it can't carry over before this is asked)."""
+    return "zero" if strategy.startswith("zero") else MOVABLE.get(strategy, strategy)
+
+
 @dataclass(frozen=True)
 class Saved:
     """What a complete checkpoint's marker says of the allocation that wrote it."""
@@ -119,6 +125,24 @@ def zero_tag(checkpoint: Path) -> str | None:
     return tag if (checkpoint / tag).is_dir() else None
 
 
+def check_convertible(checkpoint: Path, data_parallel: int, again: str, recipe) -> None:
+    """A ZeRO checkpoint can be converted to the universal checkpoint (or was): it holds its engine state, with every
+    rank's optimizer slice in one folder. UserError otherwise, `again` saying what will work."""
+    if (checkpoint / UNIVERSAL_DONE).is_file():
+        return
+    tag = zero_tag(checkpoint)
+    if tag is None:
+        raise UserError(f"{checkpoint.name} has no DeepSpeed engine state (no `latest` file naming a global_stepN "
+                        f"folder)", f"resume from a checkpoint a ZeRO run saved, or start over: {start_over(recipe)}")  # fmt: skip
+    slices = len(list((checkpoint / tag).glob("*optim_states.pt")))
+    if slices < data_parallel:  # machines with their own disks each kept their ranks' slices
+        raise UserError(
+            f"{checkpoint.name} holds the optimizer slices of {slices} of the {data_parallel} ranks that saved it "
+            f"(in {checkpoint / tag}); converting it needs all of them in one folder",
+            f"copy the other machines' {tag}/*optim_states.pt into {checkpoint / tag}, or {again}",
+        )
+
+
 def universal_line(saved: Saved, data_parallel: int) -> str:
     """What loading a ZeRO checkpoint on another data-parallel size takes: its conversion, or that it's done."""
     if (saved.path / UNIVERSAL_DONE).is_file():
@@ -150,7 +174,7 @@ def resumed_accumulation(
         return None
     name = saved.path.name
     written = saved.strategy or strategy
-    if saved.strategy and MOVABLE.get(saved.strategy, saved.strategy) != MOVABLE.get(strategy, strategy):
+    if saved.strategy and _family(saved.strategy) != _family(strategy):
         # at any world size: the same one too, where ZeRO's and FSDP's states would be missed (a DDP resume of a
         # ZeRO checkpoint restarted its optimizer silently) or not found (every rank's traceback)
         raise UserError(
@@ -191,17 +215,8 @@ def resumed_accumulation(
             "DeepSpeed reads NVMe-offloaded optimizer state back only on the ranks that wrote it",
             f"{again}, or start over: {start_over(recipe)}",
         )
-    if universal and not (saved.path / UNIVERSAL_DONE).is_file() and zero_tag(saved.path) is None:
-        raise UserError(f"{name} has no DeepSpeed engine state (no `latest` file naming a global_stepN folder)",
-                        f"resume from a checkpoint a ZeRO run saved, or start over: {start_over(recipe)}")  # fmt: skip
-    tag = zero_tag(saved.path) if universal and not (saved.path / UNIVERSAL_DONE).is_file() else None
-    slices = len(list((saved.path / tag).glob("*optim_states.pt"))) if tag else 0
-    if tag and slices < saved.data_parallel_size:  # machines with their own disks each kept their ranks' slices
-        raise UserError(
-            f"{name} holds the optimizer slices of {slices} of the {saved.data_parallel_size} ranks that saved it "
-            f"(in {saved.path / tag}); converting it for another world size needs all of them in one folder",
-            f"copy the other machines' {tag}/*optim_states.pt into {saved.path / tag}, or {again}",
-        )
+    if universal:
+        check_convertible(saved.path, saved.data_parallel_size, again, recipe)
     accumulation = saved.global_batch_size // (micro * data_parallel)
     before = saved.global_batch_size // (micro * saved.data_parallel_size)
     line = (f"resuming {name} (world size {saved.world_size}) on world size {world}: gradient accumulation "
@@ -216,52 +231,6 @@ def resumed_accumulation(
     if universal:
         line += "; " + universal_line(saved, data_parallel)
     return Resumed(accumulation, line, universal)
-
-
-# DeepSpeed's default sub_group_size (ZeRO-3 steps its optimizer over sub-groups of this many parameters)
-DEFAULT_SUB_GROUP = 1_000_000_000
-
-
-def engine_layout(deepspeed_config: dict | None, fsdp_section: dict | None) -> dict:
-    """What shapes a ZeRO or FSDP checkpoint's saved state beyond the strategy: DeepSpeed's offload devices, ZeRO-3's
-    optimizer sub-groups and whether DeepSpeed or the Trainer owns the optimizer and the schedule; FSDP's state dict
-    format. The marker records it (trainer.py `_allocation`); a resume whose layout differs fails deep in loading."""
-    if deepspeed_config:
-        zero = deepspeed_config.get("zero_optimization") or {}
-        layout = {f"{key} device": (zero.get(key) or {}).get("device", "none")
-                  for key in ("offload_optimizer", "offload_param")}  # fmt: skip
-        if int(zero.get("stage", 0)) == 3:
-            layout["sub_group_size"] = zero.get("sub_group_size", DEFAULT_SUB_GROUP)
-        layout["optimizer"] = "DeepSpeed's" if "optimizer" in deepspeed_config else "the Trainer's"
-        layout["scheduler"] = "DeepSpeed's" if "scheduler" in deepspeed_config else "the Trainer's"
-        return layout
-    if fsdp_section:
-        return {"state_dict_type": fsdp_section.get("fsdp_state_dict_type", "FULL_STATE_DICT")}
-    return {}
-
-
-def check_layout(recipe, layout: dict) -> None:
-    """The checkpoint to resume was saved in the layout this launch has: DeepSpeed loads optimizer partitions only
-    into the offload and sub-group layout that wrote them, and accelerate reads an FSDP checkpoint only in the state
-    dict format it is told (each otherwise ends every rank in a traceback after loading)."""
-    checkpoint = resume_checkpoint(recipe)
-    saved = (read_marker(checkpoint) or {}).get("engine_layout") if checkpoint else None
-    if not isinstance(saved, dict) or not layout:
-        return  # (markers of older llmtune runs don't record it)
-    differ = [f"{key} {saved[key]} -> {layout.get(key)}" for key in saved if saved[key] != layout.get(key)]
-    if not differ:
-        return
-    fix = "set fsdp_config.state_dict_type back" if "state_dict_type" in saved else \
-        "use the DeepSpeed config it was saved with"  # fmt: skip
-    if any(item.startswith("sub_group_size") for item in differ):
-        fix += (" (Axolotl's zero3*.json files, and llmtune's stand-ins for them where they aren't on disk, set "
-                "sub_group_size 0; llmtune's own zero3 presets keep DeepSpeed's default)")  # fmt: skip
-    raise UserError(
-        f"{checkpoint.name} was saved with {'; '.join(differ)} (saved -> now): its engine state loads only into the "
-        "layout that wrote it",
-        f"{fix} to resume it; to train on from its weights in the new layout: llmtune merge {checkpoint}, then "
-        f"base_model: the merged folder in a new output_dir",
-    )
 
 
 def _same_world(recipe, saved: Saved, data_parallel: int) -> Resumed | None:

@@ -193,6 +193,67 @@ def test_a_checkpoint_resumes_on_fewer_and_on_more_processes(workspace, straight
         resume_elsewhere(workspace, straight, checkpoint, strategy, processes)
 
 
+def test_a_zero_checkpoint_resumes_at_another_stage_and_offload_and_back(workspace, straight):
+    """What a run that ran out of memory does: the 2-rank ZeRO-2 checkpoint-6 goes on under ZeRO-3 with the optimizer
+    and the parameters offloaded (DeepSpeed's CPU Adam then owns the optimizer, in one parameter group, and the
+    schedule); and a ZeRO-2 run with the optimizer offloaded goes on from its checkpoint-6 under ZeRO-2 without
+    offload on 1 process (the Trainer's two groups and scheduler.pt again). Each is converted to DeepSpeed's
+    universal checkpoint and loaded with its Adam moments, step and schedule: the resumed steps train the
+    uninterrupted ZeRO-2 run's rows to its losses, and both end at its weights (measured 6e-8 apart; a fresh optimizer state at the same point ends 7e-4 apart). Both were
+    refused before (one line), and crashed every rank before that."""
+    import shutil
+
+    import torch
+    from harness import saved_weights
+
+    reference = read_metrics(straight["zero2"])
+    expected_rows = rows_by_step(workspace[0] / "rows-straight-zero2")
+    expected = {e["step"]: e["loss"] for e in reference["log_history"] if "loss" in e}
+    final = saved_weights(Path(yaml.safe_load(straight["zero2"].read_text())["output_dir"]))
+
+    def resume(name: str, checkpoint: Path, processes: int, deepspeed: str, **changes):
+        path = write(workspace, name, deepspeed=deepspeed, **changes)
+        out = Path(yaml.safe_load(path.read_text())["output_dir"])
+        shutil.copytree(checkpoint, out / checkpoint.name)
+        rows = workspace[0] / f"rows-{name}"
+        rows.mkdir()
+        result = llmtune("train", path, "--num-processes", str(processes), env={"LLMTUNE_TEST_ROW_LOG": str(rows)},
+                         timeout=900)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        metrics = read_metrics(path)
+        step = int(checkpoint.name.split("-")[1])
+        losses = {e["step"]: e["loss"] for e in metrics["log_history"] if "loss" in e and e["step"] > step}
+        assert losses.keys() == set(range(step + 1, 9)), losses
+        assert all(abs(losses[k] - expected[k]) <= 1e-5 * abs(expected[k]) for k in losses), (losses, expected)
+        assert rows_by_step(rows) == {k: expected_rows[k] for k in losses}
+        weights = saved_weights(out)
+        assert weights.keys() == final.keys()
+        drift = max(float((weights[k].float() - final[k].float()).abs().max()) for k in final)
+        assert drift <= 1e-6, drift
+        return result.stderr, metrics, out
+
+    saved_checkpoint = Path(yaml.safe_load(straight["zero2"].read_text())["output_dir"]) / "checkpoint-6"
+    said, metrics, out = resume("relayout-zero3-offload", saved_checkpoint, 2, "zero3_offload")
+    assert ("checkpoint-6 was saved with DeepSpeed ZeRO-2 -> DeepSpeed ZeRO-3; offload_optimizer device none -> cpu; "
+            "offload_param device none -> cpu; optimizer the Trainer's -> DeepSpeed's; sub_group_size None -> "
+            "1000000000 (saved -> now): it is converted to DeepSpeed's universal checkpoint") in said, said[-3000:]  # fmt: skip
+    assert [(r["engine"], r.get("zero_stage")) for r in metrics["ranks"]] == [("deepspeed", 3)] * 2
+    marker = json.loads((out / "checkpoint-8" / "llmtune-complete.json").read_text())
+    assert marker["optimizer"] == "deepspeed:adamw" and marker["engine_layout"]["optimizer"] == "DeepSpeed's"
+    assert marker["engine_layout"]["offload_optimizer device"] == "cpu"
+
+    # and back: a checkpoint DeepSpeed's CPU Adam wrote (no scheduler.pt: DeepSpeed keeps the schedule in its files)
+    offloaded = write(workspace, "straight-zero2-offload", deepspeed="zero2_offload")
+    assert train(offloaded).returncode == 0
+    checkpoint = Path(yaml.safe_load(offloaded.read_text())["output_dir"]) / "checkpoint-6"
+    assert not (checkpoint / "scheduler.pt").exists()
+    said, metrics, back = resume("relayout-back", checkpoint, 1, "zero2")
+    assert "checkpoint-6 was saved with offload_optimizer device cpu -> none; optimizer DeepSpeed's -> the" in said
+    assert [(r["engine"], r.get("zero_stage")) for r in metrics["ranks"]] == [("deepspeed", 2)]
+    schedule = torch.load(back / "checkpoint-6" / "scheduler.pt", weights_only=True)  # written for the Trainer
+    assert (schedule["last_epoch"], len(schedule["base_lrs"])) == (6, 2)  # its step; the Trainer's two groups
+
+
 def test_kill_during_a_save_resumes_from_the_previous_checkpoint(workspace, straight):
     path = write(workspace, "killed-in-save")
     out = Path(yaml.safe_load(path.read_text())["output_dir"])

@@ -50,7 +50,7 @@ FLOORS = {
     "llmtune.plan": [
         ["memory", "checkpoint_layout", "hostfile", "generation"],
         ["cluster", "deepspeed", "resume", "shrink", "pipeline", "vocabulary", "padding_free"],
-        ["commands", "resume_checks"],
+        ["commands", "resume_checks", "relayout"],
         ["accelerate_config", "mesh", "smallest_cluster", "checks"],
         ["planner"],
         ["render", "files", "__init__"],

@@ -709,6 +709,21 @@ def test_deepspeed_zero3_universal_load():
            "no longer shares one step tensor or copies group 0's hyperparameters: the repair may be dropped")  # fmt: skip
     expect("self.optimizer.state[fp32_param]" in loader, "deepspeed-zero3-universal-load", "deepspeed",
            "DeepSpeedZeroOptimizer_Stage3.optimizer", "no longer holds the torch optimizer the state is loaded into")  # fmt: skip
+    expect("optim_sd[OPTIMIZER_STATE_DICT]['state'][0]['step']" in loader, "deepspeed-zero3-universal-load",
+           "deepspeed", "stage3 universal loader", "no longer reads the step where fit_layout writes it")  # fmt: skip
+    base = deepspeed_file("runtime/base_optimizer.py")
+    expect("optim_sd['param_groups']" in base, "deepspeed-zero3-universal-load", "deepspeed",
+           "base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir", "no longer reads the top-level param_groups")  # fmt: skip
+    engine = deepspeed_file("runtime/engine.py")
+    names = engine[engine.index("def _get_ckpt_name(") :][:1200]
+    expect('"zero_pp_rank_{}"' in names and '"mp_rank_" + mp_rank_str + "_model_states.pt"' in names,
+           "deepspeed-zero3-universal-load", "deepspeed", "DeepSpeedEngine._get_ckpt_name",
+           "names the model-states files otherwise (fit_layout writes the new stage's)")  # fmt: skip
+    loading = engine[engine.index("def _load_checkpoint(") :][:9000]
+    expect("self.lr_scheduler.load_state_dict(checkpoint['lr_scheduler'])" in loading
+           and "if not self.load_universal_checkpoint():\n            self.load_module_state_dict" in loading,
+           "deepspeed-zero3-universal-load", "deepspeed", "DeepSpeedEngine._load_checkpoint",
+           "no longer loads the schedule from the model states, or reads the module in a universal load")  # fmt: skip
 
 
 def test_deepspeed_compatible_ops():

@@ -52,7 +52,7 @@ def test_a_ddp_checkpoint_resumes_on_fewer_or_more_processes_with_its_global_bat
 
 @pytest.mark.parametrize("world", [4, 2])  # another world size, and the same one (where a ZeRO checkpoint resumed
 @pytest.mark.parametrize(("saved_as", "changes"), [  # by DDP restarted its optimizer silently)
-    ("fsdp2", {}), ("ddp", FSDP2), ("zero2", {}), ("ddp", {"deepspeed": "zero3"}), ("zero2", {"deepspeed": "zero3"})])
+    ("fsdp2", {}), ("ddp", FSDP2), ("zero2", {}), ("ddp", {"deepspeed": "zero3"}), ("zero3", FSDP2)])
 def test_a_checkpoint_resumes_only_under_the_strategy_that_wrote_it(tmp_path, saved_as, changes, world):
     saved(tmp_path, **{**DDP_2, "strategy": saved_as})
     with pytest.raises(UserError) as caught:
@@ -510,43 +510,93 @@ ZERO3_LAYOUT = {"offload_optimizer device": "none", "offload_param device": "non
                 "optimizer": "the Trainer's", "scheduler": "the Trainer's"}  # fmt: skip
 
 
-@pytest.mark.parametrize(("strategy", "layout", "changes", "differ", "fix"), [
+ZERO2_LAYOUT = {key: value for key, value in ZERO3_LAYOUT.items() if key != "sub_group_size"}
+
+
+@pytest.mark.parametrize(("strategy", "layout", "changes", "differ"), [
     # saved with Axolotl's zero3_bf16.json (sub_group_size 0, on disk or stood in for), resumed with llmtune's preset
-    ("zero3", {**ZERO3_LAYOUT, "sub_group_size": 0}, {"deepspeed": "zero3"},
-     "sub_group_size 0 -> 1000000000", "use the DeepSpeed config it was saved with (Axolotl's zero3*.json files, and "
-     "llmtune's stand-ins for them"),
+    ("zero3", {**ZERO3_LAYOUT, "sub_group_size": 0}, {"deepspeed": "zero3"}, "sub_group_size 0 -> 1000000000"),
+    # the usual answer to an OOM: offload (DeepSpeed's CPU Adam then owns the optimizer and the schedule), a higher
+    # stage, or both; and back
     ("zero3", ZERO3_LAYOUT, {"deepspeed": "zero3_offload"}, "offload_optimizer device none -> cpu; offload_param "
-     "device none -> cpu; optimizer the Trainer's -> DeepSpeed's", "use the DeepSpeed config it was saved with"),
-    ("fsdp2", {"state_dict_type": "FULL_STATE_DICT"}, FSDP2, "state_dict_type FULL_STATE_DICT -> SHARDED_STATE_DICT",
-     "set fsdp_config.state_dict_type back"),
+     "device none -> cpu; optimizer the Trainer's -> DeepSpeed's"),
+    ("zero2", ZERO2_LAYOUT, {"deepspeed": "zero3"}, "DeepSpeed ZeRO-2 -> DeepSpeed ZeRO-3; sub_group_size None -> "
+     "1000000000"),
+    ("zero3", {**ZERO3_LAYOUT, "offload_optimizer device": "cpu", "optimizer": "DeepSpeed's"}, {"deepspeed": "zero2"},
+     "DeepSpeed ZeRO-3 -> DeepSpeed ZeRO-2; offload_optimizer device cpu -> none; sub_group_size 1000000000 -> None; "
+     "optimizer DeepSpeed's -> the Trainer's"),
 ])  # fmt: skip
 @pytest.mark.parametrize("world", [2, 1])
-def test_a_checkpoint_resumes_only_in_the_engine_layout_that_wrote_it(tmp_path, strategy, layout, changes, differ,
-                                                                     fix, world):  # fmt: skip
-    """Each of these ended every rank in a traceback after loading (an offload change, the usual fix for an OOM,
-    and a recipe naming Axolotl's file run from another folder among them)."""
-    saved(tmp_path, **{**DDP_2, "strategy": strategy, "engine_layout": layout})
-    with pytest.raises(UserError) as caught:
+def test_a_checkpoint_in_another_zero_layout_is_converted_with_its_optimizer_state(tmp_path, strategy, layout,
+                                                                                   changes, differ, world):  # fmt: skip
+    """Each of these ended every rank in a traceback after loading, then was refused (an offload change, the usual
+    fix for an OOM, and a recipe naming Axolotl's file run from another folder among them): the plan now loads the
+    checkpoint's universal conversion into the new layout, and says so. (The conversion's files and a real run of
+    it: tests/integration/test_resume.py::test_a_zero_checkpoint_resumes_at_another_stage_and_offload_and_back.)"""
+    optimizer = "deepspeed:adamw" if layout["optimizer"] == "DeepSpeed's" else "adamw_torch"
+    folder = saved(tmp_path, **{**DDP_2, "strategy": strategy, "engine_layout": layout, "optimizer": optimizer})
+    (folder / "latest").write_text("global_step4")  # DeepSpeed's engine state, each rank's optimizer slice
+    (folder / "global_step4").mkdir()
+    for rank in range(2):
+        (folder / "global_step4" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    plan = make_plan(recipe(tmp_path, **changes), make_cluster(world, device="cpu"))
+    said = [note for note in plan.notes if note.startswith("checkpoint-4 was saved with")]
+    assert said == [f"checkpoint-4 was saved with {differ} (saved -> now): it is converted to DeepSpeed's universal "
+                    "checkpoint and loaded into this layout, with its optimizer state and schedule (`llmtune checkpoint "
+                    "reshard` converts it ahead)"]  # fmt: skip
+    assert plan.deepspeed_config["checkpoint"] == {"load_universal": True}
+    assert plan.global_batch_size == 8  # the checkpoint's, on either world size
+    (folder / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()  # a machine's own disk kept it
+    with pytest.raises(UserError, match="holds the optimizer slices of 1 of the 2 ranks that saved it"):
         make_plan(recipe(tmp_path, **changes), make_cluster(world, device="cpu"))
-    assert caught.value.message == (f"checkpoint-4 was saved with {differ} (saved -> now): its engine state loads only "
-                                    "into the layout that wrote it")  # fmt: skip
-    assert caught.value.hint.startswith(fix) and "llmtune merge" in caught.value.hint
-    if world != 2:  # (another world size also needs the engine's files to convert; the fakes have none)
-        return
-    from llmtune.plan.resume import engine_layout
 
-    fresh = tmp_path / "fresh"  # the layout the recipe plans is the one its checkpoints record: it resumes
-    plan = plan_alone(recipe(fresh, **changes), make_cluster(world, device="cpu"))
-    saved(fresh, **{**DDP_2, "strategy": strategy,
-                    "engine_layout": engine_layout(plan.deepspeed_config, (plan.accelerate_config or {}).get("fsdp_config"))})  # fmt: skip
-    make_plan(recipe(fresh, **changes), make_cluster(world, device="cpu"))
+
+@pytest.mark.parametrize(("strategy", "layout", "changes", "differ", "why", "fix"), [
+    ("fsdp2", {"state_dict_type": "FULL_STATE_DICT"}, FSDP2, "state_dict_type FULL_STATE_DICT -> SHARDED_STATE_DICT",
+     "accelerate reads an FSDP checkpoint only in the state dict format it is told",
+     "set fsdp_config.state_dict_type back"),
+    ("zero3", ZERO3_LAYOUT, {"deepspeed": "zero3_nvme", "offload_nvme_path": "/tmp"}, "offload_optimizer device none "
+     "-> nvme; offload_param device none -> nvme; optimizer the Trainer's -> DeepSpeed's", "DeepSpeed reads "
+     "NVMe-offloaded optimizer state back only into the swap files that wrote it", "use the DeepSpeed config"),
+    ("zero2", ZERO2_LAYOUT, {"deepspeed": "zero3", "optimizer": "adafactor"}, "DeepSpeed ZeRO-2 -> DeepSpeed ZeRO-3",
+     "its conversion carries Adam's moments, and adafactor keeps other state", "use the DeepSpeed config"),
+])  # fmt: skip
+def test_what_another_layout_cant_carry_over_is_refused_with_what_will_work(tmp_path, strategy, layout, changes,
+                                                                            differ, why, fix):  # fmt: skip
+    saved(tmp_path, **{**DDP_2, "strategy": strategy, "engine_layout": layout, "optimizer": "adamw_torch"})
+    with pytest.raises(UserError) as caught:
+        make_plan(recipe(tmp_path, **changes), make_cluster(2, device="cpu"))
+    assert caught.value.message.startswith(f"checkpoint-4 was saved with {differ}")
+    assert f"(saved -> now): {why}" in caught.value.message
+    assert caught.value.hint.startswith(fix) and "llmtune merge" in caught.value.hint
+    # markers without the optimizer (before this llmtune) or without the layout (older still) aren't guessed at
+    (tmp_path / "checkpoint-4").rename(tmp_path / "old")
+    saved(tmp_path, **{**DDP_2, "strategy": "zero2", "engine_layout": ZERO2_LAYOUT})
+    with pytest.raises(UserError, match="doesn't record its optimizer"):
+        make_plan(recipe(tmp_path, deepspeed="zero2_offload"), make_cluster(2, device="cpu"))
+    (tmp_path / "checkpoint-4").rename(tmp_path / "older")
+    saved(tmp_path, **{**DDP_2, "strategy": "zero2"})
+    with pytest.raises(UserError, match="with an older llmtune, whose checkpoints don't record their engine layout"):
+        make_plan(recipe(tmp_path, deepspeed="zero3"), make_cluster(2, device="cpu"))
+
+
+@pytest.mark.parametrize("changes", [{"deepspeed": "zero3"}, {"deepspeed": "zero3_offload"}, FSDP2])
+def test_the_layout_a_recipe_plans_is_the_one_its_checkpoints_record(tmp_path, changes):
+    from llmtune.plan.relayout import engine_layout, optimizer_of
+
+    plan = plan_alone(recipe(tmp_path, **changes), make_cluster(2, device="cpu"))
+    saved(tmp_path, **{**DDP_2, "strategy": plan.strategy, "optimizer": optimizer_of("adamw_torch", plan.deepspeed_config),
+                       "engine_layout": engine_layout(plan.deepspeed_config, (plan.accelerate_config or {}).get("fsdp_config"))})  # fmt: skip
+    resumed = make_plan(recipe(tmp_path, **changes), make_cluster(2, device="cpu"))
+    assert not any("was saved with" in note for note in resumed.notes)
+    assert "checkpoint" not in (resumed.deepspeed_config or {})
 
 
 def test_axolotl_s_zero3_file_and_its_stand_in_save_the_same_layout(tmp_path):
     """A recipe naming deepspeed_configs/zero3_bf16.json reads the file where it is on disk and llmtune's stand-in
     where it isn't (another folder, another machine): a checkpoint of one resumes with the other (it was refused,
     sub_group_size 0 -> 1000000000)."""
-    from llmtune.plan.resume import engine_layout
+    from llmtune.plan.relayout import engine_layout
 
     name = "deepspeed_configs/zero3_bf16.json"
     stood_in = plan_alone(recipe(tmp_path / "a", deepspeed=name), make_cluster(2, device="cpu"))

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmtune.train.checkpoint.universal import convert, converted_folder, repair_zero3_load
+from llmtune.train.checkpoint.universal import convert, converted_folder, repair_universal_load
 
 
 def loaded_like_deepspeed(tmp_path):
@@ -31,7 +31,7 @@ def loaded_like_deepspeed(tmp_path):
 
 def test_each_sub_group_steps_its_own_counter_and_each_group_gets_its_hyperparameters(tmp_path):
     zero, tensors, folder = loaded_like_deepspeed(tmp_path)
-    assert repair_zero3_load(zero, folder) == 2
+    assert repair_universal_load(zero, folder, 3) == 2
     inner = zero.optimizer
     steps = [inner.state[t]["step"] for t in tensors]
     assert len({id(s) for s in steps}) == 3 and all(float(s) == 6.0 for s in steps)
@@ -46,7 +46,7 @@ def test_a_group_count_that_doesnt_match_is_an_error_not_a_silent_mix(tmp_path):
     zero, _, folder = loaded_like_deepspeed(tmp_path)
     zero.optimizer.param_groups.pop()
     with pytest.raises(RuntimeError, match="2 saved parameter groups, the optimizer has 1"):
-        repair_zero3_load(zero, folder)
+        repair_universal_load(zero, folder, 3)
 
 
 def test_only_a_finished_conversion_counts(tmp_path):

@@ -100,9 +100,17 @@ class CheckpointManager:
         info = folders.read_marker(checkpoint) or {}
         if (self.plan.get("deepspeed_config") or {}).get("checkpoint", {}).get("load_universal"):
             if collectives.rank() == 0:
-                from llmtune.train.checkpoint.universal import convert
+                from llmtune.train.checkpoint.universal import convert, fit_layout
 
-                convert(Path(checkpoint), log)
+                ds = self.plan["deepspeed_config"]
+                stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+                owner = "DeepSpeed's" if "optimizer" in ds else "the Trainer's"
+                decays = None
+                if (info.get("engine_layout") or {}).get("optimizer", owner) != owner:  # regrouped
+                    decays = [ds["optimizer"]["params"].get("weight_decay", 0.0)] if "optimizer" in ds else \
+                        [self.recipe.weight_decay or 0.0, 0.0]  # fmt: skip
+                folder = convert(Path(checkpoint), log)
+                fit_layout(Path(checkpoint), folder, stage, "optimizer" in ds, decays)
             collectives.barrier()
         return info
 
@@ -258,13 +266,14 @@ class CheckpointManager:
 
     def _repair_universal_load(self, trainer, checkpoint) -> None:
         """ZeRO-3 after DeepSpeed loaded a universal checkpoint (another data-parallel size): universal.py."""
-        if not (checkpoint and trainer.is_deepspeed_enabled and self.strategy == "zero3"):
+        if not (checkpoint and trainer.is_deepspeed_enabled):
             return
         if not (self.plan.get("deepspeed_config") or {}).get("checkpoint", {}).get("load_universal"):
             return
-        from llmtune.train.checkpoint.universal import converted_folder, repair_zero3_load
+        from llmtune.train.checkpoint.universal import converted_folder, repair_universal_load
 
-        repair_zero3_load(trainer.optimizer.optimizer, converted_folder(Path(checkpoint)))
+        stage = int((self.plan["deepspeed_config"].get("zero_optimization") or {}).get("stage", 0))
+        repair_universal_load(trainer.optimizer.optimizer, converted_folder(Path(checkpoint)), stage)
 
     def load_stages(self, checkpoint: str | Path, grid, params: dict, optimizer, scheduler) -> tuple[int, list]:
         """A pipeline checkpoint into this stage: the step to continue from and the loss history so far."""

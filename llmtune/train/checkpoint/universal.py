@@ -1,23 +1,27 @@
-"""A ZeRO checkpoint resumed on another data-parallel size, through DeepSpeed's universal checkpoint.
+"""A ZeRO checkpoint resumed on another data-parallel size or in another ZeRO layout (stage, offload, sub-group
+size), through DeepSpeed's universal checkpoint.
 
 A ZeRO checkpoint holds each rank's slice of the flat optimizer state, cut for the data-parallel size that wrote it.
 DeepSpeed's `ds_to_universal` rewrites it as one folder per parameter (its fp32 weights and each optimizer state,
 whole), and the engine loads that at any data-parallel size when its config says `checkpoint.load_universal`. The
-plan sets that key when the sizes differ (llmtune/plan/resume.py); the first rank converts here before the engine
-starts. DeepSpeed writes `<checkpoint>/latest_universal` after everything else, so its presence means a finished
+plan sets that key when the sizes or the layouts differ (llmtune/plan/resume.py, relayout.py); the first rank
+converts here before the engine starts, and `fit_layout` writes what the new layout's engine reads beside the
+per-parameter files. DeepSpeed writes `<checkpoint>/latest_universal` after everything else, so its presence means a finished
 conversion, and a half-written one (a killed job) is removed and redone.
 
-Two repairs after DeepSpeed's ZeRO-3 universal load (DeepSpeed 0.19.8, runtime/zero/stage3.py
-`load_hp_checkpoint_state_from_checkpoint_dir_stage3`): it gives every sub-group's optimizer state the same `step`
-tensor, which Adam then advances once per sub-group at each step (a wrong bias correction); and it copies the first
-parameter group's hyperparameters onto every group (the no-decay group gets weight decay). Both are undone from the
-converted files. ZeRO-1/2 load both correctly.
+Repairs after DeepSpeed's universal load (DeepSpeed 0.19.8): ZeRO-3 (runtime/zero/stage3.py
+`load_hp_checkpoint_state_from_checkpoint_dir_stage3`) gives every sub-group's optimizer state the same `step`
+tensor, which Adam then advances once per sub-group at each step (a wrong bias correction), and copies the first
+parameter group's hyperparameters onto every group (the no-decay group gets weight decay); both are undone from the
+converted files. Every stage sets `step` as the file holds it, a tensor, where DeepSpeed's CPU Adam (offload) counts
+in a number and torch's Adam refuses a number: it is given the type the optimizer steps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import shutil
 import time
 from argparse import Namespace
@@ -62,15 +66,106 @@ def convert(checkpoint: Path, log=print) -> Path:
     return output
 
 
-def repair_zero3_load(zero_optimizer, folder: Path) -> int:
-    """After DeepSpeed loaded a universal checkpoint into a ZeRO-3 optimizer: give each sub-group its own `step`
-    tensor and each parameter group its own saved hyperparameters. Returns the number of groups restored."""
+def fit_layout(
+    checkpoint: Path, folder: Path, stage: int, engine_schedules: bool, decays: list[float] | None = None
+) -> list[str]:
+    """Make a universal folder loadable by another ZeRO layout than the one that saved it (another stage, offload on
+    or off, another sub-group size): what the engine of `stage` reads beside the per-parameter files. Returns what
+    was written. ZeRO-1/2 read the optimizer's global state at the top of zero/optimizer_state.pt and its model
+    states (the step, the schedule) from mp_rank_00_model_states.pt; ZeRO-3 reads them under optimizer_state_dict and
+    from zero_pp_rank_0_mp_rank_00_model_states.pt. Who steps the learning-rate schedule moves with DeepSpeed's
+    optimizer (offload): the engine keeps its state in the model states, the Trainer in scheduler.pt. So does the
+    grouping: DeepSpeed's optimizer steps every parameter in one group, the Trainer's in two (weight decay and
+    none). `decays`: the weight decay of each of this layout's groups when the grouping changed; the saved groups
+    must then share one learning rate, which each new group continues."""
     import torch
 
-    inner = zero_optimizer.optimizer  # the torch optimizer ZeRO-3 steps one sub-group at a time
+    written = []
+    global_path = folder / "zero" / "optimizer_state.pt"
+    saved = torch.load(global_path, map_location="cpu", weights_only=False)  # DeepSpeed's own file, as it reads it
+    inner = saved.get("optimizer_state_dict") or {}
+    groups = saved.get("param_groups") or inner.get("param_groups")
+    if not groups:
+        raise RuntimeError(f"{global_path}: no parameter groups")
+    if decays is not None and len(decays) != len(groups):
+        groups = [{**_uniform(groups, global_path), "weight_decay": decay} for decay in decays]
+    step = _saved_step(folder)
+    wanted = {"param_groups": groups, "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": groups}}
+    if any(saved.get(key) != value for key, value in wanted.items()):
+        saved.update(wanted)
+        _replace(global_path, lambda path: torch.save(saved, path))
+        written.append(global_path.name)
+    states = sorted(folder.glob("*model_states.pt"))
+    if not states:
+        raise RuntimeError(f"{folder}: no model states file")
+    model = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True)
+    scheduler = checkpoint / "scheduler.pt"
+    schedule = model.get("lr_scheduler")
+    if schedule is None:
+        schedule = torch.load(scheduler, map_location="cpu", weights_only=True)  # (a state dict of numbers)
+    schedule = _fit_schedule(schedule, len(groups), checkpoint)
+    model["lr_scheduler"] = schedule if engine_schedules else None
+    if not engine_schedules:
+        _replace(scheduler, lambda path: torch.save(schedule, path))
+        written.append(scheduler.name)
+    name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    model["module"] = {}  # a universal load takes the weights from zero/ (a ZeRO-1/2 file holds all of them)
+    _replace(folder / name, lambda path: torch.save(dict(model), path))
+    written.append(name)
+    return written
+
+
+def _uniform(groups: list[dict], path: Path) -> dict:
+    """The one set of hyperparameters groups share (weight decay aside), for regrouping them."""
+    first = {key: value for key, value in groups[0].items() if key not in ("params", "weight_decay")}
+    for group in groups[1:]:
+        if any(group.get(key) != value for key, value in first.items()):
+            raise RuntimeError(f"{path}: its parameter groups differ beyond weight decay; they can't be regrouped")
+    return first
+
+
+def _fit_schedule(state: dict, groups: int, checkpoint: Path) -> dict:
+    """A LambdaLR state with one entry per parameter group (DeepSpeed's optimizer has one, the Trainer's two); the
+    schedule is the same function of the step for every group, so an entry is repeated or dropped."""
+    lists = [key for key in ("base_lrs", "_last_lr", "lr_lambdas") if isinstance(state.get(key), list)]
+    if all(len(state[key]) == groups for key in lists):
+        return state
+    if any(state[key] and any(item != state[key][0] for item in state[key]) for key in lists):
+        raise RuntimeError(f"{checkpoint}: its schedule differs between parameter groups; it can't be regrouped")
+    return {**state, **{key: [state[key][0]] * groups for key in lists if state[key]}}
+
+
+def _saved_step(folder: Path):
+    """The optimizer step the per-parameter files were saved at."""
+    import torch
+
+    for path in sorted((folder / "zero").glob("*/step.pt")):
+        return torch.load(path, map_location="cpu", weights_only=False)
+    raise RuntimeError(f"{folder / 'zero'}: no step.pt")
+
+
+def _replace(path: Path, write) -> None:
+    staged = path.with_name(path.name + ".tmp")
+    write(staged)
+    os.replace(staged, path)
+
+
+def repair_universal_load(zero_optimizer, folder: Path, stage: int) -> int:
+    """After DeepSpeed loaded a universal checkpoint: give each sub-group its own `step`, in the type the optimizer
+    steps (torch's Adam a tensor, DeepSpeed's CPU Adam a number) and, for ZeRO-3, each parameter group its own saved
+    hyperparameters. Returns the number of groups restored."""
+    import torch
+
+    inner = zero_optimizer.optimizer  # the torch optimizer ZeRO steps (ZeRO-3: one sub-group at a time)
+    numeric = type(inner).__name__.startswith("DeepSpeedCPU")
     for state in inner.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
+        step = state.get("step")
+        if step is None:
+            continue
+        value = float(step.item() if torch.is_tensor(step) else step)
+        state["step"] = int(value) if numeric else torch.tensor(value, dtype=torch.float32)
+    if stage != 3:
+        return 0
     # DeepSpeed's own file from this run's checkpoint; it pickles its loss scaler and ZeRO enums, and DeepSpeed
     # reads it the same way (weights_only=False) a moment before
     saved = torch.load(folder / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)

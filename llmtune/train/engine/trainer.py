@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import Trainer
 
-from llmtune.plan.resume import engine_layout
+from llmtune.plan.relayout import engine_layout, optimizer_of
 from llmtune.plan.resume_checks import marker_keys
 from llmtune.train.checkpoint.asynchronous import AsyncCheckpointing
 from llmtune.train.checkpoint.folders import STAGING
@@ -241,6 +241,8 @@ class LlmtuneTrainer(AsyncCheckpointing, TokenEvaluation, Trainer):
                 "rows_per_epoch": len(self.train_dataset), "started_from": self.started_from,
                 "engine_layout": engine_layout(self.plan.get("deepspeed_config"),
                                                (self.plan.get("accelerate_config") or {}).get("fsdp_config")),
+                **({"optimizer": optimizer_of(self.recipe.optimizer, self.plan.get("deepspeed_config"))}
+                   if self.recipe is not None else {}),
                 # what a later resume checks the recipe against (llmtune/plan/resume_checks.py)
                 **(marker_keys(self.recipe) if self.recipe is not None else {})}  # fmt: skip
 
