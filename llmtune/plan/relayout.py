@@ -58,6 +58,9 @@ def check_layout(recipe, strategy: str, titles: dict[str, str], deepspeed_config
     info = (read_marker(checkpoint) or {}) if checkpoint else {}
     saved, layout = info.get("engine_layout"), engine_layout(deepspeed_config, fsdp_section)
     written = info.get("strategy")
+    if written in ("ddp", "single") and strategy.startswith("zero"):
+        return _from_replicated(recipe, checkpoint, info, titles.get(written, written), titles.get(strategy, strategy),
+                                deepspeed_config)  # fmt: skip
     restaged = bool(written) and written != strategy and written.startswith("zero") and strategy.startswith("zero")
     if not isinstance(saved, dict) or not layout:
         if restaged:  # an older llmtune's marker: who owned the optimizer is unknown
@@ -108,3 +111,28 @@ def _not_carried(recipe, info: dict, saved: dict, layout: dict, deepspeed_config
     if before is None:
         return "the checkpoint's marker doesn't record its optimizer (an older llmtune)"
     return None
+
+
+def _from_replicated(recipe, checkpoint, info: dict, before: str, now: str, deepspeed_config: dict | None) -> str:
+    """A DDP (or one process's) checkpoint resumed under ZeRO: its weights and AdamW's moments are written as
+    DeepSpeed's universal checkpoint (llmtune/train/checkpoint/universal.py `from_replicated`); the line that says so,
+    or UserError for what that can't carry."""
+    why = None
+    if recipe.adapter:
+        why = "llmtune converts a full fine-tune's state (an adapter's saved names aren't the model's)"
+    elif recipe.grouped_rates:
+        why = f"{recipe.grouped_rates[0]} gives the optimizer groups of its own, which the conversion doesn't map"
+    elif not (checkpoint / "optimizer.pt").is_file():
+        why = "it holds no optimizer.pt (saved without its optimizer state)"
+    else:
+        for which in (optimizer_of(recipe.optimizer, deepspeed_config), info.get("optimizer")):
+            if which is not None and which not in ADAM:
+                why = f"its conversion carries AdamW's moments, and {which.replace('deepspeed:', 'DeepSpeed optimizer ')} keeps other state"  # fmt: skip
+    if why:
+        raise UserError(
+            f"{checkpoint.name} was saved by {before}; this launch runs {now}: {why}",
+            f"resume with the recipe's strategy keys as they were; to train on from its weights: llmtune merge "
+            f"{checkpoint}, then base_model: the merged folder in a new output_dir",
+        )
+    return (f"{checkpoint.name} was saved by {before}; this launch runs {now}: its weights and AdamW's moments are "
+            "written as DeepSpeed's universal checkpoint and loaded with its schedule")  # fmt: skip

@@ -174,7 +174,8 @@ def resumed_accumulation(
         return None
     name = saved.path.name
     written = saved.strategy or strategy
-    if saved.strategy and _family(saved.strategy) != _family(strategy):
+    converted = saved.strategy in ("ddp", "single") and strategy.startswith("zero")  # (relayout.py said how)
+    if saved.strategy and _family(saved.strategy) != _family(strategy) and not converted:
         # at any world size: the same one too, where ZeRO's and FSDP's states would be missed (a DDP resume of a
         # ZeRO checkpoint restarted its optimizer silently) or not found (every rank's traceback)
         raise UserError(

@@ -178,7 +178,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     # final files
     checkpoints = CheckpointManager(output_dir, plan, recipe)
     resume = checkpoints.resume_point(log)
-    marker = checkpoints.prepare_resume(resume, log) if resume else {}  # its rows, the world that saved its RNG
+    marker = checkpoints.prepare_resume(resume, log, model) if resume else {}  # its rows, the world that saved its RNG
     if args is None:
         from llmtune.train.pipeline.run import run_pipeline
 

@@ -199,20 +199,17 @@ def test_a_zero_checkpoint_resumes_at_another_stage_and_offload_and_back(workspa
     schedule); and a ZeRO-2 run with the optimizer offloaded goes on from its checkpoint-6 under ZeRO-2 without
     offload on 1 process (the Trainer's two groups and scheduler.pt again). Each is converted to DeepSpeed's
     universal checkpoint and loaded with its Adam moments, step and schedule: the resumed steps train the
-    uninterrupted ZeRO-2 run's rows to its losses, and both end at its weights (measured 6e-8 apart; a fresh optimizer state at the same point ends 7e-4 apart). Both were
-    refused before (one line), and crashed every rank before that."""
+    uninterrupted ZeRO-2 run's rows to its losses, and both end at its weights (measured 6e-8 apart; a fresh
+    optimizer state at the same point ends 7e-4 apart). Both were refused before (one line), and crashed every rank
+    before that. And the 2-rank DDP checkpoint-6 goes on under ZeRO-2 with offload, its weights and AdamW state
+    written as the universal checkpoint, to the DDP run's losses and weights."""
     import shutil
 
     import torch
     from harness import saved_weights
 
-    reference = read_metrics(straight["zero2"])
-    expected_rows = rows_by_step(workspace[0] / "rows-straight-zero2")
-    expected = {e["step"]: e["loss"] for e in reference["log_history"] if "loss" in e}
-    final = saved_weights(Path(yaml.safe_load(straight["zero2"].read_text())["output_dir"]))
-
-    def resume(name: str, checkpoint: Path, processes: int, deepspeed: str, **changes):
-        path = write(workspace, name, deepspeed=deepspeed, **changes)
+    def resume(name: str, checkpoint: Path, processes: int, deepspeed: str, reference: str = "zero2"):
+        path = write(workspace, name, deepspeed=deepspeed)
         out = Path(yaml.safe_load(path.read_text())["output_dir"])
         shutil.copytree(checkpoint, out / checkpoint.name)
         rows = workspace[0] / f"rows-{name}"
@@ -222,11 +219,14 @@ def test_a_zero_checkpoint_resumes_at_another_stage_and_offload_and_back(workspa
         assert result.returncode == 0, result.stderr[-3000:]
         metrics = read_metrics(path)
         step = int(checkpoint.name.split("-")[1])
+        expected = {e["step"]: e["loss"] for e in read_metrics(straight[reference])["log_history"] if "loss" in e}
         losses = {e["step"]: e["loss"] for e in metrics["log_history"] if "loss" in e and e["step"] > step}
         assert losses.keys() == set(range(step + 1, 9)), losses
         assert all(abs(losses[k] - expected[k]) <= 1e-5 * abs(expected[k]) for k in losses), (losses, expected)
+        expected_rows = rows_by_step(workspace[0] / f"rows-straight-{reference}")
         assert rows_by_step(rows) == {k: expected_rows[k] for k in losses}
         weights = saved_weights(out)
+        final = saved_weights(Path(yaml.safe_load(straight[reference].read_text())["output_dir"]))
         assert weights.keys() == final.keys()
         drift = max(float((weights[k].float() - final[k].float()).abs().max()) for k in final)
         assert drift <= 1e-6, drift
@@ -252,6 +252,15 @@ def test_a_zero_checkpoint_resumes_at_another_stage_and_offload_and_back(workspa
     assert [(r["engine"], r.get("zero_stage")) for r in metrics["ranks"]] == [("deepspeed", 2)]
     schedule = torch.load(back / "checkpoint-6" / "scheduler.pt", weights_only=True)  # written for the Trainer
     assert (schedule["last_epoch"], len(schedule["base_lrs"])) == (6, 2)  # its step; the Trainer's two groups
+
+    # a DDP run that ran out of memory goes on under ZeRO-2 with its optimizer offloaded: its weights and AdamW's
+    # moments are written as the universal checkpoint, and the schedule moves to DeepSpeed
+    checkpoint = Path(yaml.safe_load(straight["ddp"].read_text())["output_dir"]) / "checkpoint-6"
+    said, metrics, out = resume("ddp-to-zero", checkpoint, 2, "zero2_offload", reference="ddp")
+    assert ("checkpoint-6 was saved by DDP (data parallel); this launch runs DeepSpeed ZeRO-2: its weights and "
+            "AdamW's moments are written as DeepSpeed's universal checkpoint") in said, said[-3000:]  # fmt: skip
+    assert [(r["engine"], r.get("zero_stage")) for r in metrics["ranks"]] == [("deepspeed", 2)] * 2
+    assert "converted checkpoint-6 to DeepSpeed's universal checkpoint (global_step6_universal" in said
 
 
 def test_kill_during_a_save_resumes_from_the_previous_checkpoint(workspace, straight):

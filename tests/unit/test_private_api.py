@@ -719,6 +719,11 @@ def test_deepspeed_zero3_universal_load():
     expect('"zero_pp_rank_{}"' in names and '"mp_rank_" + mp_rank_str + "_model_states.pt"' in names,
            "deepspeed-zero3-universal-load", "deepspeed", "DeepSpeedEngine._get_ckpt_name",
            "names the model-states files otherwise (fit_layout writes the new stage's)")  # fmt: skip
+    from transformers import Trainer
+
+    decay = inspect.getsource(Trainer.get_decay_parameter_names)
+    expect("self." not in decay.split(":", 1)[1], "deepspeed-zero3-universal-load", "transformers",
+           "Trainer.get_decay_parameter_names", "now reads instance state (from_replicated calls it unbound)")  # fmt: skip
     loading = engine[engine.index("def _load_checkpoint(") :][:9000]
     expect("self.lr_scheduler.load_state_dict(checkpoint['lr_scheduler'])" in loading
            and "if not self.load_universal_checkpoint():\n            self.load_module_state_dict" in loading,

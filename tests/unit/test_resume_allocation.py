@@ -52,7 +52,7 @@ def test_a_ddp_checkpoint_resumes_on_fewer_or_more_processes_with_its_global_bat
 
 @pytest.mark.parametrize("world", [4, 2])  # another world size, and the same one (where a ZeRO checkpoint resumed
 @pytest.mark.parametrize(("saved_as", "changes"), [  # by DDP restarted its optimizer silently)
-    ("fsdp2", {}), ("ddp", FSDP2), ("zero2", {}), ("ddp", {"deepspeed": "zero3"}), ("zero3", FSDP2)])
+    ("fsdp2", {}), ("ddp", FSDP2), ("zero2", {}), ("fsdp2", {"deepspeed": "zero3"}), ("zero3", FSDP2)])
 def test_a_checkpoint_resumes_only_under_the_strategy_that_wrote_it(tmp_path, saved_as, changes, world):
     saved(tmp_path, **{**DDP_2, "strategy": saved_as})
     with pytest.raises(UserError) as caught:
@@ -578,6 +578,31 @@ def test_what_another_layout_cant_carry_over_is_refused_with_what_will_work(tmp_
     saved(tmp_path, **{**DDP_2, "strategy": "zero2"})
     with pytest.raises(UserError, match="with an older llmtune, whose checkpoints don't record their engine layout"):
         make_plan(recipe(tmp_path, deepspeed="zero3"), make_cluster(2, device="cpu"))
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_a_ddp_checkpoint_of_a_full_fine_tune_resumes_under_zero_and_what_cant_is_refused(tmp_path, world):
+    """Refused before at any world size (a DDP checkpoint had no engine state ZeRO reads); now written as the
+    universal checkpoint by the first rank (tests/integration/test_resume.py, a real run of it)."""
+    folder = saved(tmp_path, **{**DDP_2, "optimizer": "adamw_torch"})
+    (folder / "optimizer.pt").write_bytes(b"")
+    plan = make_plan(recipe(tmp_path, deepspeed="zero3"), make_cluster(world, device="cpu"))
+    assert ("checkpoint-4 was saved by DDP (data parallel); this launch runs DeepSpeed ZeRO-3: its weights and "
+            "AdamW's moments are written as DeepSpeed's universal checkpoint and loaded with its schedule") in plan.notes
+    assert plan.deepspeed_config["checkpoint"] == {"load_universal": True} and plan.global_batch_size == 8
+    for changes, why in [
+        ({"adapter": "lora", "lora_target_linear": True}, "llmtune converts a full fine-tune's state"),
+        ({"optimizer": "adafactor"}, "its conversion carries AdamW's moments, and adafactor keeps other state"),
+    ]:  # fmt: skip
+        with pytest.raises(UserError) as caught:
+            make_plan(recipe(tmp_path, deepspeed="zero3", **changes), make_cluster(world, device="cpu"))
+        assert caught.value.message == (f"checkpoint-4 was saved by DDP (data parallel); this launch runs DeepSpeed "
+                                        f"ZeRO-3: {why}" + (" (an adapter's saved names aren't the model's)"
+                                                            if "adapter" in changes else ""))  # fmt: skip
+        assert "llmtune merge" in caught.value.hint
+    (folder / "optimizer.pt").unlink()
+    with pytest.raises(UserError, match="it holds no optimizer.pt"):
+        make_plan(recipe(tmp_path, deepspeed="zero3"), make_cluster(world, device="cpu"))
 
 
 @pytest.mark.parametrize("changes", [{"deepspeed": "zero3"}, {"deepspeed": "zero3_offload"}, FSDP2])

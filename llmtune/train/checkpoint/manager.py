@@ -93,23 +93,30 @@ class CheckpointManager:
             return None
         return folders.resume_point(self.recipe, log)
 
-    def prepare_resume(self, checkpoint: str | Path, log) -> dict:
-        """The checkpoint's marker (what the run that saved it was); for a ZeRO checkpoint on another
-        data-parallel size (the plan said so), its conversion to DeepSpeed's universal checkpoint, by the first rank,
-        before the engine loads it."""
+    def prepare_resume(self, checkpoint: str | Path, log, model=None) -> dict:
+        """The checkpoint's marker (what the run that saved it was); for a checkpoint DeepSpeed loads through its
+        universal checkpoint (another data-parallel size or ZeRO layout, or a DDP checkpoint resumed under ZeRO: the
+        plan said so), its conversion by the first rank before the engine starts. `model`: the model as loaded,
+        which names a DDP checkpoint's optimizer state."""
         info = folders.read_marker(checkpoint) or {}
         if (self.plan.get("deepspeed_config") or {}).get("checkpoint", {}).get("load_universal"):
             if collectives.rank() == 0:
-                from llmtune.train.checkpoint.universal import convert, fit_layout
+                from llmtune.train.checkpoint.universal import convert, fit_layout, from_replicated
 
                 ds = self.plan["deepspeed_config"]
                 stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
                 owner = "DeepSpeed's" if "optimizer" in ds else "the Trainer's"
+                replicated = not str(info.get("strategy", "zero")).startswith("zero")  # DDP's or one process's
+                before = (info.get("engine_layout") or {}).get("optimizer", "the Trainer's" if replicated else owner)
                 decays = None
-                if (info.get("engine_layout") or {}).get("optimizer", owner) != owner:  # regrouped
+                if before != owner:  # regrouped: DeepSpeed's optimizer steps one group, the Trainer's two
                     decays = [ds["optimizer"]["params"].get("weight_decay", 0.0)] if "optimizer" in ds else \
                         [self.recipe.weight_decay or 0.0, 0.0]  # fmt: skip
-                folder = convert(Path(checkpoint), log)
+                if replicated:
+                    folder = from_replicated(Path(checkpoint), model, int(info.get("step", 0)),
+                                             int(info.get("data_parallel_size") or 1), log)  # fmt: skip
+                else:
+                    folder = convert(Path(checkpoint), log)
                 fit_layout(Path(checkpoint), folder, stage, "optimizer" in ds, decays)
             collectives.barrier()
         return info

@@ -1,12 +1,13 @@
-"""A ZeRO checkpoint resumed on another data-parallel size or in another ZeRO layout (stage, offload, sub-group
-size), through DeepSpeed's universal checkpoint.
+"""A checkpoint DeepSpeed resumes through its universal checkpoint: a ZeRO checkpoint on another data-parallel size
+or in another ZeRO layout (stage, offload, sub-group size), and a DDP checkpoint of a full fine-tune under ZeRO.
 
 A ZeRO checkpoint holds each rank's slice of the flat optimizer state, cut for the data-parallel size that wrote it.
 DeepSpeed's `ds_to_universal` rewrites it as one folder per parameter (its fp32 weights and each optimizer state,
-whole), and the engine loads that at any data-parallel size when its config says `checkpoint.load_universal`. The
-plan sets that key when the sizes or the layouts differ (llmtune/plan/resume.py, relayout.py); the first rank
-converts here before the engine starts, and `fit_layout` writes what the new layout's engine reads beside the
-per-parameter files. DeepSpeed writes `<checkpoint>/latest_universal` after everything else, so its presence means a finished
+whole), and the engine loads that at any data-parallel size when its config says `checkpoint.load_universal`; a DDP
+checkpoint's weights and AdamW state are written in the same form here (`from_replicated`). The plan sets that key
+when the sizes, the layouts or the strategies differ (llmtune/plan/resume.py, relayout.py); the first rank converts
+before the engine starts, and `fit_layout` writes what the new layout's engine reads beside the per-parameter
+files. `<checkpoint>/latest_universal` is written after everything else, so its presence means a finished
 conversion, and a half-written one (a killed job) is removed and redone.
 
 Repairs after DeepSpeed's universal load (DeepSpeed 0.19.8): ZeRO-3 (runtime/zero/stage3.py
@@ -89,7 +90,8 @@ def fit_layout(
         raise RuntimeError(f"{global_path}: no parameter groups")
     if decays is not None and len(decays) != len(groups):
         groups = [{**_uniform(groups, global_path), "weight_decay": decay} for decay in decays]
-    step = _saved_step(folder)
+    step = ((inner.get("state") or {}).get(0) or {}).get("step")  # ZeRO-3's conversion keeps it here
+    step = _saved_step(folder) if step is None else step
     wanted = {"param_groups": groups, "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": groups}}
     if any(saved.get(key) != value for key, value in wanted.items()):
         saved.update(wanted)
@@ -100,12 +102,12 @@ def fit_layout(
         raise RuntimeError(f"{folder}: no model states file")
     model = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True)
     scheduler = checkpoint / "scheduler.pt"
-    schedule = model.get("lr_scheduler")
-    if schedule is None:
-        schedule = torch.load(scheduler, map_location="cpu", weights_only=True)  # (a state dict of numbers)
-    schedule = _fit_schedule(schedule, len(groups), checkpoint)
+    kept = model.get("lr_scheduler")
+    if kept is None:
+        kept = torch.load(scheduler, map_location="cpu", weights_only=True)  # (a state dict of numbers)
+    schedule = _fit_schedule(kept, len(groups), checkpoint)
     model["lr_scheduler"] = schedule if engine_schedules else None
-    if not engine_schedules:
+    if not engine_schedules and (schedule is not kept or not scheduler.is_file()):  # where the Trainer reads it
         _replace(scheduler, lambda path: torch.save(schedule, path))
         written.append(scheduler.name)
     name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
@@ -136,7 +138,7 @@ def _fit_schedule(state: dict, groups: int, checkpoint: Path) -> dict:
 
 
 def _saved_step(folder: Path):
-    """The optimizer step the per-parameter files were saved at."""
+    """The optimizer step the per-parameter files were saved at (a ZeRO-1/2 conversion writes step.pt)."""
     import torch
 
     for path in sorted((folder / "zero").glob("*/step.pt")):
@@ -177,3 +179,74 @@ def repair_universal_load(zero_optimizer, folder: Path, stage: int) -> int:
     for group, kept in zip(inner.param_groups, groups, strict=True):
         group.update({key: value for key, value in kept.items() if key != "params"})
     return len(groups)
+
+
+def from_replicated(checkpoint: Path, model, step: int, data_parallel: int, log=print) -> Path:
+    """Write a DDP (or one process's) checkpoint of a full fine-tune as DeepSpeed's universal checkpoint, so that a
+    ZeRO run resumes it with AdamW's moments: each trainable parameter's weights (the saved model's), exp_avg,
+    exp_avg_sq and step, under the name DeepSpeed gives it. optimizer.pt holds the state by position in the Trainer's
+    two groups (weight decay, then none, in the model's order); the live model (`model`, as the resuming run loaded
+    it) gives the names, and each saved state's shape must be its parameter's. Returns the universal folder."""
+    import deepspeed
+    import torch
+    from transformers import Trainer
+
+    done = converted_folder(checkpoint)
+    if done:
+        return done
+    saved = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)  # torch's own state dict
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # (the Trainer's grouping; it reads no state)
+    order = [item for item in trainable if item[0] in decay] + [item for item in trainable if item[0] not in decay]
+    sizes = [len(group["params"]) for group in saved["param_groups"]]
+    expected = [sum(name in decay for name, _ in trainable), sum(name not in decay for name, _ in trainable)]
+    if sizes != expected:
+        raise RuntimeError(f"{checkpoint / 'optimizer.pt'}: parameter groups of {sizes} parameters; this model's "
+                           f"trainable parameters group as {expected}")  # fmt: skip
+    weights = _saved_weights(checkpoint)
+    output = checkpoint / f"global_step{step}_universal"
+    shutil.rmtree(output, ignore_errors=True)  # what a killed conversion left
+    started = time.time()
+    positions = [index for group in saved["param_groups"] for index in group["params"]]
+    for index, (name, param) in zip(positions, order, strict=True):
+        state = saved["state"].get(index) or {}
+        shape = tuple(getattr(param, "ds_shape", param.shape))
+        if set(state) != {"step", "exp_avg", "exp_avg_sq"} or tuple(state["exp_avg"].shape) != shape:
+            raise RuntimeError(
+                f"{checkpoint / 'optimizer.pt'}: the state of {name} isn't AdamW's for its shape {shape}"
+            )
+        if name not in weights:
+            raise RuntimeError(f"{checkpoint}: the saved model has no {name}")
+        folder = output / "zero" / name
+        folder.mkdir(parents=True)
+        for key, tensor in (
+            ("fp32", weights[name]),
+            ("exp_avg", state["exp_avg"]),
+            ("exp_avg_sq", state["exp_avg_sq"]),
+        ):
+            torch.save({"cat_dim": 0, "param": tensor.float().contiguous()}, folder / f"{key}.pt")
+        torch.save(torch.tensor(float(state["step"])), folder / "step.pt")
+    groups = [{**{key: value for key, value in group.items() if key != "params"}, "params": [number]}
+              for number, group in enumerate(saved["param_groups"])]  # fmt: skip
+    torch.save({"param_groups": groups, "ds_version": deepspeed.__version__}, output / "zero" / "optimizer_state.pt")
+    torch.save({"module": {}, "optimizer": None, "lr_scheduler": None, "global_steps": step,
+                "global_samples": 0, "skipped_steps": 0, "dp_world_size": data_parallel, "mp_world_size": 1,
+                "ds_version": deepspeed.__version__, "buffer_names": [], "data_sampler": None, "random_ltd": None},
+               output / "mp_rank_00_model_states.pt")  # fmt: skip
+    (checkpoint / UNIVERSAL_DONE).write_text(output.name)  # last: the conversion is complete
+    log(f"converted {checkpoint.name} to DeepSpeed's universal checkpoint ({output.name}, {len(order)} parameters "
+        f"with AdamW's state) in {time.time() - started:.1f} s")  # fmt: skip
+    return output
+
+
+def _saved_weights(checkpoint: Path) -> dict:
+    """The saved model's tensors by name (model.safetensors, or its shards)."""
+    from safetensors.torch import load_file
+
+    files = sorted(checkpoint.glob("model*.safetensors"))
+    if not files:
+        raise RuntimeError(f"{checkpoint}: no model*.safetensors")
+    weights = {}
+    for path in files:
+        weights.update(load_file(path))
+    return weights
