@@ -118,8 +118,10 @@ def _from_replicated(recipe, checkpoint, info: dict, before: str, now: str, deep
     DeepSpeed's universal checkpoint (llmtune/train/checkpoint/universal.py `from_replicated`); the line that says so,
     or UserError for what that can't carry."""
     why = None
-    if recipe.adapter:
-        why = "llmtune converts a full fine-tune's state (an adapter's saved names aren't the model's)"
+    if recipe.adapter and (recipe.adapter != "lora" or recipe.lora_modules_to_save or recipe.relora
+                           or recipe.peft_trainable_token_indices):  # fmt: skip
+        why = ("llmtune converts a full fine-tune's or a plain LoRA's state (QLoRA, lora_modules_to_save, trainable "
+               "tokens and ReLoRA save other names or state)")  # fmt: skip
     elif recipe.grouped_rates:
         why = f"{recipe.grouped_rates[0]} gives the optimizer groups of its own, which the conversion doesn't map"
     elif not (checkpoint / "optimizer.pt").is_file():

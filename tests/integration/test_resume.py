@@ -208,8 +208,8 @@ def test_a_zero_checkpoint_resumes_at_another_stage_and_offload_and_back(workspa
     import torch
     from harness import saved_weights
 
-    def resume(name: str, checkpoint: Path, processes: int, deepspeed: str, reference: str = "zero2"):
-        path = write(workspace, name, deepspeed=deepspeed)
+    def resume(name: str, checkpoint: Path, processes: int, deepspeed: str, reference: str = "zero2", **changes):
+        path = write(workspace, name, deepspeed=deepspeed, **changes)
         out = Path(yaml.safe_load(path.read_text())["output_dir"])
         shutil.copytree(checkpoint, out / checkpoint.name)
         rows = workspace[0] / f"rows-{name}"
@@ -219,14 +219,15 @@ def test_a_zero_checkpoint_resumes_at_another_stage_and_offload_and_back(workspa
         assert result.returncode == 0, result.stderr[-3000:]
         metrics = read_metrics(path)
         step = int(checkpoint.name.split("-")[1])
-        expected = {e["step"]: e["loss"] for e in read_metrics(straight[reference])["log_history"] if "loss" in e}
+        reference_path = straight.get(reference) or reference
+        expected = {e["step"]: e["loss"] for e in read_metrics(reference_path)["log_history"] if "loss" in e}
         losses = {e["step"]: e["loss"] for e in metrics["log_history"] if "loss" in e and e["step"] > step}
         assert losses.keys() == set(range(step + 1, 9)), losses
         assert all(abs(losses[k] - expected[k]) <= 1e-5 * abs(expected[k]) for k in losses), (losses, expected)
-        expected_rows = rows_by_step(workspace[0] / f"rows-straight-{reference}")
+        expected_rows = rows_by_step(workspace[0] / f"rows-straight-{getattr(reference, 'stem', reference)}")
         assert rows_by_step(rows) == {k: expected_rows[k] for k in losses}
         weights = saved_weights(out)
-        final = saved_weights(Path(yaml.safe_load(straight[reference].read_text())["output_dir"]))
+        final = saved_weights(Path(yaml.safe_load(reference_path.read_text())["output_dir"]))
         assert weights.keys() == final.keys()
         drift = max(float((weights[k].float() - final[k].float()).abs().max()) for k in final)
         assert drift <= 1e-6, drift
@@ -261,6 +262,16 @@ def test_a_zero_checkpoint_resumes_at_another_stage_and_offload_and_back(workspa
             "AdamW's moments are written as DeepSpeed's universal checkpoint") in said, said[-3000:]  # fmt: skip
     assert [(r["engine"], r.get("zero_stage")) for r in metrics["ranks"]] == [("deepspeed", 2)] * 2
     assert "converted checkpoint-6 to DeepSpeed's universal checkpoint (global_step6_universal" in said
+
+    # and a LoRA's: adapter_model.safetensors names its tensors without the adapter's name
+    lora = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_linear": True}
+    adapted = write(workspace, "lora", **lora)
+    (workspace[0] / "rows-straight-lora").mkdir()
+    assert train(adapted, {"LLMTUNE_TEST_ROW_LOG": str(workspace[0] / "rows-straight-lora")}).returncode == 0
+    checkpoint = Path(yaml.safe_load(adapted.read_text())["output_dir"]) / "checkpoint-6"
+    said, metrics, out = resume("lora-to-zero3", checkpoint, 1, "zero3", reference=adapted, **lora)
+    assert "its weights and AdamW's moments are written as DeepSpeed's universal checkpoint" in said
+    assert [(r["engine"], r.get("zero_stage")) for r in metrics["ranks"]] == [("deepspeed", 3)]
 
 
 def test_kill_during_a_save_resumes_from_the_previous_checkpoint(workspace, straight):

@@ -590,15 +590,18 @@ def test_a_ddp_checkpoint_of_a_full_fine_tune_resumes_under_zero_and_what_cant_i
     assert ("checkpoint-4 was saved by DDP (data parallel); this launch runs DeepSpeed ZeRO-3: its weights and "
             "AdamW's moments are written as DeepSpeed's universal checkpoint and loaded with its schedule") in plan.notes
     assert plan.deepspeed_config["checkpoint"] == {"load_universal": True} and plan.global_batch_size == 8
+    lora = make_plan(recipe(tmp_path, deepspeed="zero3", adapter="lora", lora_target_linear=True),
+                     make_cluster(world, device="cpu"))  # a plain LoRA's adapter_model.safetensors converts too
+    assert lora.deepspeed_config["checkpoint"] == {"load_universal": True}
     for changes, why in [
-        ({"adapter": "lora", "lora_target_linear": True}, "llmtune converts a full fine-tune's state"),
+        ({"adapter": "lora", "lora_target_linear": True, "lora_modules_to_save": ["lm_head"]}, "llmtune converts a "
+         "full fine-tune's or a plain LoRA's state (QLoRA, lora_modules_to_save, trainable tokens and ReLoRA save "
+         "other names or state)"),
         ({"optimizer": "adafactor"}, "its conversion carries AdamW's moments, and adafactor keeps other state"),
     ]:  # fmt: skip
         with pytest.raises(UserError) as caught:
             make_plan(recipe(tmp_path, deepspeed="zero3", **changes), make_cluster(world, device="cpu"))
-        assert caught.value.message == (f"checkpoint-4 was saved by DDP (data parallel); this launch runs DeepSpeed "
-                                        f"ZeRO-3: {why}" + (" (an adapter's saved names aren't the model's)"
-                                                            if "adapter" in changes else ""))  # fmt: skip
+        assert caught.value.message == f"checkpoint-4 was saved by DDP (data parallel); this launch runs DeepSpeed ZeRO-3: {why}"  # fmt: skip
         assert "llmtune merge" in caught.value.hint
     (folder / "optimizer.pt").unlink()
     with pytest.raises(UserError, match="it holds no optimizer.pt"):

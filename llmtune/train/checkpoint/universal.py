@@ -105,7 +105,7 @@ def fit_layout(
     kept = model.get("lr_scheduler")
     if kept is None:
         kept = torch.load(scheduler, map_location="cpu", weights_only=True)  # (a state dict of numbers)
-    schedule = _fit_schedule(kept, len(groups), checkpoint)
+    schedule = _fit_schedule(kept, len(groups), checkpoint)  # (DeepSpeed drops empty groups: a DDP LoRA's second)
     model["lr_scheduler"] = schedule if engine_schedules else None
     if not engine_schedules and (schedule is not kept or not scheduler.is_file()):  # where the Trainer reads it
         _replace(scheduler, lambda path: torch.save(schedule, path))
@@ -204,6 +204,9 @@ def from_replicated(checkpoint: Path, model, step: int, data_parallel: int, log=
         raise RuntimeError(f"{checkpoint / 'optimizer.pt'}: parameter groups of {sizes} parameters; this model's "
                            f"trainable parameters group as {expected}")  # fmt: skip
     weights = _saved_weights(checkpoint)
+    adapter = getattr(model, "active_adapter", None)  # peft saves a LoRA's tensors without its adapter's name
+    if isinstance(adapter, str):
+        weights = {_named(name, adapter): tensor for name, tensor in weights.items()}
     output = checkpoint / f"global_step{step}_universal"
     shutil.rmtree(output, ignore_errors=True)  # what a killed conversion left
     started = time.time()
@@ -215,7 +218,8 @@ def from_replicated(checkpoint: Path, model, step: int, data_parallel: int, log=
             raise RuntimeError(
                 f"{checkpoint / 'optimizer.pt'}: the state of {name} isn't AdamW's for its shape {shape}"
             )
-        if name not in weights:
+        found = weights.get(name)
+        if found is None:
             raise RuntimeError(f"{checkpoint}: the saved model has no {name}")
         folder = output / "zero" / name
         folder.mkdir(parents=True)
@@ -226,8 +230,9 @@ def from_replicated(checkpoint: Path, model, step: int, data_parallel: int, log=
         ):
             torch.save({"cat_dim": 0, "param": tensor.float().contiguous()}, folder / f"{key}.pt")
         torch.save(torch.tensor(float(state["step"])), folder / "step.pt")
+    kept = [group for group in saved["param_groups"] if group["params"]]  # (ZeRO drops an empty group: a LoRA's)
     groups = [{**{key: value for key, value in group.items() if key != "params"}, "params": [number]}
-              for number, group in enumerate(saved["param_groups"])]  # fmt: skip
+              for number, group in enumerate(kept)]  # fmt: skip
     torch.save({"param_groups": groups, "ds_version": deepspeed.__version__}, output / "zero" / "optimizer_state.pt")
     torch.save({"module": {}, "optimizer": None, "lr_scheduler": None, "global_steps": step,
                 "global_samples": 0, "skipped_steps": 0, "dp_world_size": data_parallel, "mp_world_size": 1,
@@ -239,13 +244,20 @@ def from_replicated(checkpoint: Path, model, step: int, data_parallel: int, log=
     return output
 
 
+def _named(saved: str, adapter: str) -> str:
+    """A LoRA tensor's name in the model (`...lora_A.default.weight`) from its name in adapter_model.safetensors."""
+    for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"):
+        saved = saved.replace(f".{part}.", f".{part}.{adapter}.")
+    return saved
+
+
 def _saved_weights(checkpoint: Path) -> dict:
-    """The saved model's tensors by name (model.safetensors, or its shards)."""
+    """The saved model's tensors by name (model.safetensors or its shards; a LoRA's adapter_model.safetensors)."""
     from safetensors.torch import load_file
 
-    files = sorted(checkpoint.glob("model*.safetensors"))
+    files = sorted(checkpoint.glob("model*.safetensors")) or sorted(checkpoint.glob("adapter_model.safetensors"))
     if not files:
-        raise RuntimeError(f"{checkpoint}: no model*.safetensors")
+        raise RuntimeError(f"{checkpoint}: no model*.safetensors or adapter_model.safetensors")
     weights = {}
     for path in files:
         weights.update(load_file(path))
