@@ -183,8 +183,11 @@ def train(
         check_port_free(cluster.main_process_port)
     output_dir = Path(loaded.recipe.output_dir)
     created = not output_dir.exists()
+    before = _run_record(Path(the_plan.config_dir), files, output_dir) if not created else None
     write_plan_files(Path(the_plan.config_dir), files)
     code = run(the_plan, ctx.args, loaded.recipe.rdzv_timeout, verbose=verbose)
+    if code == EXIT_USER_ERROR and before is not None:
+        _restore_record(Path(the_plan.config_dir), output_dir, *before)
     if (
         code == EXIT_USER_ERROR
         and created
@@ -322,3 +325,30 @@ def vllm_serve(recipe: RecipeArg) -> None:
     code = serve(load_recipe(recipe).recipe, str(recipe))
     if code:
         raise typer.Exit(code)
+
+
+def _trained(output_dir: Path) -> tuple:
+    """What a run leaves when it trained: its checkpoints and its metrics.json (by modification time)."""
+    found = sorted(p.name for p in output_dir.glob("checkpoint-*"))
+    metrics = output_dir / "metrics.json"
+    return found, metrics.stat().st_mtime_ns if metrics.is_file() else None
+
+
+def _run_record(config_dir: Path, files: dict[str, str], output_dir: Path) -> tuple[dict, tuple]:
+    """The plan files a launch is about to overwrite in an existing output_dir (a finished run's record: `eval`
+    and `report` read its recipe there), with what the folder holds of training before it."""
+    kept = {name: (config_dir / name).read_bytes() if (config_dir / name).is_file() else None for name in files}
+    return kept, _trained(output_dir)
+
+
+def _restore_record(config_dir: Path, output_dir: Path, kept: dict, trained: tuple) -> None:
+    """A launch the ranks refused (a user error) before it trained anything: the folder's earlier plan files come
+    back, so a finished run beside them keeps the recipe that trained it."""
+    if _trained(output_dir) != trained:
+        return
+    for name, text in kept.items():
+        path = config_dir / name
+        if text is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(text)

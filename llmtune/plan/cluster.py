@@ -112,6 +112,9 @@ def make_cluster(
                         "cuda:gloo shares GPUs between ranks over gloo, for tests")  # fmt: skip
     if num_machines < 1:
         raise UserError(f"--num-machines must be at least 1 (got {num_machines})")
+    if num_processes is None and device == "cuda" and not gpus:
+        raise UserError("--device cuda, and this machine has no GPU to count the processes from",
+                        "pass --num-processes N: the GPUs of the machines the plan is for")  # fmt: skip
     if num_processes is None:
         num_processes = (gpus if device == "cuda" else 1) * num_machines
     if num_processes < 1:

@@ -151,7 +151,10 @@ class DatasetSpec(Section):
         None, description="Role aliases, e.g. {user: [human], assistant: [gpt]}; sharegpt: {input: [...], "
         "output: [...]}, the senders read as the user's and as the model's.",
     )  # fmt: skip
-    roles_to_train: list[str] = Field(["assistant"], description="Roles whose content gets labels.")
+    roles_to_train: list[str] = Field(
+        ["assistant"],
+        description="Roles whose content gets labels: the template's roles or the rows' own names (gpt), mapped as the rows are.",
+    )
     train_on_eos: Literal["turn", "last", "all", "none"] = Field(
         "turn", description="Which end-of-turn tokens get labels: each trained turn's, the last, all, none."
     )

@@ -123,7 +123,12 @@ class TrainingKeys(Section):
     logging_steps: float = Field(1, gt=0, description="Log every N steps (or a fraction of all steps, below 1).")
     save_strategy: Literal["steps", "epoch", "no"] | None = Field(None, description="When to checkpoint.")
     save_steps: float | None = Field(None, gt=0, description="Checkpoint every N steps (or a fraction of all steps).")
-    saves_per_epoch: int | None = Field(None, gt=0, description="Checkpoints per epoch.")
+    saves_per_epoch: int | None = Field(
+        None,
+        gt=0,
+        description="Checkpoints per epoch (per run where max_steps ends it within "
+        "its first epoch, as Axolotl's fraction of the total steps).",
+    )
     save_total_limit: int | None = Field(None, gt=0, description="Keep at most this many checkpoints.")
     save_only_model: bool = Field(False, description="Checkpoints without optimizer state (can't resume exactly).")
     async_checkpoint: bool = Field(
@@ -133,7 +138,12 @@ class TrainingKeys(Section):
     )  # fmt: skip
     eval_strategy: Literal["steps", "epoch", "no"] | None = Field(None, description="When to evaluate.")
     eval_steps: float | None = Field(None, gt=0, description="Evaluate every N steps (or a fraction of all steps).")
-    evals_per_epoch: int | None = Field(None, ge=0, description="Evaluations per epoch (0: no evaluation).")
+    evals_per_epoch: int | None = Field(
+        None,
+        ge=0,
+        description="Evaluations per epoch (0: no evaluation; per run where "
+        "max_steps ends it within its first epoch, as saves_per_epoch).",
+    )
     resume_from_checkpoint: str | None = Field(None, description="A checkpoint folder to resume from.")
     auto_resume_from_checkpoints: bool = Field(True, description="Resume from the last complete checkpoint found.")
     early_stopping_patience: int | None = Field(

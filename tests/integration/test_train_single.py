@@ -130,6 +130,20 @@ def test_bad_row_is_one_line_exit_2(make_recipe, tmp_path, processes):
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
     # the launch made the output folder for its plan; the ranks stopped before saving anything: it is gone
     assert not Path(yaml.safe_load(recipe.read_text())["output_dir"]).exists()
+    if processes == "2":
+        return
+    # the same refusal in a folder that holds another run: that run's record (the recipe eval and report read)
+    # stays as it was; it was overwritten by the refused recipe's
+    out = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+    (out / "llmtune").mkdir(parents=True)
+    for name in ("plan.json", "recipe.resolved.yaml"):
+        (out / "llmtune" / name).write_text(f"the earlier run's {name}")
+    (out / "metrics.json").write_text("{}")
+    again = make_recipe("bad", datasets=[{"path": str(bad), "type": "alpaca"}], auto_resume_from_checkpoints=False)
+    result = llmtune("train", again, "--num-processes", processes)
+    assert result.returncode == 2 and "bad.jsonl line 2" in result.stderr
+    assert {p.name: p.read_text() for p in (out / "llmtune").glob("*.*") if p.is_file()} == {
+        "plan.json": "the earlier run's plan.json", "recipe.resolved.yaml": "the earlier run's recipe.resolved.yaml"}
 
 
 def chat_rows(count: int) -> list[dict]:

@@ -131,6 +131,22 @@ def test_loftq_and_target_parameters_reach_peft():
     assert config.target_parameters == ["mlp.experts.gate_up_proj"]
 
 
+def test_saves_and_evals_per_epoch_count_in_a_run_max_steps_ends_within_its_first_epoch(tmp_path):
+    """58 rows at micro-batch 2: an epoch is 29 steps. max_steps 6 with saves_per_epoch 2 saved and evaluated only
+    at the end (every 14 steps); Axolotl's fraction of the total steps saves at 3 and 6."""
+    from llmtune.train.engine.arguments import training_arguments
+
+    plan = {"precision": "no", "cluster": {"device": "cpu"}, "strategy": "single", "micro_batch_size": 2,
+            "data_parallel_size": 1, "gradient_accumulation_steps": 1}  # fmt: skip
+    every = {"saves_per_epoch": 2, "evals_per_epoch": 2, "micro_batch_size": 2, "output_dir": str(tmp_path)}
+    args = training_arguments(recipe(max_steps=6, **every), plan, 58, True)
+    assert (args.save_steps, args.eval_steps, args.max_steps) == (3, 3, 6)
+    args = training_arguments(recipe(**every), plan, 58, True)  # without max_steps: per epoch of the data
+    assert (args.save_steps, args.eval_steps) == (14, 14)
+    args = training_arguments(recipe(max_steps=100, **every), plan, 58, True)  # past an epoch: per epoch still
+    assert (args.save_steps, args.eval_steps) == (14, 14)
+
+
 def test_curriculum_sampling_and_neftune_reach_training_arguments(tmp_path):
     from llmtune.train.engine.arguments import training_arguments
 

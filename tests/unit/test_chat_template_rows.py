@@ -109,14 +109,20 @@ def test_unknown_role_values_get_a_roles_suggestion(tok):
                                  "{user: [...], assistant: [...]} to say what 'USER' is")  # fmt: skip
 
 
-def test_roles_to_train_naming_a_source_role_says_it_names_the_mapped_roles(tmp_path, tok):
+def test_roles_to_train_names_source_or_mapped_roles_as_axolotl_maps_them(tmp_path, tok):
+    """Axolotl (from v0.6.0) maps each roles_to_train entry as it maps a row's roles: `[gpt]` and `[assistant]`
+    train the same turns; a dataset's own `roles:` map counts too (refused before, as naming a source role)."""
     mapped = {"field_messages": "conversations", "message_property_mappings": {"role": "from", "content": "value"}}
-    with pytest.raises(UserError) as caught:
-        prepare(tmp_path, [{"conversations": SHAREGPT}], dataset={**mapped, "roles_to_train": ["gpt"]})
-    assert caught.value.message.startswith(f"{tmp_path / 'd.jsonl'} line 1: conversations[1] is from 'gpt', read as "
-                                           "role 'assistant', and roles_to_train lists 'gpt' but not 'assistant'")  # fmt: skip
-    assert caught.value.hint == "roles_to_train names the mapped roles: write 'assistant' there"
-    groups, _ = prepare(tmp_path, [{"conversations": SHAREGPT}], dataset={**mapped, "roles_to_train": ["assistant"]})
+    for roles, extra in (["gpt"], {}), (["assistant"], {}), (["bot"], {"roles": {"assistant": ["gpt", "bot"]}}):
+        folder = tmp_path / "_".join(roles) / str(bool(extra))
+        folder.mkdir(parents=True)
+        groups, _ = prepare(folder, [{"conversations": SHAREGPT}], dataset={**mapped, "roles_to_train": roles, **extra})
+        [example] = groups["train"]
+        trained = [i for i, label in zip(example["input_ids"], example["labels"], strict=True) if label != IGNORE]
+        assert tok.decode(trained) == "Paris.<|im_end|>", roles  # (bot: llmtune's alias of assistant)
+    folder = tmp_path / "human"
+    folder.mkdir()
+    groups, _ = prepare(folder, [{"conversations": SHAREGPT}], dataset={**mapped, "roles_to_train": ["human"]})
     [example] = groups["train"]
     trained = [i for i, label in zip(example["input_ids"], example["labels"], strict=True) if label != IGNORE]
-    assert tok.decode(trained) == "Paris.<|im_end|>"
+    assert "Paris" not in tok.decode(trained) and tok.decode(trained)  # the user turn, not the reply

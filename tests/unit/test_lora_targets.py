@@ -163,3 +163,12 @@ def test_peft_options_axolotl_passes_reach_peft_and_inits_that_rewrite_the_base_
     for value in ("pissa", "olora", "eva"):
         with pytest.raises(UserError, match=f"'{value}' "):
             recipe(peft_init_lora_weights=value)
+
+
+def test_one_string_of_target_modules_is_said_to_be_a_regex_with_the_list_to_write(model):
+    """`lora_target_modules: q_proj` (a string, as YAML users write one item): peft matches the whole module name
+    against it as a regex and finds nothing; the hint said to set module names this model has, which it named."""
+    with pytest.raises(UserError) as caught:
+        attach_adapter(model, recipe(lora_target_modules="q_proj"))
+    assert caught.value.message.startswith("LoRA could not be attached")
+    assert caught.value.hint.endswith("write a list, lora_target_modules: [q_proj]")

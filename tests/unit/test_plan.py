@@ -827,3 +827,15 @@ def test_a_text_model_types_wrap_class_is_checked_in_its_familys_modelling_files
         check_wrap_class("LlamaDecoderLayer", facts)
     assert "Gemma3DecoderLayer" in caught.value.hint
     check_wrap_class("Gemma3DecoderLayer", facts)
+
+
+def test_cuda_without_a_process_count_on_a_machine_without_gpus_says_so(monkeypatch):
+    """`llmtune plan recipe --device cuda` here said `--num-processes must be at least 1 (got 0)`, a flag not given."""
+    import llmtune.plan.cluster as cluster
+
+    monkeypatch.setattr(cluster, "count_local_gpus", lambda: 0)
+    with pytest.raises(UserError) as caught:
+        cluster.make_cluster(None, device="cuda")
+    assert caught.value.message == "--device cuda, and this machine has no GPU to count the processes from"
+    assert caught.value.hint.startswith("pass --num-processes N")
+    assert cluster.make_cluster(2, device="cuda").num_processes == 2  # a plan for GPUs elsewhere, sized by the flag

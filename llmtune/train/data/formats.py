@@ -94,6 +94,21 @@ def pretokenized(row: dict, ctx: FormatContext) -> list[Example]:
 OWN_KEYS = ("training", "has_thinking", "training_detail", "thinking_detail")  # what llmtune puts on a message
 
 
+def role_aliases(spec) -> dict[str, str]:
+    """Source role names (a row's `from: gpt`) -> the role the template reads, with the dataset's own `roles:`."""
+    aliases = dict(ROLE_ALIASES)
+    for role, names in (spec.roles or {}).items():
+        aliases.update({name: role for name in names})
+    return aliases
+
+
+def trained_roles(spec) -> set[str]:
+    """The roles whose turns train: roles_to_train as written, through the role map (Axolotl, from v0.6.0, maps
+    each entry as it maps a row's roles, so `[gpt]` and `[assistant]` both train the gpt turns)."""
+    aliases = role_aliases(spec)
+    return {aliases.get(role, role) for role in spec.roles_to_train}
+
+
 def _messages(row: dict, spec) -> list[dict]:
     """The row's conversation as the chat template reads it: each message's role and content, every other key it
     carries (tool_calls, name, tool_call_id, reasoning_content, ...: Axolotl passes them to the template), the keys
@@ -105,9 +120,7 @@ def _messages(row: dict, spec) -> list[dict]:
     renamed = {source: key for key, source in mappings.items() if key not in ("role", "content")}
     thinking_key = spec.field_thinking or "reasoning_content"  # Axolotl's default from v0.12.0
     thinking_from = next((source for source, key in renamed.items() if key == thinking_key), thinking_key)
-    aliases = dict(ROLE_ALIASES)
-    for role, names in (spec.roles or {}).items():
-        aliases.update({name: role for name in names})
+    aliases = role_aliases(spec)
     messages = []
     for index, message in enumerate(raw):
         if not isinstance(message, dict) or role_key not in message or content_key not in message:
@@ -134,10 +147,6 @@ def _messages(row: dict, spec) -> list[dict]:
         thinking_detail = None
         if isinstance(thinking, list):
             thinking, thinking_detail = joined_parts(thinking, f"{where}.{thinking_from}")
-        if message[role_key] in spec.roles_to_train and role not in spec.roles_to_train:
-            raise RowError(f"{spec.field_messages}[{index}] is from '{message[role_key]}', read as role '{role}', and "
-                           f"roles_to_train lists '{message[role_key]}' but not '{role}', so this turn never trains",
-                           f"roles_to_train names the mapped roles: write '{role}' there")  # fmt: skip
         if role == "system" and spec.drop_system_message:
             continue
         entry = {"role": role, "content": content}
@@ -294,7 +303,7 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
         raise RowError(f"{err.message} ({err.hint})") from None
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
-    train_roles = set(spec.roles_to_train)
+    train_roles = trained_roles(spec)
     # Without eot_tokens, a turn ends at the first special token after it, governed by train_on_eos. With
     # eot_tokens (Axolotl's meaning), those end turns and follow train_on_eot, and the eos token follows
     # train_on_eos on its own.

@@ -45,12 +45,15 @@ def _check_drop_last(recipe, plan: dict, train_rows: int) -> None:
                         "rank(s)", "remove dataloader_drop_last, or lower micro_batch_size")  # fmt: skip
 
 
-def _every(steps: float | None, per_epoch: int | None, epoch_steps: int) -> tuple[str, float | None]:
-    """(strategy, steps) for Axolotl's save_steps/saves_per_epoch style pairs."""
+def _every(steps: float | None, per_epoch: int | None, epoch_steps: int,
+           max_steps: int | None = None) -> tuple[str, float | None]:  # fmt: skip
+    """(strategy, steps) for Axolotl's save_steps/saves_per_epoch style pairs. Per epoch, or per run where max_steps
+    ends it within the first epoch (Axolotl's fraction of the total steps: `max_steps: 6` with `saves_per_epoch: 2`
+    saves at 3 and 6, not only at the end)."""
     if steps is not None:
         return "steps", steps
     if per_epoch:
-        return "steps", max(1, epoch_steps // per_epoch)
+        return "steps", max(1, min(epoch_steps, max_steps or epoch_steps) // per_epoch)
     return "epoch", None
 
 
@@ -137,9 +140,9 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
     rehearsal = plan["cluster"]["device"] == "cpu"
     _check_bf16_device(precision, rehearsal)
     kernels = plan.get("kernels") or {}
-    save_strategy, save_steps = _every(recipe.save_steps, recipe.saves_per_epoch, epoch_steps)
+    save_strategy, save_steps = _every(recipe.save_steps, recipe.saves_per_epoch, epoch_steps, recipe.max_steps)
     save_strategy = recipe.save_strategy or save_strategy
-    eval_strategy, eval_steps = _every(recipe.eval_steps, recipe.evals_per_epoch, epoch_steps)
+    eval_strategy, eval_steps = _every(recipe.eval_steps, recipe.evals_per_epoch, epoch_steps, recipe.max_steps)
     eval_strategy = (recipe.eval_strategy or eval_strategy) if has_eval else "no"
     from llmtune.train.objectives.schedule import named_schedule
 

@@ -108,6 +108,9 @@ def _with_adapter(model, recipe):
                 "add the missing name: transformers 5 holds both in one fused experts tensor, which LoRA adapts "
                 "whole" if "without also targeting" in str(err) else
                 "set lora_target_modules to module names of this model, or lora_target_linear: true")  # fmt: skip
+        if isinstance(recipe.lora_target_modules, str):  # peft reads one string as a regex the whole name matches
+            hint = (f"lora_target_modules is one string, which peft matches against each module's whole name as a "
+                    f"regular expression: write a list, lora_target_modules: [{recipe.lora_target_modules}]")  # fmt: skip
         raise UserError(f"LoRA could not be attached: {str(err).splitlines()[0][:200]}", hint) from None
     # peft maps the per-expert names of transformers 4 (gate_proj, up_proj, down_proj; Mixtral's w1, w3, w2) onto
     # transformers 5's fused expert tensors where it knows the family: what it converted is no unmatched name
