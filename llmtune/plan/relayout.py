@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from llmtune.errors import UserError
 from llmtune.plan.checkpoint_layout import read_marker
-from llmtune.plan.resume import check_convertible, resume_checkpoint
+from llmtune.plan.resume import check_convertible, replicated_to_zero, resume_checkpoint
 
 ADAM = ("adamw_torch", "adamw_torch_fused", "deepspeed:adam", "deepspeed:adamw")  # whose state is Adam's moments
 
@@ -58,7 +58,7 @@ def check_layout(recipe, strategy: str, titles: dict[str, str], deepspeed_config
     info = (read_marker(checkpoint) or {}) if checkpoint else {}
     saved, layout = info.get("engine_layout"), engine_layout(deepspeed_config, fsdp_section)
     written = info.get("strategy")
-    if written in ("ddp", "single") and strategy.startswith("zero"):
+    if replicated_to_zero(written, strategy):
         return _from_replicated(recipe, checkpoint, info, titles.get(written, written), titles.get(strategy, strategy),
                                 deepspeed_config)  # fmt: skip
     restaged = bool(written) and written != strategy and written.startswith("zero") and strategy.startswith("zero")
@@ -67,8 +67,7 @@ def check_layout(recipe, strategy: str, titles: dict[str, str], deepspeed_config
             raise UserError(
                 f"{checkpoint.name} was saved by {titles.get(written, written)} with an older llmtune, whose "
                 f"checkpoints don't record their engine layout; this launch runs {titles.get(strategy, strategy)}",
-                f"resume with the recipe's strategy keys as they were; to train on from its weights: llmtune merge "
-                f"{checkpoint}, then base_model: the merged folder in a new output_dir",
+                f"resume with the recipe's strategy keys as they were; {_from_weights(checkpoint)}",
             )
         return None
     differ = [f"{key} {saved.get(key)} -> {layout.get(key)}" for key in {**saved, **layout}
@@ -92,8 +91,7 @@ def check_layout(recipe, strategy: str, titles: dict[str, str], deepspeed_config
         "use the DeepSpeed config it was saved with"  # fmt: skip
     raise UserError(
         f"{checkpoint.name} was saved with {'; '.join(differ)} (saved -> now): {why}",
-        f"{fix} to resume it; to train on from its weights in the new layout: llmtune merge {checkpoint}, then "
-        f"base_model: the merged folder in a new output_dir",
+        f"{fix} to resume it; {_from_weights(checkpoint, ' in the new layout')}",
     )
 
 
@@ -103,12 +101,11 @@ def _not_carried(recipe, info: dict, saved: dict, layout: dict, deepspeed_config
         return "accelerate reads an FSDP checkpoint only in the state dict format it is told"
     if "nvme" in (*saved.values(), *layout.values()):
         return "DeepSpeed reads NVMe-offloaded optimizer state back only into the swap files that wrote it"
-    before = info.get("optimizer")  # (None: a marker from before llmtune recorded it)
-    for which in (optimizer_of(recipe.optimizer, deepspeed_config), before):
-        if which is not None and which not in ADAM:
-            return (f"its conversion carries Adam's moments, and {which.replace('deepspeed:', 'DeepSpeed optimizer ')} "
-                    "keeps other state (a layout change is converted for AdamW runs)")  # fmt: skip
-    if before is None:
+    other = _not_adam(recipe, info, deepspeed_config)
+    if other:
+        return (f"its conversion carries Adam's moments, and {other} keeps other state (a layout change is converted "
+                "for AdamW runs)")  # fmt: skip
+    if info.get("optimizer") is None:  # a marker from before llmtune recorded it
         return "the checkpoint's marker doesn't record its optimizer (an older llmtune)"
     return None
 
@@ -126,15 +123,25 @@ def _from_replicated(recipe, checkpoint, info: dict, before: str, now: str, deep
         why = f"{recipe.grouped_rates[0]} gives the optimizer groups of its own, which the conversion doesn't map"
     elif not (checkpoint / "optimizer.pt").is_file():
         why = "it holds no optimizer.pt (saved without its optimizer state)"
-    else:
-        for which in (optimizer_of(recipe.optimizer, deepspeed_config), info.get("optimizer")):
-            if which is not None and which not in ADAM:
-                why = f"its conversion carries AdamW's moments, and {which.replace('deepspeed:', 'DeepSpeed optimizer ')} keeps other state"  # fmt: skip
+    elif other := _not_adam(recipe, info, deepspeed_config):
+        why = f"its conversion carries AdamW's moments, and {other} keeps other state"
     if why:
-        raise UserError(
-            f"{checkpoint.name} was saved by {before}; this launch runs {now}: {why}",
-            f"resume with the recipe's strategy keys as they were; to train on from its weights: llmtune merge "
-            f"{checkpoint}, then base_model: the merged folder in a new output_dir",
-        )
+        raise UserError(f"{checkpoint.name} was saved by {before}; this launch runs {now}: {why}",
+                        f"resume with the recipe's strategy keys as they were; {_from_weights(checkpoint)}")  # fmt: skip
     return (f"{checkpoint.name} was saved by {before}; this launch runs {now}: its weights and AdamW's moments are "
             "written as DeepSpeed's universal checkpoint and loaded with its schedule")  # fmt: skip
+
+
+def _not_adam(recipe, info: dict, deepspeed_config: dict | None) -> str | None:
+    """The optimizer, this launch's or the one the checkpoint's marker records, whose state isn't AdamW's moments
+    (the conversions carry only those); None when both are AdamW (or the marker doesn't say)."""
+    for which in (optimizer_of(recipe.optimizer, deepspeed_config), info.get("optimizer")):
+        if which is not None and which not in ADAM:
+            return which.replace("deepspeed:", "DeepSpeed optimizer ")
+    return None
+
+
+def _from_weights(checkpoint, where: str = "") -> str:
+    """How to go on from a checkpoint's weights alone where its optimizer state can't be carried over."""
+    return (f"to train on from its weights{where}: llmtune merge {checkpoint}, then base_model: the merged folder in a "
+            "new output_dir")  # fmt: skip

@@ -29,6 +29,11 @@ def _family(strategy: str) -> str:
     return "zero" if strategy.startswith("zero") else MOVABLE.get(strategy, strategy)
 
 
+def replicated_to_zero(saved: str | None, now: str) -> bool:
+    """A DDP (or one process's) checkpoint resumed under ZeRO: written as the universal checkpoint (relayout.py)."""
+    return saved in ("ddp", "single") and now.startswith("zero")
+
+
 @dataclass(frozen=True)
 class Saved:
     """What a complete checkpoint's marker says of the allocation that wrote it."""
@@ -174,7 +179,7 @@ def resumed_accumulation(
         return None
     name = saved.path.name
     written = saved.strategy or strategy
-    converted = saved.strategy in ("ddp", "single") and strategy.startswith("zero")  # (relayout.py said how)
+    converted = replicated_to_zero(saved.strategy, strategy)  # (relayout.py said how)
     if saved.strategy and _family(saved.strategy) != _family(strategy) and not converted:
         # at any world size: the same one too, where ZeRO's and FSDP's states would be missed (a DDP resume of a
         # ZeRO checkpoint restarted its optimizer silently) or not found (every rank's traceback)

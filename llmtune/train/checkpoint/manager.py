@@ -104,7 +104,6 @@ class CheckpointManager:
                 from llmtune.train.checkpoint.universal import convert, fit_layout, from_replicated
 
                 ds = self.plan["deepspeed_config"]
-                stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
                 owner = "DeepSpeed's" if "optimizer" in ds else "the Trainer's"
                 replicated = not str(info.get("strategy", "zero")).startswith("zero")  # DDP's or one process's
                 before = (info.get("engine_layout") or {}).get("optimizer", "the Trainer's" if replicated else owner)
@@ -117,7 +116,7 @@ class CheckpointManager:
                                              int(info.get("data_parallel_size") or 1), log)  # fmt: skip
                 else:
                     folder = convert(Path(checkpoint), log)
-                fit_layout(Path(checkpoint), folder, stage, "optimizer" in ds, decays)
+                fit_layout(Path(checkpoint), folder, self._zero_stage(), "optimizer" in ds, decays)
             collectives.barrier()
         return info
 
@@ -271,16 +270,19 @@ class CheckpointManager:
         trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
         return True
 
+    def _zero_stage(self) -> int:
+        return int((self.plan["deepspeed_config"].get("zero_optimization") or {}).get("stage", 0))
+
     def _repair_universal_load(self, trainer, checkpoint) -> None:
-        """ZeRO-3 after DeepSpeed loaded a universal checkpoint (another data-parallel size): universal.py."""
+        """After DeepSpeed loaded a universal checkpoint (another data-parallel size, ZeRO layout or strategy): each
+        optimizer state's step, and ZeRO-3's groups (universal.py)."""
         if not (checkpoint and trainer.is_deepspeed_enabled):
             return
         if not (self.plan.get("deepspeed_config") or {}).get("checkpoint", {}).get("load_universal"):
             return
         from llmtune.train.checkpoint.universal import converted_folder, repair_universal_load
 
-        stage = int((self.plan["deepspeed_config"].get("zero_optimization") or {}).get("stage", 0))
-        repair_universal_load(trainer.optimizer.optimizer, converted_folder(Path(checkpoint)), stage)
+        repair_universal_load(trainer.optimizer.optimizer, converted_folder(Path(checkpoint)), self._zero_stage())
 
     def load_stages(self, checkpoint: str | Path, grid, params: dict, optimizer, scheduler) -> tuple[int, list]:
         """A pipeline checkpoint into this stage: the step to continue from and the loss history so far."""

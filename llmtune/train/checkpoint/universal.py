@@ -224,7 +224,7 @@ def from_replicated(checkpoint: Path, model, step: int, data_parallel: int, log=
         folder = output / "zero" / name
         folder.mkdir(parents=True)
         for key, tensor in (
-            ("fp32", weights[name]),
+            ("fp32", found),
             ("exp_avg", state["exp_avg"]),
             ("exp_avg_sq", state["exp_avg_sq"]),
         ):
