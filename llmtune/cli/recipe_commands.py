@@ -80,9 +80,10 @@ def validate(
                                        launcher, None, no_ssh)  # fmt: skip
         cluster, cluster_notes = smallest_cluster(loaded.recipe, described)
     plan = make_plan(loaded.recipe, cluster)
-    from llmtune.launch.preflight import check_deepspeed_schema
+    from llmtune.launch.preflight import check_deepspeed_schema, check_local_splits
 
     check_deepspeed_schema(loaded.recipe, plan)
+    check_local_splits(loaded.recipe)
     for note in [*loaded.notes, *cluster_notes]:
         typer.echo(f"note: {note}")
     typer.echo(f"{recipe}: valid ({plan.title}, world size {plan.world_size}, global batch {plan.global_batch_size})")

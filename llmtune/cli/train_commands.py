@@ -105,6 +105,7 @@ def train(
     from llmtune.launch.net import free_port
     from llmtune.launch.preflight import (
         check_deepspeed_schema,
+        check_local_splits,
         check_nvme_offload,
         check_trackers,
         finished_run,
@@ -130,6 +131,7 @@ def train(
     if overrides:
         loaded.recipe = loaded.recipe.model_copy(update=overrides)
     check_trackers(loaded.recipe)
+    check_local_splits(loaded.recipe)
     ours = sorted({opt for param in ctx.command.params for opt in getattr(param, "opts", []) if opt.startswith("--")})
     check_launcher_flags(list(ctx.args), ours)
     if main_process_port is None and num_machines == 1 and hostfile is None:

@@ -24,6 +24,20 @@ def check_trackers(recipe) -> None:
                         "pip install 'llmtune[trackers]' (or the package itself), or remove it from report_to")  # fmt: skip
 
 
+def check_local_splits(recipe) -> None:
+    """A local dataset folder whose file names say their splits has the split each entry asks for (the ranks would
+    find out after the launch, each with its own copy of the error)."""
+    from llmtune.train.data.sources import files_of_split
+
+    for group in ("datasets", "test_datasets"):
+        for index, spec in enumerate(getattr(recipe, group) or []):
+            if Path(spec.path).expanduser().is_dir():
+                try:
+                    files_of_split(spec)
+                except UserError as err:
+                    raise UserError(f"{group}[{index}].split: {err.message}", err.hint) from None
+
+
 def finished_run(recipe) -> str | None:
     """Rerunning a finished run (same recipe, auto-resume on) trains nothing: say so instead of resuming at the end."""
     from llmtune.recipe.loader import recipe_fingerprint

@@ -69,6 +69,26 @@ def jinja_text(value: str | None, key: str) -> str | None:
     return value
 
 
+def jinja_syntax(text: str, key: str) -> None:
+    """A chat template that doesn't parse is the key's error at validate (it was each row's, at preprocess). Parsed
+    as transformers compiles templates: loop controls, and the {% generation %} blocks of assistant masks."""
+    import jinja2
+    import jinja2.ext
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            line = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(line)
+
+    try:
+        jinja2.Environment(extensions=[Generation, jinja2.ext.loopcontrols]).parse(text)
+    except jinja2.TemplateSyntaxError as err:
+        raise ValueError(f"{key}: the template doesn't parse: {err.message} (its line {err.lineno})") from None
+
+
 def unfilled_placeholder(value: str, field: str) -> str | None:
     """Why a custom format string would fail at the first row (str.format), or None: only {instruction} and {input}
     are filled in a prompt format, {system} in system_format."""

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from llmtune.recipe.axolotl_keys import attention_alias
-from llmtune.recipe.base import Section, empty_to_none, jinja_text
+from llmtune.recipe.base import Section, empty_to_none, jinja_syntax, jinja_text
 from llmtune.recipe.kernels import CCE_PLUGIN, COMPILE_MODES, LIGER_PLUGIN, check_plugins
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
@@ -53,7 +53,10 @@ def template_keys(cls, value, info):
     and a dataset entry's)."""
     if info.field_name == "chat_template":
         return checked_template_name(value)
-    return jinja_text(value, info.field_name)
+    text = jinja_text(value, info.field_name)
+    if isinstance(text, str):
+        jinja_syntax(text, info.field_name)
+    return text
 
 
 class ModelKeys(Section):

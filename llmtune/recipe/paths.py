@@ -177,6 +177,25 @@ def check_adapter_folder(recipe, recipe_path: Path) -> None:
                         "give this run its own output_dir")  # fmt: skip
 
 
+def check_output_apart(recipe, recipe_path: Path) -> None:
+    """output_dir is not a folder the run reads: the base model's (its weights would be overwritten) or a local
+    dataset folder's (or one inside it: the next run would read the saved model's files as data)."""
+    try:
+        out = Path(recipe.output_dir).expanduser().resolve()
+    except (OSError, ValueError, RuntimeError):
+        return  # not a usable path: check_output_dir says so
+    if looks_local(recipe.base_model) and Path(recipe.base_model).is_dir() and Path(recipe.base_model).resolve() == out:
+        raise UserError(f"{recipe_path}: output_dir is base_model ({out}): the run would overwrite the model it "
+                        "starts from", "give the run its own output_dir")  # fmt: skip
+    for group in ("datasets", "test_datasets"):
+        for index, spec in enumerate(getattr(recipe, group) or []):
+            folder = Path(spec.path).expanduser()
+            if folder.is_dir() and (out == folder.resolve() or folder.resolve() in out.parents):
+                raise UserError(f"{recipe_path}: output_dir {out} is in {group}[{index}].path ({folder}): the saved "
+                                "model's files would be read as data by the next run", "give the run an output_dir "
+                                "outside the data folder")  # fmt: skip
+
+
 def check_local_paths(recipe, recipe_path: Path) -> None:
     """Replace local names in the recipe by absolute paths, failing on ones that don't exist."""
     check_output_dir(recipe.output_dir, recipe_path)
@@ -187,6 +206,8 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
         if value:
             setattr(recipe, key, resolve(value, key, recipe_path))
     check_adapter_folder(recipe, recipe_path)
+    if recipe.dataset_prepared_path:
+        check_output_dir(recipe.dataset_prepared_path, recipe_path, "dataset_prepared_path")
     if recipe.resume_from_checkpoint:
         in_output = Path(recipe.output_dir).expanduser() / recipe.resume_from_checkpoint
         if (
@@ -243,3 +264,4 @@ def check_local_paths(recipe, recipe_path: Path) -> None:
                                         + (" (no file matches the pattern)" if is_glob(name) else ""),
                                         "relative paths are read from the folder llmtune runs in, as Axolotl "
                                         "reads them")  # fmt: skip
+    check_output_apart(recipe, recipe_path)

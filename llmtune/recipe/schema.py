@@ -60,6 +60,11 @@ class Recipe(ModelKeys, AdapterKeys, DataKeys, MixingKeys, TrainingKeys, Distrib
                              "set max_steps")  # fmt: skip
         self._reward_rules()
         check_preference(self)
+        from llmtune.recipe.passed_kwargs import check_passed_kwargs
+
+        refused = check_passed_kwargs(self)
+        if refused:
+            raise ValueError(refused)
         kwargs = self.lr_scheduler_kwargs or {}
         if (
             self.lr_scheduler == "cosine_with_min_lr"

@@ -382,8 +382,8 @@ def main(argv: list[str]) -> int:
     if payload.get("recipe_path"):  # where the recipe's own Python files are (GRPO's rewards and transforms)
         os.environ.setdefault("LLMTUNE_RECIPE_DIR", str(Path(payload["recipe_path"]).resolve().parent))
     plan = payload["plan"]
-    libraries.hide_unused(recipe, plan)
     try:
+        libraries.hide_unused(recipe, plan)
         rank = distributed.setup(plan, recipe.ddp_timeout)
         mark("process_group")  # torch imported, the rank's device and process group set
         train(recipe, plan, rank)

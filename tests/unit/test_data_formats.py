@@ -60,9 +60,25 @@ def test_input_output_segments(tok):
     assert ids == q + a and labels == [IGNORE] * len(q) + a
 
 
+def test_input_output_segments_without_a_label_flag_are_row_errors(tok):
+    """Axolotl reads segment["label"] (a KeyError without one); llmtune trained such a segment, prompt and all, and
+    a label of "no" too (a non-empty string)."""
+    for segment, said in (({"text": "Q: hi\n"}, r"segments\[0\] has no 'label'"),
+                          ({"text": "Q: hi\n", "label": "no"}, r"segments\[0\] has label 'no'")):  # fmt: skip
+        with pytest.raises(RowError, match=said):
+            run(tok, {"segments": [segment, {"text": "A", "label": True}]}, type="input_output")
+
+
 def test_pretokenized_with_mask(tok):
     [(ids, labels)] = run(tok, {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8], "attention_mask": [1, 1, 1, 0]})
     assert ids == [5, 6, 7, 8] and labels == [-100, 6, 7, -100]
+    # an id the embeddings don't have failed in training (IndexError; on a GPU, a device-side assert)
+    size = len(tok)
+    for row, said in (({"input_ids": [1, 5, size]}, f"input_ids\\[2\\] is {size}, not one of this tokenizer's"),
+                      ({"input_ids": [1, -3]}, "input_ids\\[1\\] is -3"),
+                      ({"input_ids": [1, 5], "labels": [-100, size + 7]}, f"labels\\[1\\] is {size + 7}")):  # fmt: skip
+        with pytest.raises(RowError, match=said):
+            run(tok, row)
 
 
 CONVERSATION = [

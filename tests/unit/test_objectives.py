@@ -171,3 +171,39 @@ def test_load_best_model_at_end_keeps_the_best_checkpoint_by_the_recipe_s_metric
     assert not training_arguments(recipe, plan.to_dict(), 100, has_eval=False).load_best_model_at_end
     notes = plan.notes
     assert any(note.startswith("load_best_model_at_end: no effect: the recipe has no eval data") for note in notes)
+
+
+def test_early_stopping_says_so_only_when_it_ends_the_run_and_never_formats_a_missing_best(capsys):
+    """The Trainer sets should_training_stop at its last step too: a run whose only evaluation was at its end crashed
+    formatting a best metric it had none of yet (TypeError, the model unsaved), and one whose eval loss improved to
+    the end said it stopped early with the wrong best."""
+    from pathlib import Path
+
+    from transformers import TrainerControl, TrainerState
+
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.engine.callbacks import early_stopping
+
+    recipe = recipe_from_mapping({"base_model": "org/m", "output_dir": "/x", "val_set_size": 0.1, "datasets": [
+        {"path": "o/d", "type": "alpaca"}], "early_stopping_patience": 2}, Path("r.yml"), check_files=False).recipe  # fmt: skip
+    args = SimpleNamespace(metric_for_best_model="eval_loss", greater_is_better=False)
+
+    def evaluate(callback, state, step, loss, last=False):
+        state.global_step = step
+        control = TrainerControl(should_training_stop=last)  # the Trainer's own stop at max_steps
+        callback.on_evaluate(args, state, control, metrics={"eval_loss": loss})
+        if state.best_metric is None or loss < state.best_metric:  # the Trainer's bookkeeping, after the callbacks
+            state.best_metric, state.best_global_step = loss, step
+        return control.should_training_stop
+
+    only_at_the_end = early_stopping(recipe, True)[0]
+    assert evaluate(only_at_the_end, TrainerState(max_steps=4), 4, 5.7, last=True)
+    improving, state = early_stopping(recipe, True)[0], TrainerState(max_steps=4)
+    assert not evaluate(improving, state, 2, 5.71) and evaluate(improving, state, 4, 5.61, last=True)
+    assert "early stopping" not in capsys.readouterr().err
+    worsening, state = early_stopping(recipe, True)[0], TrainerState(max_steps=12)
+    for step, loss in ((2, 5.0), (4, 5.2)):
+        assert not evaluate(worsening, state, step, loss)
+    assert evaluate(worsening, state, 6, 5.3)  # two evaluations without a better loss: stopped
+    said = capsys.readouterr().err
+    assert "early stopping at step 6 of 12: eval loss has not improved for 2 evaluations (best 5.0000 at step 2)" in said

@@ -63,6 +63,16 @@ BAD_RECIPES = [
      ["use_eaft", "liger_fused_linear_cross_entropy"], []),
     ("val-and-test-sets", {"val_set_size": 0.1, "test_datasets": [{"path": "org/t", "type": "alpaca"}]},
      ["test_datasets", "val_set_size"], []),
+    # mappings handed on as keyword arguments: a TypeError at step 1 before
+    ("scheduler-kwarg", {"lr_scheduler": "cosine", "lr_scheduler_kwargs": {"num_cylces": 2}},
+     ["lr_scheduler_kwargs.num_cylces", "num_cycles"], []),
+    ("jinja-syntax", {"chat_template": "jinja", "chat_template_jinja": "{% for m in messages %}{{ m['content'] }"},
+     ["chat_template_jinja", "doesn't parse"], []),
+    ("dataset-jinja-syntax", {"datasets": [{"path": "org/ds", "type": "chat_template", "chat_template": "jinja",
+                                            "chat_template_jinja": "{% if x %}open"}]},
+     ["datasets[0]", "chat_template_jinja", "doesn't parse"], []),
+    ("checkpointing-kwarg", {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_rentrant": False}},
+     ["gradient_checkpointing_kwargs.use_rentrant", "use_reentrant"], []),
 ]
 
 
@@ -143,3 +153,38 @@ def test_base_model_naming_a_lora_adapter_folder_is_refused_with_the_two_ways_on
                                         r"org/base\), not a model") as err:  # fmt: skip
         recipe_from_mapping(mapping, tmp_path / "r.yaml")
     assert f"lora_model_dir: {adapter}" in err.value.hint and f"llmtune merge {adapter}" in err.value.hint
+
+
+def test_what_a_run_would_write_over_or_find_too_late_is_one_line_before_anything_starts(run_cli, write_recipe,
+                                                                                     tmp_path, data_file):  # fmt: skip
+    """From a probe of unseen recipes, each passed validate: output_dir naming the local base model (its weights
+    were overwritten) or a dataset folder (the saved model's files then read as data); dataset_prepared_path naming a
+    file (a FileExistsError traceback in preprocess and train); a folder's split its file names don't hold (a
+    traceback from every rank of train)."""
+    import shutil
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    for split in ("train", "test"):
+        shutil.copy(data_file, folder / f"{split}.jsonl")
+    for changes, words in (
+        ({"base_model": str(model), "output_dir": str(model)}, ["output_dir is base_model", "overwrite"]),
+        ({"datasets": [{"path": str(folder), "type": "alpaca"}], "output_dir": str(folder / "run")},
+         ["output_dir", "datasets[0].path", "read as data"]),
+        ({"dataset_prepared_path": str(data_file)}, ["dataset_prepared_path", "is a file"]),
+        ({"datasets": [{"path": str(folder), "type": "alpaca", "split": "validation"}]},
+         ["datasets[0].split", "'validation'", "test, train"]),
+    ):  # fmt: skip
+        for command in ("validate", "train"):
+            result = run_cli(command, write_recipe(changes), "--num-processes", "1")
+            assert result.code == 2, result.err + result.out
+            lines = result.err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.out, result.err
+            assert all(word in lines[0] for word in words), (words, lines[0])
+            assert not (tmp_path / "out").exists() and not (folder / "run").exists()
+    assert (model / "config.json").read_text() == "{}"
+    ok = run_cli("validate", write_recipe({"datasets": [{"path": str(folder), "type": "alpaca", "split": "test"}]}))
+    assert ok.code == 0, ok.err

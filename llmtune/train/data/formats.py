@@ -71,9 +71,12 @@ def input_output(row: dict, ctx: FormatContext) -> list[Example]:
     for index, segment in enumerate(segments):
         if not isinstance(segment, dict) or not isinstance(segment.get("text"), str):
             raise RowError(f"segments[{index}] must be an object with a 'text' string and a 'label' flag")
+        if not isinstance(segment.get("label"), bool):  # Axolotl reads segment["label"]: a KeyError without one
+            said = "has no 'label'" if "label" not in segment else f"has label {segment['label']!r}"
+            raise RowError(f"segments[{index}] {said}: write true (it trains) or false (it is masked)")
         piece = _ids(ctx.tokenizer, segment["text"])
         ids += piece
-        labels += piece if (segment.get("label", True) or ctx.train_on_inputs) else [IGNORE] * len(piece)
+        labels += piece if (segment["label"] or ctx.train_on_inputs) else [IGNORE] * len(piece)
     return [(ids, labels)]
 
 
@@ -88,6 +91,13 @@ def pretokenized(row: dict, ctx: FormatContext) -> list[Example]:
         labels = [label if keep else IGNORE for label, keep in zip(labels, mask, strict=False)]
     if not all(isinstance(i, int) for i in ids):
         raise RowError("input_ids must be a list of integers")
+    size = len(ctx.tokenizer)  # an id outside it indexes past the embeddings (a device-side assert on a GPU)
+    for key, values in (("input_ids", ids), ("labels", labels)):
+        wrong = next(((n, v) for n, v in enumerate(values) if not isinstance(v, int)
+                      or not (0 <= v < size or (key == "labels" and v == IGNORE))), None)  # fmt: skip
+        if wrong:
+            raise RowError(f"{key}[{wrong[0]}] is {wrong[1]!r}, not one of this tokenizer's {size} ids",
+                           "tokenize the rows with the recipe's tokenizer (labels may also be -100)")  # fmt: skip
     return [([int(i) for i in ids], [int(x) for x in labels])]
 
 

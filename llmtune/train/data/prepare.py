@@ -308,7 +308,11 @@ def tokenize_with_cache(recipe, tokenizer, progress=no_progress, purpose: str = 
     if not len(groups["train"]):
         raise no_examples(recipe, stats, purpose)
     if directory is not None:
-        directory.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError(f"dataset_prepared_path: can't create {directory.parent} ({err.strerror or err})",
+                            "point dataset_prepared_path at a folder you can write") from None  # fmt: skip
         _save(directory, groups, stats)
     return groups, {**stats, "cache_hit": False, "cache_dir": str(directory) if directory else None}
 

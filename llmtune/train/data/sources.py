@@ -125,6 +125,12 @@ def _files_in(folder: Path, data_files, split: str = "train") -> list[Path]:
     return by_split[base]
 
 
+def files_of_split(spec) -> list[Path]:
+    """The local files one dataset entry reads for its split ([] for a saved dataset or a hub id); UserError for a
+    split a folder's file names don't hold."""
+    return _local_files(spec)
+
+
 def _splits_by_name(folder: Path, files: list[Path]) -> dict[str, list[Path]]:
     """{split: files} where file names say their split, as `datasets` infers it; {} where none do."""
     import re

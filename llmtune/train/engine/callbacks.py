@@ -250,13 +250,17 @@ def early_stopping(recipe, has_eval: bool) -> list:
     class EarlyStop(EarlyStoppingCallback):
         def on_evaluate(self, args, state, control, metrics=None, **kwargs):
             super().on_evaluate(args, state, control, metrics=metrics, **kwargs)
-            if control.should_training_stop and state.is_world_process_zero:
+            # said when this callback ends the run: the Trainer also sets should_training_stop at the last step
+            stopped = self.early_stopping_patience_counter >= self.early_stopping_patience
+            if stopped and state.global_step < state.max_steps and state.is_world_process_zero:
                 from llmtune.train.runtime.progress import log
 
                 metric = (args.metric_for_best_model or "eval_loss").replace("_", " ")
+                times = f"{self.early_stopping_patience} evaluation{'s' if self.early_stopping_patience > 1 else ''}"
+                best = "" if state.best_metric is None else \
+                    f" (best {state.best_metric:.4f} at step {state.best_global_step})"  # fmt: skip
                 log(f"early stopping at step {state.global_step} of {state.max_steps}: {metric} has not improved "
-                    f"for {self.early_stopping_patience} evaluation{'s' if self.early_stopping_patience > 1 else ''} (best {state.best_metric:.4f} at step "
-                    f"{state.best_global_step}); the best checkpoint's weights are saved")  # fmt: skip
+                    f"for {times}{best}; the best checkpoint's weights are saved")  # fmt: skip
 
     return [EarlyStop(early_stopping_patience=recipe.early_stopping_patience)]
 
