@@ -296,42 +296,49 @@ def _merge(key: str, user_value: Any, recipe_value: Any, source: Any, resumed: b
     return user_value
 
 
+def optimizer_offloaded(config: dict | None) -> bool:
+    """Whether a DeepSpeed config offloads the optimizer (to CPU or NVMe): DeepSpeed then steps it with its own CPU
+    Adam, which the Trainer builds over its parameter groups unless the config has an optimizer section."""
+    offload = ((config or {}).get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return bool(offload) and offload.get("device", "none") != "none"
+
+
 def _resolve_optimizer(config: dict, recipe, notes: list[str]) -> None:
-    """Offloaded optimizer states need DeepSpeed's own (CPU) Adam; otherwise the Trainer builds the optimizer."""
-    zero = config["zero_optimization"]
-    offloaded = bool(zero.get("offload_optimizer")) and zero["offload_optimizer"].get("device") != "none"
+    """Offloaded optimizer states need DeepSpeed's own CPU Adam. Without an optimizer section the Trainer builds
+    torch's AdamW over its parameter groups (weight decay not on biases and norms; LoRA+'s and lr_groups' rates), and
+    accelerate hands DeepSpeed the CPU Adam of those groups, decoupled weight decay as AdamW's (its
+    map_pytorch_optim_to_deepspeed). A config's own optimizer section DeepSpeed builds over one group of every
+    parameter."""
     params = {
         "lr": recipe.learning_rate, "betas": [recipe.adam_beta1, recipe.adam_beta2],
         "eps": recipe.adam_epsilon, "weight_decay": recipe.weight_decay,
     }  # fmt: skip
     grouped = recipe.grouped_rates
-    if grouped and ("optimizer" in config or offloaded):
-        source = recipe.deepspeed if isinstance(recipe.deepspeed, str) else "the inline mapping"
-        why = (
-            "has its own optimizer section"
-            if "optimizer" in config
-            else "offloads the optimizer (DeepSpeed's CPU Adam)"
-        )
-        raise UserError(f"{grouped[0]} needs the Trainer to build the optimizer, and deepspeed: {source} {why}, "
-                        f"which DeepSpeed builds over one group of parameters: {grouped[0]} would be ignored",
-                        f"remove the optimizer section or the optimizer offload, or remove {grouped[0]}")  # fmt: skip
+    source = recipe.deepspeed if isinstance(recipe.deepspeed, str) else "the inline mapping"
     if "optimizer" in config:
+        if grouped:
+            raise UserError(f"{grouped[0]} needs the Trainer to build the optimizer, and deepspeed: {source} has its "
+                            "own optimizer section, which DeepSpeed builds over one group of parameters: "
+                            f"{grouped[0]} would be ignored", f"remove the optimizer section, or remove {grouped[0]}")  # fmt: skip
         user = config["optimizer"]
         config["optimizer"] = {
             "type": user.get("type", "AdamW"),
             "params": _merge("optimizer.params", user.get("params") or {}, params, recipe.deepspeed),
         }
-    elif offloaded:
+    elif optimizer_offloaded(config):
         if not recipe.optimizer.startswith("adamw"):
-            source = recipe.deepspeed if isinstance(recipe.deepspeed, str) else "the inline mapping"
+            stage = config["zero_optimization"].get("stage", 2)
             raise UserError(
                 f"optimizer: {recipe.optimizer} can't run with the optimizer offload of deepspeed: {source} "
                 "(DeepSpeed steps offloaded optimizer states with its own CPU Adam and refuses other optimizers)",
-                f"use optimizer: adamw_torch (DeepSpeed's CPU Adam runs it), or deepspeed: zero{zero.get('stage', 2)} "
-                "(no offload)",
+                f"use optimizer: adamw_torch (DeepSpeed's CPU Adam runs it), or deepspeed: zero{stage} (no offload)",
             )
-        config["optimizer"] = {"type": "AdamW", "params": params}
-        notes.append("optimizer offload: DeepSpeed's CPU AdamW runs the optimizer step")
+        instead = "" if recipe.optimizer in ("adamw_torch", "adamw_torch_fused", "adamw_hf") else \
+            f" (instead of {recipe.optimizer}: fp32 states, on the CPU)"  # fmt: skip
+        who = "torch's AdamW (zero_force_ds_cpu_optimizer: false; DeepSpeed's CPU Adam, faster, without the key)" \
+            if config.get("zero_force_ds_cpu_optimizer") is False else "DeepSpeed's CPU AdamW"  # fmt: skip
+        notes.append(f"optimizer offload: {who} runs the optimizer step{instead}, over the Trainer's parameter groups "
+                     "(no weight decay on biases and norms)")  # fmt: skip
 
 
 def _reject_auto(config: Any, path: str = "") -> None:

@@ -28,7 +28,7 @@ from llmtune.plan.checks import (
 )
 from llmtune.plan.cluster import Cluster
 from llmtune.plan.commands import ELASTIC, _command, _environment
-from llmtune.plan.deepspeed import build_deepspeed_config
+from llmtune.plan.deepspeed import build_deepspeed_config, optimizer_offloaded
 from llmtune.plan.memory.facts import read_model_facts
 from llmtune.plan.mesh import plan_mesh
 from llmtune.plan.padding_free import planned_batches
@@ -244,12 +244,17 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
                      if cluster.rehearsal else "activation offloading: each checkpointed layer's input is held in "
                      "pinned CPU memory (transformers' checkpoint offload); slower steps, less GPU memory")  # fmt: skip
     kernels = _kernels(recipe, cluster, precision, strategy, mesh)
-    kernels.optimizer = fused_optimizer(recipe, cluster.device, strategy, deepspeed_config)
+    deepspeed_steps = bool(deepspeed_config) and (
+        "optimizer" in deepspeed_config or optimizer_offloaded(deepspeed_config)
+    )
+    kernels.optimizer = fused_optimizer(recipe, cluster.device, strategy, deepspeed_steps)
     if recipe.rl in ONLINE_METHODS:
         kernels.generation, kernels.vllm_share = _generation(recipe, cluster, facts, data_parallel, precision)
     if kernels.optimizer:
         kernels.notes.append(f"optimizer: {kernels.optimizer} for the recipe's {recipe.optimizer} (the same AdamW, "
                              "fused into one kernel per step on CUDA)")  # fmt: skip
+    elif deepspeed_steps and "optimizer" not in deepspeed_config and recipe.optimizer != "adamw_torch":
+        kernels.optimizer = "adamw_torch"  # the Trainer's AdamW, which accelerate hands to DeepSpeed's CPU Adam
     notes += kernels.notes
     if recipe.qat:
         notes += _qat_notes(recipe)

@@ -8,22 +8,27 @@ same model. So a DeepSpeed layout change goes through the conversion a change of
 read beside the per-parameter files). What can't be carried is refused before launch in one line: FSDP's state
 dict formats, NVMe-offloaded optimizer state (DeepSpeed reads it back only into the swap files that wrote it), and
 optimizers whose state isn't Adam's moments (DeepSpeed's CPU Adam, which offload uses, continues only those).
+The optimizer's owner moves too: a config's optimizer section has DeepSpeed build it (one group, the schedule in its
+files); otherwise the Trainer does (its groups, scheduler.pt), offloaded or not.
 """
 
 from __future__ import annotations
 
 from llmtune.errors import UserError
 from llmtune.plan.checkpoint_layout import read_marker
+from llmtune.plan.deepspeed import optimizer_offloaded
 from llmtune.plan.resume import check_convertible, replicated_to_zero, resume_checkpoint
 
 ADAM = ("adamw_torch", "adamw_torch_fused", "deepspeed:adam", "deepspeed:adamw")  # whose state is Adam's moments
 
 
 def optimizer_of(recipe_optimizer: str, deepspeed_config: dict | None) -> str:
-    """The optimizer a run steps, as its checkpoint's marker records it: DeepSpeed's own section's type (offload
-    sets one) or the recipe's."""
+    """The optimizer a run steps, as its checkpoint's marker records it: DeepSpeed's own section's type, DeepSpeed's
+    CPU AdamW where the optimizer is offloaded (the Trainer builds it over its groups), or the recipe's."""
     section = (deepspeed_config or {}).get("optimizer")
-    return f"deepspeed:{str(section.get('type', 'adamw')).lower()}" if section else recipe_optimizer
+    if section:
+        return f"deepspeed:{str(section.get('type', 'adamw')).lower()}"
+    return "deepspeed:adamw" if optimizer_offloaded(deepspeed_config) else recipe_optimizer
 
 
 def engine_layout(deepspeed_config: dict | None, fsdp_section: dict | None) -> dict:

@@ -239,13 +239,13 @@ def compile_arguments(recipe, device: str) -> dict:
     return arguments
 
 
-def fused_optimizer(recipe, device: str, strategy: str | None, deepspeed_config: dict | None) -> str | None:
+def fused_optimizer(recipe, device: str, strategy: str | None, deepspeed_steps: bool) -> str | None:
     """adamw_torch_fused where the recipe names plain adamw_torch and the Trainer builds the optimizer on CUDA
-    (the same AdamW maths, one fused kernel instead of a loop of small ones); None where nothing changes."""
-    if recipe.optimizer != "adamw_torch" or device != "cuda" or strategy == "pipeline":
+    (the same AdamW maths, one fused kernel instead of a loop of small ones); None where nothing changes.
+    `deepspeed_steps`: DeepSpeed's own optimizer runs the step (its config's section, or its CPU Adam for an
+    offloaded optimizer)."""
+    if recipe.optimizer != "adamw_torch" or device != "cuda" or strategy == "pipeline" or deepspeed_steps:
         return None
-    if deepspeed_config and "optimizer" in deepspeed_config:
-        return None  # DeepSpeed's own (CPU) Adam runs the step
     fsdp = recipe.resolved_fsdp()
     if fsdp and fsdp[1].offload_params:
         return None  # the step runs on CPU shards

@@ -20,6 +20,11 @@ def workspace(tmp_path_factory, tiny_model):
     return make_workspace(tmp_path_factory, "dist", tiny_model)
 
 
+# Every run decays its weights: a strategy that decays what the Trainer leaves out (biases, norms), as DeepSpeed's
+# CPU Adam did over one group of every parameter, ends away from one process's weights
+DECAY = {"weight_decay": 0.1}
+
+
 def run(workspace, name: str, processes: int, **changes) -> tuple[dict, Path]:
     """With 5 eval rows: batches of 4 and 1 on one process, and on 2 ranks 4 real rows on one and 1 on the other,
     which the Trainer evens out by repeating rows (llmtune fills with label-free rows and weighs by token)."""
@@ -28,7 +33,7 @@ def run(workspace, name: str, processes: int, **changes) -> tuple[dict, Path]:
     held_out = write_jsonl(workspace[0] / "eval.jsonl", [{"instruction": f"Repeat {w}", "output": " ".join([w] * n)}
                                                          for n, w in enumerate(["sun", "moon", "star", "sky", "sea"], 1)])  # fmt: skip
     return train_run(workspace, name, processes, gradient_accumulation_steps=2 // processes,
-                     test_datasets=[{"path": str(held_out), "type": "alpaca"}], **changes)  # fmt: skip
+                     test_datasets=[{"path": str(held_out), "type": "alpaca"}], **DECAY, **changes)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +144,9 @@ def test_two_ranks_match_single_process(workspace, reference, name, changes, kin
     assert {r["activation_checkpointing"] for r in ranks} == {"model" if name == "fsdp2-lora" else "none"}, ranks
     if name.startswith("zero") and "offload" not in name:
         assert all(r["optimizer"] != "DeepSpeedCPUAdam" for r in ranks)
+    if name.startswith("zero"):  # the Trainer's groups, whoever steps them: decay, and none on biases and norms
+        # (a LoRA's adapters all decay; DeepSpeed drops the empty group)
+        assert all(r["weight_decay"] == ([0.1] if kind == "lora" else [0.1, 0.0]) for r in ranks), ranks
     if name.startswith("zero"):  # DeepSpeed's CPU shared-memory all-reduce (inference only): neither built nor loaded
         assert "deepspeed_shm_comm_op" not in (output_dir / "llmtune" / "logs" / "machine-0.log").read_text()
     assert losses(metrics) == pytest.approx(losses(ref_metrics), abs=2e-5)
@@ -178,7 +186,7 @@ def run_two_machines(workspace, name: str, processes: int, **changes) -> dict:
     import subprocess
     import sys
 
-    path = write_run_recipe(workspace, name, micro_batch_size=4 * 2 // processes, **changes)
+    path = write_run_recipe(workspace, name, micro_batch_size=4 * 2 // processes, **DECAY, **changes)
     port = free_port()
     flags = ["--num-machines", "2", "--num-processes", str(processes), "--main-process-ip", "127.0.0.1",
              "--main-process-port", str(port)]  # fmt: skip

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 # 32 rows, global batch 8 (micro batch 2 x accumulation 2 x 2 ranks) -> 4 steps per epoch, 2 epochs; checkpoints at
 # 3 and 6 (6 is mid-epoch, so resuming must restore the sampler position, not just the epoch)
 COMMON = {"num_epochs": 2, "save_strategy": "steps", "save_steps": 3, "save_total_limit": 2, "logging_steps": 1,
-          "micro_batch_size": 2, "gradient_accumulation_steps": 2}  # fmt: skip
+          "micro_batch_size": 2, "gradient_accumulation_steps": 2, "weight_decay": 0.1}  # fmt: skip
 STRATEGIES = {
     "ddp": {},
     "zero2": {"deepspeed": "zero2"},
@@ -195,11 +195,12 @@ def test_a_checkpoint_resumes_on_fewer_and_on_more_processes(workspace, straight
 
 def test_a_zero_checkpoint_resumes_at_another_stage_and_offload_and_back(workspace, straight):
     """What a run that ran out of memory does: the 2-rank ZeRO-2 checkpoint-6 goes on under ZeRO-3 with the optimizer
-    and the parameters offloaded (DeepSpeed's CPU Adam then owns the optimizer, in one parameter group, and the
-    schedule); and a ZeRO-2 run with the optimizer offloaded goes on from its checkpoint-6 under ZeRO-2 without
-    offload on 1 process (the Trainer's two groups and scheduler.pt again). Each is converted to DeepSpeed's
-    universal checkpoint and loaded with its Adam moments, step and schedule: the resumed steps train the
-    uninterrupted ZeRO-2 run's rows to its losses, and both end at its weights (measured 6e-8 apart; a fresh
+    and the parameters offloaded (DeepSpeed's CPU Adam then steps the Trainer's groups: with weight decay 0.1 it ends
+    at the ZeRO-2 run's weights only if norms stay undecayed); and a ZeRO-2 run whose config's optimizer section has
+    DeepSpeed build it (one group, the schedule in DeepSpeed's files) with the optimizer offloaded goes on from its
+    checkpoint-6 under ZeRO-2 without offload on 1 process (the Trainer's two groups and scheduler.pt). Each is
+    converted to DeepSpeed's universal checkpoint and loaded with its Adam moments, step and schedule: the resumed
+    steps train the uninterrupted run's rows to its losses, and end at its weights (measured 6e-8 apart; a fresh
     optimizer state at the same point ends 7e-4 apart). Both were refused before (one line), and crashed every rank
     before that. And the 2-rank DDP checkpoint-6 goes on under ZeRO-2 with offload, its weights and AdamW state
     written as the universal checkpoint, to the DDP run's losses and weights."""
@@ -236,26 +237,29 @@ def test_a_zero_checkpoint_resumes_at_another_stage_and_offload_and_back(workspa
     saved_checkpoint = Path(yaml.safe_load(straight["zero2"].read_text())["output_dir"]) / "checkpoint-6"
     said, metrics, out = resume("relayout-zero3-offload", saved_checkpoint, 2, "zero3_offload")
     assert ("checkpoint-6 was saved with DeepSpeed ZeRO-2 -> DeepSpeed ZeRO-3; offload_optimizer device none -> cpu; "
-            "offload_param device none -> cpu; optimizer the Trainer's -> DeepSpeed's; sub_group_size None -> "
-            "1000000000 (saved -> now): it is converted to DeepSpeed's universal checkpoint") in said, said[-3000:]  # fmt: skip
+            "offload_param device none -> cpu; sub_group_size None -> 1000000000 (saved -> now): it is converted to "
+            "DeepSpeed's universal checkpoint") in said, said[-3000:]  # fmt: skip
     assert [(r["engine"], r.get("zero_stage")) for r in metrics["ranks"]] == [("deepspeed", 3)] * 2
     marker = json.loads((out / "checkpoint-8" / "llmtune-complete.json").read_text())
-    assert marker["optimizer"] == "deepspeed:adamw" and marker["engine_layout"]["optimizer"] == "DeepSpeed's"
+    assert marker["optimizer"] == "deepspeed:adamw" and marker["engine_layout"]["optimizer"] == "the Trainer's"
     assert marker["engine_layout"]["offload_optimizer device"] == "cpu"
 
-    # and back: a checkpoint DeepSpeed's CPU Adam wrote (no scheduler.pt: DeepSpeed keeps the schedule in its files)
-    offloaded = write(workspace, "straight-zero2-offload", deepspeed="zero2_offload")
-    assert train(offloaded).returncode == 0
+    # and back: a checkpoint of DeepSpeed's own CPU Adam (no scheduler.pt: DeepSpeed keeps the schedule in its files),
+    # without weight decay, which it would give the norms too
+    built = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "AdamW"}}
+    offloaded = write(workspace, "deepspeed-optimizer", deepspeed=built, weight_decay=0.0)
+    (workspace[0] / "rows-straight-deepspeed-optimizer").mkdir()
+    assert train(offloaded, {"LLMTUNE_TEST_ROW_LOG": str(workspace[0] / "rows-straight-deepspeed-optimizer")}).returncode == 0
     checkpoint = Path(yaml.safe_load(offloaded.read_text())["output_dir"]) / "checkpoint-6"
     assert not (checkpoint / "scheduler.pt").exists()
-    said, metrics, back = resume("relayout-back", checkpoint, 1, "zero2")
+    said, metrics, back = resume("relayout-back", checkpoint, 1, "zero2", reference=offloaded, weight_decay=0.0)
     assert "checkpoint-6 was saved with offload_optimizer device cpu -> none; optimizer DeepSpeed's -> the" in said
     assert [(r["engine"], r.get("zero_stage")) for r in metrics["ranks"]] == [("deepspeed", 2)]
     schedule = torch.load(back / "checkpoint-6" / "scheduler.pt", weights_only=True)  # written for the Trainer
     assert (schedule["last_epoch"], len(schedule["base_lrs"])) == (6, 2)  # its step; the Trainer's two groups
 
     # a DDP run that ran out of memory goes on under ZeRO-2 with its optimizer offloaded: its weights and AdamW's
-    # moments are written as the universal checkpoint, and the schedule moves to DeepSpeed
+    # moments are written as the universal checkpoint
     checkpoint = Path(yaml.safe_load(straight["ddp"].read_text())["output_dir"]) / "checkpoint-6"
     said, metrics, out = resume("ddp-to-zero", checkpoint, 2, "zero2_offload", reference="ddp")
     assert ("checkpoint-6 was saved by DDP (data parallel); this launch runs DeepSpeed ZeRO-2: its weights and "

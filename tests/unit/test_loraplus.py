@@ -54,10 +54,16 @@ def test_loraplus_is_refused_where_its_optimizer_would_not_run():
 
 
 def test_a_deepspeed_optimizer_that_would_ignore_loraplus_is_refused_at_the_plan():
+    """A config's optimizer section is built by DeepSpeed over one group: refused. Offload alone was refused too
+    (DeepSpeed's CPU Adam came from such a section); the Trainer now builds that CPU Adam over LoRA+'s groups."""
     from llmtune.plan.deepspeed import build_deepspeed_config
 
+    inline = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}
     with pytest.raises(UserError, match="loraplus_lr_ratio needs the Trainer to build the optimizer, and deepspeed: "
-                                        "zero3_offload offloads the optimizer"):  # fmt: skip
-        build_deepspeed_config(recipe(loraplus_lr_ratio=16, deepspeed="zero3_offload"), 2, "bf16", None)
-    config, _ = build_deepspeed_config(recipe(loraplus_lr_ratio=16, deepspeed="zero2"), 2, "bf16", None)
-    assert "optimizer" not in config  # the Trainer builds it: LoRA+ runs
+                                        "the inline mapping has its own optimizer section"):  # fmt: skip
+        build_deepspeed_config(recipe(loraplus_lr_ratio=16, deepspeed=inline), 2, "bf16", None)
+    for preset in ("zero2", "zero3_offload"):
+        config, notes = build_deepspeed_config(recipe(loraplus_lr_ratio=16, deepspeed=preset), 2, "bf16", None)
+        assert "optimizer" not in config  # the Trainer builds it: LoRA+ runs
+    assert "optimizer offload: DeepSpeed's CPU AdamW runs the optimizer step, over the Trainer's parameter groups " \
+        "(no weight decay on biases and norms)" in notes  # fmt: skip

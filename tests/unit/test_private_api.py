@@ -664,6 +664,20 @@ def deepspeed_file(relative: str) -> str:
     return (Path(spec.submodule_search_locations[0]) / relative).read_text()
 
 
+def test_accelerate_offload_optimizer():
+    from accelerate import Accelerator
+    from accelerate.utils import deepspeed as accelerate_deepspeed
+
+    source = inspect.getsource(Accelerator._prepare_deepspeed)
+    for token in ("map_pytorch_optim_to_deepspeed(optimizer)", "zero_force_ds_cpu_optimizer", "offload_optimizer"):
+        expect(token in source, "accelerate-offload-optimizer", "accelerate", "Accelerator._prepare_deepspeed",
+               f"no longer holds {token!r}")  # fmt: skip
+    mapping = inspect.getsource(accelerate_deepspeed.map_pytorch_optim_to_deepspeed)
+    for token in ("optimizer.param_groups", 'defaults["adamw_mode"] = True', "DeepSpeedCPUAdam"):
+        expect(token in mapping, "accelerate-offload-optimizer", "accelerate", "map_pytorch_optim_to_deepspeed",
+               f"no longer holds {token!r}")  # fmt: skip
+
+
 def test_deepspeed_zero_internals():
     wanted = {
         "runtime/zero/stage3.py": ["class DeepSpeedZeroOptimizer_Stage3", "self.grad_partitions_flat_buffer",

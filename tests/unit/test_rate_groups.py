@@ -120,9 +120,47 @@ def test_what_can_t_carry_the_groups_is_refused_before_the_run():
             recipe(**keys)
     from llmtune.plan.deepspeed import build_deepspeed_config
 
+    inline = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "AdamW"}}
     with pytest.raises(UserError, match="lr_groups needs the Trainer to build the optimizer, and deepspeed: "
-                                        "zero3_offload offloads the optimizer"):  # fmt: skip
-        build_deepspeed_config(recipe(lr_groups=[ATTENTION], deepspeed="zero3_offload"), 2, "bf16", None)
+                                        "the inline mapping has its own optimizer section"):  # fmt: skip
+        build_deepspeed_config(recipe(lr_groups=[ATTENTION], deepspeed=inline), 2, "bf16", None)
+
+
+@pytest.mark.parametrize("keys", [{}, {"embedding_lr_scale": 0.1, "lr_groups": [ATTENTION]}], ids=["plain", "groups"])
+def test_an_offloaded_optimizer_is_deepspeeds_cpu_adam_over_the_trainers_groups(monkeypatch, keys):
+    """ZeRO's optimizer offload steps with DeepSpeed's CPU Adam. Built from the config's optimizer section it had one
+    group of every parameter, so weight decay reached biases and norms and lr_groups were refused. Now the plan
+    leaves the section out and the Trainer builds torch's AdamW (for any AdamW the recipe names), which accelerate
+    hands DeepSpeed as the CPU Adam of the same groups, in AdamW's decoupled mode (a DeepSpeedCPUAdam of the Trainer's
+    own would be taken for another optimizer: L2 decay). (The real one in a 2-rank run, its groups' weight decay
+    read from the engine: tests/integration/test_distributed.py, zero3-offload.)"""
+    import deepspeed.ops.adam
+    from accelerate.utils.deepspeed import map_pytorch_optim_to_deepspeed
+    from transformers import LlamaForCausalLM
+
+    from llmtune.plan import make_cluster, make_plan
+    from llmtune.train.engine.arguments import training_arguments
+
+    class CPUAdam(torch.optim.AdamW):  # DeepSpeed's signature; the real one compiles its C++ op when built
+        def __init__(self, params, adamw_mode, **kwargs):
+            self.adamw_mode = adamw_mode
+            super().__init__(params, **kwargs)
+
+    monkeypatch.setattr(deepspeed.ops.adam, "DeepSpeedCPUAdam", CPUAdam)
+    offloaded = recipe(deepspeed="zero3_offload", optimizer="adamw_bnb_8bit", output_dir="/tmp/unused", **keys)
+    plan = make_plan(offloaded, make_cluster(num_processes=1, device="cpu"))
+    assert "optimizer" not in plan.deepspeed_config
+    assert training_arguments(offloaded, plan.to_dict(), 100, has_eval=False).optim == "adamw_torch"
+    assert any(note.startswith("optimizer offload: DeepSpeed's CPU AdamW runs the optimizer step (instead of "
+                               "adamw_bnb_8bit") for note in plan.notes), plan.notes  # fmt: skip
+    model = LlamaForCausalLM(tiny_llama_config(64))
+    built = trainer_for(model, **keys).create_optimizer()
+    assert type(built) is torch.optim.AdamW
+    handed = map_pytorch_optim_to_deepspeed(built)  # what accelerate gives deepspeed.initialize under offload
+    assert type(handed) is CPUAdam and handed.adamw_mode
+    expected = rates_by_name(model, built)
+    assert rates_by_name(model, handed) == expected
+    assert {decay for _, decay in expected.values()} == {0.0, 0.01}  # norms without, the rest with
 
 
 def test_wrapper_segments_leave_the_names_a_recipe_writes():
@@ -130,3 +168,17 @@ def test_wrapper_segments_leave_the_names_a_recipe_writes():
 
     assert clean_name("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module."
                       "self_attn.o_proj.weight") == "model.layers.0.self_attn.o_proj.weight"  # fmt: skip
+
+
+def test_an_offload_config_that_lets_a_torch_optimizer_step_on_the_cpu_says_so():
+    """Axolotl's zero3_bf16_cpuoffload_all.json sets zero_force_ds_cpu_optimizer: false: accelerate then leaves the
+    Trainer's AdamW as it is, stepping on the CPU (slower than DeepSpeed's CPU Adam); the plan says which runs."""
+    from llmtune.plan.deepspeed import build_deepspeed_config
+
+    inline = {"zero_force_ds_cpu_optimizer": False, "zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "cpu"}, "offload_param": {"device": "cpu"}}}  # fmt: skip
+    config, notes = build_deepspeed_config(recipe(deepspeed=inline), 2, "bf16", None)
+    assert "optimizer" not in config and config["zero_force_ds_cpu_optimizer"] is False
+    assert any(note.startswith("optimizer offload: torch's AdamW (zero_force_ds_cpu_optimizer: false") for note in notes)
+    _, notes = build_deepspeed_config(recipe(deepspeed="zero3_offload"), 2, "bf16", None)
+    assert any(note.startswith("optimizer offload: DeepSpeed's CPU AdamW runs") for note in notes), notes

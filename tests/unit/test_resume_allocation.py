@@ -516,10 +516,14 @@ ZERO2_LAYOUT = {key: value for key, value in ZERO3_LAYOUT.items() if key != "sub
 @pytest.mark.parametrize(("strategy", "layout", "changes", "differ"), [
     # saved with Axolotl's zero3_bf16.json (sub_group_size 0, on disk or stood in for), resumed with llmtune's preset
     ("zero3", {**ZERO3_LAYOUT, "sub_group_size": 0}, {"deepspeed": "zero3"}, "sub_group_size 0 -> 1000000000"),
-    # the usual answer to an OOM: offload (DeepSpeed's CPU Adam then owns the optimizer and the schedule), a higher
-    # stage, or both; and back
+    # the usual answer to an OOM: offload (DeepSpeed's CPU Adam then steps the Trainer's groups), a higher stage, or
+    # both; and back
     ("zero3", ZERO3_LAYOUT, {"deepspeed": "zero3_offload"}, "offload_optimizer device none -> cpu; offload_param "
-     "device none -> cpu; optimizer the Trainer's -> DeepSpeed's"),
+     "device none -> cpu"),
+    # an offload checkpoint of a DeepSpeed-built optimizer (an optimizer section; llmtune before it built DeepSpeed's
+    # CPU Adam in the Trainer's groups): one group, the schedule in DeepSpeed's files
+    ("zero3", {**ZERO3_LAYOUT, "offload_optimizer device": "cpu", "offload_param device": "cpu",
+               "optimizer": "DeepSpeed's"}, {"deepspeed": "zero3_offload"}, "optimizer DeepSpeed's -> the Trainer's"),
     ("zero2", ZERO2_LAYOUT, {"deepspeed": "zero3"}, "DeepSpeed ZeRO-2 -> DeepSpeed ZeRO-3; sub_group_size None -> "
      "1000000000"),
     ("zero3", {**ZERO3_LAYOUT, "offload_optimizer device": "cpu", "optimizer": "DeepSpeed's"}, {"deepspeed": "zero2"},
@@ -556,7 +560,7 @@ def test_a_checkpoint_in_another_zero_layout_is_converted_with_its_optimizer_sta
      "accelerate reads an FSDP checkpoint only in the state dict format it is told",
      "set fsdp_config.state_dict_type back"),
     ("zero3", ZERO3_LAYOUT, {"deepspeed": "zero3_nvme", "offload_nvme_path": "/tmp"}, "offload_optimizer device none "
-     "-> nvme; offload_param device none -> nvme; optimizer the Trainer's -> DeepSpeed's", "DeepSpeed reads "
+     "-> nvme; offload_param device none -> nvme", "DeepSpeed reads "
      "NVMe-offloaded optimizer state back only into the swap files that wrote it", "use the DeepSpeed config"),
     ("zero2", ZERO2_LAYOUT, {"deepspeed": "zero3", "optimizer": "adafactor"}, "DeepSpeed ZeRO-2 -> DeepSpeed ZeRO-3",
      "its conversion carries Adam's moments, and adafactor keeps other state", "use the DeepSpeed config"),

@@ -74,11 +74,11 @@ def fit_layout(
     or off, another sub-group size): what the engine of `stage` reads beside the per-parameter files. Returns what
     was written. ZeRO-1/2 read the optimizer's global state at the top of zero/optimizer_state.pt and its model
     states (the step, the schedule) from mp_rank_00_model_states.pt; ZeRO-3 reads them under optimizer_state_dict and
-    from zero_pp_rank_0_mp_rank_00_model_states.pt. Who steps the learning-rate schedule moves with DeepSpeed's
-    optimizer (offload): the engine keeps its state in the model states, the Trainer in scheduler.pt. So does the
-    grouping: DeepSpeed's optimizer steps every parameter in one group, the Trainer's in two (weight decay and
-    none). `decays`: the weight decay of each of this layout's groups when the grouping changed; the saved groups
-    must then share one learning rate, which each new group continues."""
+    from zero_pp_rank_0_mp_rank_00_model_states.pt. Who steps the learning-rate schedule moves with the optimizer's
+    builder: DeepSpeed (a config's optimizer section) keeps its state in the model states, the Trainer in
+    scheduler.pt. So does the grouping: DeepSpeed builds one group of every parameter, the Trainer two (weight decay
+    and none), offloaded or not. `decays`: the weight decay of each of this layout's groups when the grouping
+    changed; the saved groups must then share one learning rate, which each new group continues."""
     import torch
 
     written = []

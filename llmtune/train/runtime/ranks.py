@@ -233,6 +233,7 @@ def _deepspeed_report(engine, parallelism=None) -> dict:
 
     report = {"engine": "deepspeed", "zero_stage": stage, "zero_optimizer": name,
               "optimizer": type(engine.basic_optimizer).__name__,
+              "weight_decay": [group.get("weight_decay") for group in engine.basic_optimizer.param_groups],
               "offload_optimizer": device(optimizer_offloaded, engine.zero_offload_optimizer()),
               "offload_param": device(param_offloaded, engine.zero_offload_param())}  # fmt: skip
     if getattr(engine, "sequence_parallel_size", 1) > 1:  # Ulysses: its group, and whether it wraps the attention
