@@ -55,9 +55,10 @@ USER_DEFINED = {
     "kto": {"field_prompt": ONE_OF, "field_completion": ("completion",), "field_label": ("label",)},
 }  # fmt: skip
 # From the SFT run's recipe: how it read text (template, tokenizer, tokens) and ran the model (attention kernel).
+# resize_token_embeddings_to_32x: the embeddings' shape the adapter's saved rows have (a size mismatch otherwise)
 CARRIED = ("chat_template", "chat_template_jinja", "default_system_message", "eot_tokens", "tokenizer_type",
-           "tokenizer_use_fast", "trust_remote_code", "special_tokens", "tokens", "attn_implementation",
-           "flash_attention", "sdp_attention", "flex_attention", "eager_attention")  # fmt: skip
+           "tokenizer_use_fast", "trust_remote_code", "special_tokens", "tokens", "resize_token_embeddings_to_32x",
+           "attn_implementation", "flash_attention", "sdp_attention", "flex_attention", "eager_attention")  # fmt: skip
 CARRIED_FOR_ADAPTER = ("tokenizer_config", "revision_of_model", "base_model_config")  # they describe its base
 QUANTIZED_BASE = ("load_in_8bit", "gptq")
 ADAPTER_NAMES = {"lora": "LoRA", "qlora": "QLoRA"}

@@ -234,8 +234,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
     check_chat_templates(recipe)
     check_new_tokens(recipe)
     check_kto_batch(recipe)
-    for key in ("early_stopping_patience", "load_best_model_at_end"):
-        if getattr(recipe, key) and not (recipe.val_set_size or recipe.test_datasets):
+    for key in ("early_stopping_patience", "load_best_model_at_end", "eval_steps", "evals_per_epoch", "eval_strategy"):
+        if getattr(recipe, key) not in (None, False, "no") and not (recipe.val_set_size or recipe.test_datasets):
             notes.append(f"{key}: no effect: the recipe has no eval data (set val_set_size or test_datasets)")
     if recipe.gptq:
         notes.append(gptq_check(recipe, strategy))

@@ -279,8 +279,8 @@ def _finished_here(recipe) -> bool:
 
 def length_line(recipe) -> str | None:
     """What resuming with another training length does, from the checkpoint's trainer_state.json: the Trainer builds
-    the learning-rate schedule for the new length and loads only the step it had reached into it, so the rate from
-    there on is the new schedule's. A checkpoint at or past the length asked for is refused: the Trainer would run
+    the learning-rate schedule for the new length and loads only the step it had reached into it, and the trainer sets
+    every group to the new schedule's rate there (trainer.py `_rates_at_the_schedules_step`). A checkpoint at or past the length asked for is refused: the Trainer would run
     one more step there, at a rate past its schedule's end (that is what rerunning a finished run with any key
     changed would do). None when the length is the one the checkpoint was saved with (or nothing is resumed)."""
     import json
@@ -325,5 +325,5 @@ def length_line(recipe) -> str | None:
     if same:
         return None
     return (f"resuming {name} at step {step} with {unit} {before} -> {now}: the learning-rate schedule "
-            f"({recipe.lr_scheduler}) is rebuilt for the new length; step {step + 1} runs at the rate {name} saved, "
-            "the steps after it at the new schedule's")  # fmt: skip
+            f"({recipe.lr_scheduler}) is rebuilt for the new length, and goes on from step {step + 1} at its rate "
+            "there")  # fmt: skip

@@ -261,12 +261,12 @@ def test_resuming_with_a_longer_max_steps_follows_the_new_schedule_and_the_end_o
     recipe = make_recipe("longer", max_steps=6, **lora)
     result = llmtune("train", recipe, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resuming checkpoint-4 at step 4 with max_steps 4 -> 6: the learning-rate schedule (linear)" in result.stderr
+    assert ("resuming checkpoint-4 at step 4 with max_steps 4 -> 6: the learning-rate schedule (linear) is rebuilt "
+            "for the new length, and goes on from step 5 at its rate there") in result.stderr
     rates = {e["step"]: e["learning_rate"] for e in read_metrics(recipe)["log_history"] if "loss" in e}
-    # linear over 6 steps from 1e-3 (no warm-up), applied from step 6 on; step 5 at the rate checkpoint-4 saved,
-    # which is the 4-step schedule's end (0)
+    # linear over 6 steps from 1e-3 (no warm-up), from step 5 on (step 5 ran at the 4-step schedule's end, 0, before)
     assert [rates[step] for step in (1, 2, 3, 4)] == saved_rate and saved_rate[-1] == pytest.approx(1e-3 / 4)
-    assert rates[5] == 0.0 and rates[6] == pytest.approx(1e-3 * (6 - 5) / 6)
+    assert rates[5] == pytest.approx(1e-3 * (6 - 4) / 6) and rates[6] == pytest.approx(1e-3 * (6 - 5) / 6)
     # the finished run with a key changed would resume at its end: refused, nothing written
     before = sorted(p.name for p in (recipe.parent / "longer").iterdir())
     changed = make_recipe("longer", max_steps=6, **{**lora, "learning_rate": 2e-3})

@@ -43,7 +43,8 @@ def sft_result(tmp_path: Path, base: Path, kind: str) -> Path:
     (folder / "llmtune").mkdir(parents=True)
     recipe = {"base_model": str(base), "chat_template": "chatml", "sequence_len": 512, "bf16": True, "fp16": False,
               "tokenizer_use_fast": True, "trust_remote_code": False, "special_tokens": {"pad_token": "<pad>",
-              "eos_token": None}, "adapter": None if kind == "full" else kind, "load_in_4bit": kind == "qlora"}  # fmt: skip
+              "eos_token": None}, "adapter": None if kind == "full" else kind, "load_in_4bit": kind == "qlora",
+              "resize_token_embeddings_to_32x": True}  # fmt: skip
     (folder / "llmtune" / "plan.json").write_text(json.dumps({"plan": {}, "recipe": recipe}))
     (folder / "tokenizer_config.json").write_text("{}")
     if kind == "full":
@@ -73,6 +74,7 @@ def test_an_adapter_result_is_continued_on_its_base(run_cli, tmp_path, base, kin
     # carried from the SFT run: its template, tokenizer (saved in the run folder), length and precision
     assert raw["chat_template"] == "chatml" and raw["tokenizer_config"] == str(sft) and raw["bf16"] is True
     assert raw["sequence_len"] == 512 and raw["special_tokens"] == {"pad_token": "<pad>"}
+    assert raw["resize_token_embeddings_to_32x"] is True  # the adapter's embedding rows have that shape
     assert raw["sample_packing"] is False and raw["learning_rate"] == 1e-5  # SFT's LoRA default is 2e-4
     assert raw["output_dir"] == "./outputs/sft-" + kind + "-dpo"
     recipe = load_recipe(output).recipe  # files checked: base, adapter, tokenizer and data exist

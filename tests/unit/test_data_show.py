@@ -55,6 +55,16 @@ def test_preprocess_counts_each_dataset_and_warns_of_an_empty_one(run_cli, write
     assert done.code == 0, done.err
     assert "  datasets[0]: 3 rows, 3 examples" in done.out and "  datasets[1]: 0 rows, 0 examples" in done.out
     assert f"warning: datasets[1] ({tmp_path / 'empty.jsonl'}) has no rows" in done.err
+    # rows, but no example trains a token (roles_to_train naming a role no row has): said too (it was silent)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                               {"role": "assistant", "content": "yo"}]}] * 2)  # fmt: skip
+    recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "dataset_prepared_path": None, "chat_template": "chatml",
+                           "datasets": [{"path": str(rows), "type": "alpaca"}, {"path": str(chat), "type":
+                                        "chat_template", "roles_to_train": ["asistant"]}]})  # fmt: skip
+    done = run_cli("preprocess", recipe)
+    assert done.code == 0, done.err
+    assert (f"warning: datasets[1] ({chat}): none of its 2 rows gave an example with trained tokens (roles_to_train: "
+            "['asistant']): the run trains on the other datasets only") in done.err, done.err  # fmt: skip
 
 
 def test_a_reward_model_s_scored_positions_say_their_class(run_cli, write_recipe, tmp_path):

@@ -549,3 +549,16 @@ def test_an_axolotl_memory_key_llmtune_does_not_apply_is_said_under_the_estimate
     without = path.read_text().replace("quantize_moe_experts: true\n", "")
     path.write_text(without)
     assert "quantize_moe_experts" not in run_cli("estimate", path, "--gpus-per-machine", "1").out
+
+
+def test_a_local_base_model_without_a_config_is_named_as_such(run_cli, write_recipe, tmp_path):
+    """An empty folder or a data file as base_model: the estimate said the model was "not local, not cached, Hub
+    unreachable", though the path is local."""
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "hi"}\n')
+    for base, words in ((empty, "holds no model config (config.json)"), (rows, "holds no model config (config.json): it is a file")):
+        result = run_cli("estimate", write_recipe({"base_model": str(base)}))
+        assert result.code == 2 and "Traceback" not in result.err, result.err
+        assert f"error: {base} {words}" in result.err and "Hub unreachable" not in result.err, result.err

@@ -770,6 +770,10 @@ def test_early_stopping_without_eval_data_is_noted_as_having_no_effect():
     assert any(note.startswith("early_stopping_patience: no effect") for note in said), said
     said = make_plan(recipe(early_stopping_patience=2, val_set_size=0.1), make_cluster(1, device="cpu")).notes
     assert not any("early_stopping_patience" in note for note in said), said
+    # evaluation keys alone: no evaluation ran, and nothing said so
+    said = make_plan(recipe(eval_strategy="steps", eval_steps=2), make_cluster(1, device="cpu")).notes
+    assert [n.split(":")[0] for n in said if ": no effect: the recipe has no eval data" in n] == ["eval_steps",
+                                                                                                 "eval_strategy"]
 
 
 def test_a_zero3_file_without_the_gather_key_saves_a_model_file_and_the_size_wrap_is_shown(tmp_path):

@@ -664,6 +664,16 @@ def deepspeed_file(relative: str) -> str:
     return (Path(spec.submodule_search_locations[0]) / relative).read_text()
 
 
+def test_torch_lr_scheduler_last_lr():
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
+
+    scheduler = LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), lambda step: 0.5)
+    scheduler._last_lr = [0.25]
+    expect(scheduler.get_last_lr() == [0.25], "torch-lr-scheduler-last-lr", "torch", "LRScheduler.get_last_lr",
+           "no longer returns _last_lr")  # fmt: skip
+
+
 def test_accelerate_offload_optimizer():
     from accelerate import Accelerator
     from accelerate.utils import deepspeed as accelerate_deepspeed

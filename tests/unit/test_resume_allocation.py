@@ -244,8 +244,7 @@ def test_resuming_with_another_length_says_what_the_schedule_does(tmp_path):
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": 6, "max_steps": 8, "num_train_epochs": 2}))
     longer = make_plan(recipe(tmp_path, max_steps=12), make_cluster(2, device="cpu"))
     assert ("resuming checkpoint-6 at step 6 with max_steps 8 -> 12: the learning-rate schedule (cosine) is rebuilt "
-            "for the new length; step 7 runs at the rate checkpoint-6 saved, the steps after it at the new schedule's"
-            ) in longer.notes  # fmt: skip
+            "for the new length, and goes on from step 7 at its rate there") in longer.notes  # fmt: skip
     # a length the checkpoint has reached: the Trainer would run one more step past its schedule's end; refused
     for steps in (6, 4):
         with pytest.raises(UserError) as err:

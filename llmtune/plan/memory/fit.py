@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from llmtune.plan.memory import preference
 from llmtune.plan.memory.buffers import FIT_FRACTION, GB
@@ -106,6 +107,11 @@ def model_facts_for(recipe) -> ModelFacts:
         if found is not None:  # there, but not the shape of a decoder this estimate knows
             raise UserError(f"{found} doesn't give a decoder's shape that the estimate reads (its heads, hidden size, "
                             "layers and vocabulary)", "point base_model_config at a causal LM's config.json")  # fmt: skip
+        local = Path(str(name)).expanduser()
+        if local.exists():  # a local file or folder that isn't a model's
+            raise UserError(f"{local} holds no model config (config.json)" + (": it is a file" if local.is_file()
+                            else ""), "point base_model at a model's folder (or base_model_config at its "
+                            "config.json)")  # fmt: skip
         raise UserError(f"can't read the config of {recipe.base_model} (not local, not cached, Hub unreachable)",
                         "point base_model_config at a local config.json, or download the model first")  # fmt: skip
     return facts

@@ -198,6 +198,11 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
         if not read and len(specs) > 1 and os.environ.get("RANK", "0") == "0":  # one empty source among several
             print(f"[llmtune] warning: {label} ({spec.path}) has no rows: the run trains on the other "
                   f"{group} only", file=sys.stderr, flush=True)  # fmt: skip
+        elif read and len(examples) == kept_before and len(specs) > 1 and os.environ.get("RANK", "0") == "0":
+            roles = getattr(spec, "roles_to_train", None)  # e.g. a role no row has (a misspelt one)
+            why = f" (roles_to_train: {roles})" if roles else ""
+            print(f"[llmtune] warning: {label} ({spec.path}): none of its {read} rows gave an example with trained "
+                  f"tokens{why}: the run trains on the other {group} only", file=sys.stderr, flush=True)  # fmt: skip
     return examples
 
 

@@ -287,8 +287,22 @@ class LlmtuneTrainer(AsyncCheckpointing, TokenEvaluation, Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if not self.checkpoints.load_optimizer(self, checkpoint):
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        return None
+            super()._load_optimizer_and_scheduler(checkpoint)
+        self._rates_at_the_schedules_step()
+
+    def _rates_at_the_schedules_step(self) -> None:
+        """Every group at the rate the restored schedule gives at its step. The optimizer's state holds the rate of
+        the schedule that saved it: after max_steps (or num_epochs) was raised, the first resumed step ran at the old
+        schedule's last rate (0 at its end). Where the schedule is the saved one, the same rate (the same product)."""
+        scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # accelerate's wrapper, or not
+        lambdas = getattr(scheduler, "lr_lambdas", None)
+        groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None)
+        if not lambdas or not groups or len(groups) != len(lambdas):
+            return
+        rates = [base * rate(scheduler.last_epoch) for rate, base in zip(lambdas, scheduler.base_lrs, strict=True)]
+        for group, rate in zip(groups, rates, strict=True):
+            group["lr"] = rate
+        scheduler._last_lr = rates  # what get_last_lr reports (the logged rate of the step)
 
     def _ulysses(self) -> int:
         """DeepSpeed's Ulysses group size (1: not running it)."""
