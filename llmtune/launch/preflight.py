@@ -27,13 +27,13 @@ def check_trackers(recipe) -> None:
 def check_local_splits(recipe) -> None:
     """A local dataset folder whose file names say their splits has the split each entry asks for (the ranks would
     find out after the launch, each with its own copy of the error)."""
-    from llmtune.train.data.sources import files_of_split
+    from llmtune.train.data.sources import local_files
 
     for group in ("datasets", "test_datasets"):
         for index, spec in enumerate(getattr(recipe, group) or []):
             if Path(spec.path).expanduser().is_dir():
                 try:
-                    files_of_split(spec)
+                    local_files(spec)
                 except UserError as err:
                     raise UserError(f"{group}[{index}].split: {err.message}", err.hint) from None
 

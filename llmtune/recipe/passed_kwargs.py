@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 
 from llmtune.errors import did_you_mean
-from llmtune.recipe.training import constant_phase, quadratic_warmup
+from llmtune.recipe.training import constant_phase, named_schedule, quadratic_warmup
 
 # transformers passes these itself (get_scheduler)
 SCHEDULER_OWN = ("optimizer", "num_warmup_steps", "num_training_steps")
@@ -30,14 +30,12 @@ def check_passed_kwargs(recipe) -> str | None:
     if recipe.lr_scheduler_kwargs and not (quadratic_warmup(recipe) or constant_phase(recipe)):
         from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, SchedulerType
 
-        name = recipe.lr_scheduler
-        if recipe.cosine_min_lr_ratio is not None and name == "cosine":
-            name = "cosine_with_min_lr"  # the schedule a cosine floor runs as
+        name, kwargs = named_schedule(recipe)  # what the Trainer is handed (a cosine floor: cosine_with_min_lr)
         function = TYPE_TO_SCHEDULER_FUNCTION.get(SchedulerType(name))
         parameters = inspect.signature(function).parameters.values() if function else []
         if function and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
             accepted = [p.name for p in parameters if p.name not in SCHEDULER_OWN]
-            said = unknown_key(recipe.lr_scheduler_kwargs, accepted, "lr_scheduler_kwargs",
+            said = unknown_key(kwargs, accepted, "lr_scheduler_kwargs",
                                f"lr_scheduler: {recipe.lr_scheduler} ({function.__name__})")  # fmt: skip
             if said:
                 return said

@@ -342,6 +342,14 @@ class TrainingKeys(Section):
         return chosen
 
 
+def named_schedule(recipe) -> tuple[str, dict]:
+    """transformers' scheduler name and kwargs for the recipe (cosine with a floor is cosine_with_min_lr)."""
+    name, kwargs = recipe.lr_scheduler, dict(recipe.lr_scheduler_kwargs or {})
+    if recipe.cosine_min_lr_ratio is not None and name in ("cosine", "cosine_with_min_lr"):
+        name, kwargs["min_lr_rate"] = "cosine_with_min_lr", recipe.cosine_min_lr_ratio
+    return name, kwargs
+
+
 def quadratic_warmup(recipe) -> bool:
     """Axolotl applies lr_quadratic_warmup to the cosine schedule only (with or without a floor)."""
     return bool(recipe.lr_quadratic_warmup) and recipe.lr_scheduler in ("cosine", "cosine_with_min_lr")

@@ -131,7 +131,7 @@ def test_the_cosine_floor_applies_to_both_cosine_names_and_cosine_with_min_lr_ne
     from pathlib import Path
 
     from llmtune.recipe.loader import recipe_from_mapping
-    from llmtune.train.objectives.schedule import named_schedule
+    from llmtune.recipe.training import named_schedule
 
     for name in ("cosine", "cosine_with_min_lr"):
         recipe = SimpleNamespace(lr_scheduler=name, cosine_min_lr_ratio=0.1, lr_scheduler_kwargs=None)

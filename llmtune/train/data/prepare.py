@@ -195,14 +195,14 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
         read = stats["rows"] - rows_before
         stats.setdefault("per_dataset", {})[label] = {"rows": read, "examples": len(examples) - kept_before}
         shuffle_each(examples, kept_before, recipe, len(specs))
-        if not read and len(specs) > 1 and os.environ.get("RANK", "0") == "0":  # one empty source among several
-            print(f"[llmtune] warning: {label} ({spec.path}) has no rows: the run trains on the other "
-                  f"{group} only", file=sys.stderr, flush=True)  # fmt: skip
-        elif read and len(examples) == kept_before and len(specs) > 1 and os.environ.get("RANK", "0") == "0":
-            roles = getattr(spec, "roles_to_train", None)  # e.g. a role no row has (a misspelt one)
-            why = f" (roles_to_train: {roles})" if roles else ""
-            print(f"[llmtune] warning: {label} ({spec.path}): none of its {read} rows gave an example with trained "
-                  f"tokens{why}: the run trains on the other {group} only", file=sys.stderr, flush=True)  # fmt: skip
+        if len(examples) == kept_before and len(specs) > 1 and os.environ.get("RANK", "0") == "0":
+            # one source among several gives nothing: no rows, or rows without trained tokens (roles_to_train
+            # naming a role no row has)
+            roles = getattr(spec, "roles_to_train", None)
+            what = "has no rows" if not read else (f"none of its {read} rows gave an example with trained tokens"
+                                                   + (f" (roles_to_train: {roles})" if roles else ""))  # fmt: skip
+            print(f"[llmtune] warning: {label} ({spec.path}){':' if read else ''} {what}: the run trains on the "
+                  f"other {group} only", file=sys.stderr, flush=True)  # fmt: skip
     return examples
 
 

@@ -125,12 +125,6 @@ def _files_in(folder: Path, data_files, split: str = "train") -> list[Path]:
     return by_split[base]
 
 
-def files_of_split(spec) -> list[Path]:
-    """The local files one dataset entry reads for its split ([] for a saved dataset or a hub id); UserError for a
-    split a folder's file names don't hold."""
-    return _local_files(spec)
-
-
 def _splits_by_name(folder: Path, files: list[Path]) -> dict[str, list[Path]]:
     """{split: files} where file names say their split, as `datasets` infers it; {} where none do."""
     import re
@@ -241,8 +235,9 @@ def _saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
 
 
-def _local_files(spec) -> list[Path]:
-    """The files a local source reads for its split ([] for a saved dataset or a hub id)."""
+def local_files(spec) -> list[Path]:
+    """The files a local source reads for its split ([] for a saved dataset or a hub id); UserError for a split
+    a folder's file names don't hold."""
     path = Path(spec.path)
     if path.is_file():
         return [path]
@@ -256,7 +251,7 @@ def reads_with_datasets(spec) -> bool:
     missing path is a hub id)."""
     if _saved_dataset(Path(spec.path)):
         return True
-    files = _local_files(spec)
+    files = local_files(spec)
     if _builder_files(spec):
         return any(_kind(f, spec.path) not in ("json", "jsonl") for f in files)
     if not files:
@@ -327,7 +322,7 @@ def fingerprint_source(spec) -> str:
     import hashlib
 
     path = Path(spec.path)
-    files = _local_files(spec)
+    files = local_files(spec)
     if path.is_dir() and not files:
         files = sorted(p for p in path.rglob("*") if p.is_file())
     digest = hashlib.sha256()

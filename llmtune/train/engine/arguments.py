@@ -144,7 +144,7 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
     save_strategy = recipe.save_strategy or save_strategy
     eval_strategy, eval_steps = _every(recipe.eval_steps, recipe.evals_per_epoch, epoch_steps, recipe.max_steps)
     eval_strategy = (recipe.eval_strategy or eval_strategy) if has_eval else "no"
-    from llmtune.train.objectives.schedule import named_schedule
+    from llmtune.recipe.training import named_schedule
 
     scheduler, scheduler_kwargs = named_schedule(recipe)  # (quadratic warm-up: the trainer builds its own)
     warmup = recipe.warmup_steps if recipe.warmup_steps is not None else (recipe.warmup_ratio or 0)

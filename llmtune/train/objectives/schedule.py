@@ -8,15 +8,7 @@ from __future__ import annotations
 import math
 from functools import partial
 
-from llmtune.recipe.training import constant_phase, quadratic_warmup
-
-
-def named_schedule(recipe) -> tuple[str, dict]:
-    """transformers' scheduler name and kwargs for the recipe (cosine with a floor is cosine_with_min_lr)."""
-    name, kwargs = recipe.lr_scheduler, dict(recipe.lr_scheduler_kwargs or {})
-    if recipe.cosine_min_lr_ratio is not None and name in ("cosine", "cosine_with_min_lr"):
-        name, kwargs["min_lr_rate"] = "cosine_with_min_lr", recipe.cosine_min_lr_ratio
-    return name, kwargs
+from llmtune.recipe.training import constant_phase, named_schedule, quadratic_warmup
 
 
 def quadratic_warmup_cosine(step: int, *, warmup: int, total: int, floor: float) -> float:
