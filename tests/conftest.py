@@ -88,6 +88,8 @@ def write_recipe(tmp_path, data_file):
                 "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
                 "datasets": [{"path": str(data_file), "type": "alpaca"}],
                 "output_dir": str(tmp_path / "out"),
+                # (Axolotl's default, last_run_prepared, is a folder in the working directory: the checkout's)
+                "dataset_prepared_path": str(tmp_path / "last_run_prepared"),
             }
             for key, value in (changes or {}).items():
                 if value is DROP:

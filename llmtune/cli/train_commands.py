@@ -231,6 +231,7 @@ def preprocess(
     import sys
 
     from llmtune.recipe import load_recipe
+    from llmtune.train.data.counts import dataset_line
     from llmtune.train.data.prepare import split_and_pack, tokenize_with_cache
     from llmtune.train.model.load import load_tokenizer, model_source
     from llmtune.train.runtime.progress import track
@@ -268,11 +269,12 @@ def preprocess(
         where = stats["cache_dir"] or "(no cache: dataset_prepared_path is empty)"
         typer.echo(f"{'cache hit' if stats['cache_hit'] else 'tokenized'}: {where}")
     for key in ("rows", "train_examples", "eval_examples", "train_tokens", "dropped_too_long", "truncated",
-                "dropped_long_prompt", "dropped_no_labels", "packing_efficiency"):  # fmt: skip
+                "dropped_long_prompt", "dropped_no_labels", "dropped_too_short", "dropped_duplicates",
+                "packing_efficiency"):  # fmt: skip
         if stats.get(key) is not None:
             typer.echo(f"  {key}: {stats[key]}")
     for label, counts in (stats.get("per_dataset") or {}).items():
-        typer.echo(f"  {label}: {counts['rows']} rows, {counts['examples']} examples")
+        typer.echo(dataset_line(label, counts, loaded.recipe))
 
 
 def slurm(

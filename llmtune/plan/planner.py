@@ -36,7 +36,7 @@ from llmtune.plan.pipeline import PipelinePlan, pipeline_plan
 from llmtune.plan.relayout import check_layout
 from llmtune.plan.resume import length_line, resumed_accumulation
 from llmtune.plan.resume_checks import check_resume, check_weights_only
-from llmtune.plan.vocabulary import check_new_tokens
+from llmtune.plan.vocabulary import check_adapter_vocabulary, check_new_tokens
 from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import INSTALL_HINT, Kernels, fused_optimizer, resolve_kernels
 from llmtune.recipe.loader import PER_MACHINE_KEYS, recipe_fingerprint
@@ -233,6 +233,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
                          "recomputes each wrapped layer (transformers refuses the two together)")  # fmt: skip
     check_chat_templates(recipe)
     check_new_tokens(recipe)
+    check_adapter_vocabulary(recipe)
     check_kto_batch(recipe)
     for key in ("early_stopping_patience", "load_best_model_at_end", "eval_steps", "evals_per_epoch", "eval_strategy"):
         if getattr(recipe, key) not in (None, False, "no") and not (recipe.val_set_size or recipe.test_datasets):

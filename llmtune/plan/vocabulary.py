@@ -138,3 +138,58 @@ def check_new_tokens(recipe) -> None:
         return
     model_type = local_config(recipe.base_model_config or recipe.base_model).get("model_type")
     check_modules_to_save(recipe, new, name, embedding_modules_of(model_type))
+
+
+def adapter_embedding_rows(folder: str, module: str) -> int | None:
+    """The rows of `module` (the input embedding) an adapter folder holds, read from its safetensors header (nothing
+    loaded): peft saves an embedding whole when it trained it (modules_to_save) or when the run grew it. None where
+    the adapter holds none, or the file can't be read here (peft says so when it loads)."""
+    import re
+
+    try:
+        with (Path(folder) / "adapter_model.safetensors").open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size)) if 0 < size < 1 << 27 else {}
+    except (OSError, ValueError):
+        return None
+    pattern = re.compile(rf"(^|\.){re.escape(module)}(\.modules_to_save|\.original_module)?\.weight$")
+    shapes = [entry.get("shape") for key, entry in header.items() if isinstance(entry, dict) and pattern.search(key)]
+    return next((shape[0] for shape in shapes if isinstance(shape, list) and len(shape) == 2), None)
+
+
+def check_adapter_rows(recipe, rows: int, module: str) -> None:
+    """lora_model_dir's saved embedding rows against the `rows` this run's model has once its tokenizer is fitted
+    (the tokens it adds, resize_token_embeddings_to_32x): peft refuses to load a different size (a state-dict size
+    mismatch from every rank, after the model loaded)."""
+    saved = adapter_embedding_rows(recipe.lora_model_dir, module)
+    if saved is None or saved == rows:
+        return
+    if not recipe.resize_token_embeddings_to_32x and saved == -(-rows // 32) * 32:
+        hint = "set resize_token_embeddings_to_32x: true, as the run that trained it had"
+    elif recipe.resize_token_embeddings_to_32x and rows % 32 == 0 and rows - 32 < saved < rows:
+        hint = "remove resize_token_embeddings_to_32x: the run that trained it hadn't set it"
+    else:
+        hint = ("use the tokenizer, tokens and special_tokens of the run that trained it (its output folder holds "
+                "its tokenizer), and its resize_token_embeddings_to_32x")  # fmt: skip
+    size = " (rounded up to 32: resize_token_embeddings_to_32x)" if recipe.resize_token_embeddings_to_32x else ""
+    raise UserError(f"lora_model_dir: {recipe.lora_model_dir}'s adapter holds {saved} embedding rows ({module}) but "
+                    f"this run's model has {rows}{size}: the adapter was trained on another vocabulary size and "
+                    "won't load", hint)  # fmt: skip
+
+
+def check_adapter_vocabulary(recipe) -> None:
+    """At plan time: check_adapter_rows with the rows counted from the local tokenizer.json and config.json (the
+    vocabulary the run loads, the tokens it adds); skipped where either isn't on this machine yet (the same check
+    runs before peft loads the adapter)."""
+    if not recipe.adapter or not recipe.lora_model_dir:
+        return
+    folder = Path(recipe.lora_model_dir)
+    name = recipe.tokenizer_config or (str(folder) if (folder / "tokenizer_config.json").is_file() else None)
+    config = local_config(recipe.base_model_config or recipe.base_model)
+    vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    known = vocabulary_on_disk(name or recipe.base_model)
+    if known is None or not isinstance(vocab_size, int):
+        return
+    tokens = len(known | {token for _, token in wanted_tokens(recipe)})
+    rows = max(vocab_size, -(-tokens // 32) * 32 if recipe.resize_token_embeddings_to_32x else tokens)
+    check_adapter_rows(recipe, rows, embedding_modules_of(config.get("model_type"))[0])

@@ -320,7 +320,7 @@ class DataKeys(Section):
     val_set_size: float = Field(
         0.0,
         ge=0.0,
-        description="Eval split: a fraction (< 1, rounded up) or a number of examples, "
+        description="Eval split: a fraction (< 1, rounded up) or a number of examples (> 1), "
         "the last ones after shuffling (as Axolotl's train_test_split takes them).",
     )
     dataset_prepared_path: str | None = Field(
@@ -386,6 +386,11 @@ class DataKeys(Section):
     def _eval_source(self):
         if self.test_datasets and self.val_set_size:
             raise ValueError("test_datasets and val_set_size are both set; use one source of eval data")
-        if self.val_set_size >= 1 and self.val_set_size != int(self.val_set_size):
+        if self.val_set_size == 1:  # Axolotl: a count above 1, a fraction up to it (1: datasets refuses all rows)
+            raise ValueError(
+                "val_set_size: 1 is read as the fraction 1.0 (every row, as Axolotl reads it), which "
+                "leaves nothing to train; write a fraction below 1 (0.05) or a count of 2 or more"
+            )
+        if self.val_set_size > 1 and self.val_set_size != int(self.val_set_size):
             raise ValueError("val_set_size must be a fraction below 1 or a whole number of examples")
         return self

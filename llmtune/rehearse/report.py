@@ -240,6 +240,13 @@ def build_report(*, recipe, rehearsal, plan, gpu_plan, shrunk, full, tokenizer, 
     }
 
 
+def _other_drops(stats: dict) -> str:
+    """min_sample_len's and dataset_exact_deduplication's drops, where there were any."""
+    shown = [f"{stats[key]} {words}" for key, words in (("dropped_too_short", "shorter than min_sample_len"),
+             ("dropped_duplicates", "duplicates")) if stats.get(key)]  # fmt: skip
+    return "".join(f", {phrase}" for phrase in shown)
+
+
 def report_lines(report: dict) -> list[tuple[str, str]]:
     par, data, ranks, mem, ckpt, run = (report[k] for k in ("parallel", "data", "ranks", "memory", "checkpoint", "run"))
     lines = [("world", f"{par['world_size']} = {par['num_machines']} machine(s) x {par['processes_per_machine']}; "
@@ -258,7 +265,7 @@ def report_lines(report: dict) -> list[tuple[str, str]]:
     lines.append(("data", f"{stats['rows']} rows read ({sample}) at sequence_len {data['sequence_len']}: "
                           f"{stats['train_examples']} train / {stats['eval_examples']} eval examples, "
                           f"{stats['dropped_too_long']} too long, {stats['dropped_no_labels']} without trained "
-                          f"tokens{packing}"))  # fmt: skip
+                          f"tokens{_other_drops(stats)}{packing}"))  # fmt: skip
     if ranks["checked"]:
         split = ranks.get("ranks_per_batch", 1)
         each = f" (each split by {split} ranks)" if split > 1 else ""

@@ -81,6 +81,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
 
     from llmtune.train.checkpoint.manager import CheckpointManager, full_state_dict_for_final_save
     from llmtune.train.data.collate import Collator, FlatCollator
+    from llmtune.train.data.counts import data_line
     from llmtune.train.data.prepare import prepare_data
     from llmtune.train.data.rows import even_rows
     from llmtune.train.engine.arguments import training_arguments
@@ -119,13 +120,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
             + (f", {stats['truncated_prompt']} cut to its last max_prompt_len tokens" if stats.get("truncated_prompt")
                else ""))  # fmt: skip
     else:
-        limit = f"sequence_len{' (eval_sequence_len for test rows)' * bool(recipe.eval_sequence_len and recipe.test_datasets)}"  # fmt: skip
-        long = (f"{stats.get('truncated', 0)} longer than {limit} truncated" if recipe.excess_length_strategy ==
-                "truncate" else f"{stats['dropped_too_long']} longer than {limit} dropped")  # fmt: skip
-        log(f"data: {stats['train_examples']} train / {stats['eval_examples']} eval examples "
-            f"({'cache hit' if stats['cache_hit'] else 'tokenized'}; {long}, {stats['dropped_no_labels']} without "
-            "trained tokens)" + (f", packing efficiency {stats['packing_efficiency']:.1%}" if recipe.sample_packing
-                                 else ""))  # fmt: skip
+        log(data_line(recipe, stats))
     args = None
     if plan["strategy"] != "pipeline":
         # Built before the model: under ZeRO-3 this registers DeepSpeed's config, so from_pretrained creates the

@@ -235,7 +235,7 @@ def test_reasoning_trains_with_its_answer_and_per_message_training_flags(tok):
 def test_exact_duplicates_and_short_examples_are_dropped(tmp_path, tok):
     rows = [{"text": "one two three four five"}] * 3 + [{"text": "six seven eight nine ten eleven"}, {"text": "hi"}]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
-    r = recipe(datasets=[{"path": str(data), "type": "completion"}], dataset_prepared_path=None,
+    r = recipe(datasets=[{"path": str(data), "type": "completion"}], dataset_prepared_path="",
                dataset_exact_deduplication=True, min_sample_len=4)  # fmt: skip
     groups, stats = tokenize_with_cache(r, tok)
     assert len(groups["train"]) == 2 and stats["dropped_duplicates"] == 2 and stats["dropped_too_short"] == 1
@@ -252,7 +252,7 @@ def test_streaming_reads_only_what_max_steps_needs(monkeypatch):
 
 def test_skip_drops_the_first_rows(tmp_path, tok):
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i} of the file"} for i in range(5)])
-    r = recipe(datasets=[{"path": str(data), "type": "completion", "skip": 3}], dataset_prepared_path=None)
+    r = recipe(datasets=[{"path": str(data), "type": "completion", "skip": 3}], dataset_prepared_path="")
     groups, _ = tokenize_with_cache(r, tok)
     assert len(groups["train"]) == 2
 

@@ -41,7 +41,7 @@ def prepare(tmp_path, rows, **keys):
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     dataset = {"path": str(path), "type": "chat_template", **keys.pop("dataset", {})}
     recipe = recipe_from_mapping({"base_model": "m", "datasets": [dataset], "sequence_len": 512,
-                                  "dataset_prepared_path": None, **keys}, tmp_path / "r.yaml",
+                                  "dataset_prepared_path": "", **keys}, tmp_path / "r.yaml",
                                  check_files=False).recipe  # fmt: skip
     return tokenize_with_cache(recipe, load_tokenizer())
 

@@ -170,7 +170,7 @@ def test_malformed_rows_name_file_and_line(tmp_path, tok):
     path = tmp_path / "d.jsonl"
     path.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a"}\n')
     recipe = recipe_from_mapping({"base_model": "m", "datasets": [{"path": str(path), "type": "alpaca"}],
-                                  "dataset_prepared_path": None}, tmp_path / "r.yaml", check_files=False).recipe  # fmt: skip
+                                  "dataset_prepared_path": ""}, tmp_path / "r.yaml", check_files=False).recipe  # fmt: skip
     with pytest.raises(UserError, match=r"d.jsonl line 2: missing field 'output'"):
         tokenize_with_cache(recipe, tok)
     path.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", oops}\n')
@@ -184,7 +184,7 @@ def test_zero_usable_examples_is_a_clear_error(tmp_path, tok):
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "word " * 100, "output": "x"}])
     recipe = recipe_from_mapping({"base_model": "m", "datasets": [{"path": str(path), "type": "alpaca"}],
-                                  "sequence_len": 16, "dataset_prepared_path": None}, tmp_path / "r.yaml",
+                                  "sequence_len": 16, "dataset_prepared_path": ""}, tmp_path / "r.yaml",
                                  check_files=False).recipe  # fmt: skip
     with pytest.raises(UserError, match="no usable training examples.*1 longer than sequence_len 16") as caught:
         tokenize_with_cache(recipe, tok)
@@ -508,7 +508,7 @@ def test_malformed_sharegpt_row_names_file_and_line(tmp_path, tok):
 
     path = write_jsonl(tmp_path / "chats.jsonl", [sharegpt_row(), {"conversations": [{"from": "human"}]}])
     recipe = recipe_from_mapping({"base_model": "m", "datasets": [{"path": str(path), "type": "sharegpt",
-                                  "conversation": "chatml"}], "dataset_prepared_path": None}, tmp_path / "r.yaml",
+                                  "conversation": "chatml"}], "dataset_prepared_path": ""}, tmp_path / "r.yaml",
                                  check_files=False).recipe  # fmt: skip
     with pytest.raises(UserError, match=r"chats.jsonl line 2: conversations\[0\] needs 'from' and a 'value' string"):
         tokenize_with_cache(recipe, tok)
@@ -545,7 +545,7 @@ def test_sharegpt_chatml_default_system_and_default_system_message(tmp_path, tok
 
     def first_text(**keys):
         recipe = recipe_from_mapping({"base_model": "m", "datasets": [{"path": str(path), "type": "sharegpt",
-                                      "conversation": "chatml"}], "dataset_prepared_path": None, **keys},
+                                      "conversation": "chatml"}], "dataset_prepared_path": "", **keys},
                                      tmp_path / "r.yaml", check_files=False).recipe  # fmt: skip
         groups, _ = tokenize_with_cache(recipe, tok)
         return tok.decode(groups["train"][0]["input_ids"])
@@ -661,7 +661,7 @@ def test_excess_length_strategy_raise_names_the_row(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b"},
                                               {"instruction": "word " * 100, "output": "x"}])  # fmt: skip
     raw = {"base_model": "m", "datasets": [{"path": str(path), "type": "alpaca"}], "sequence_len": 80,
-           "excess_length_strategy": "raise", "dataset_prepared_path": None}  # fmt: skip
+           "excess_length_strategy": "raise", "dataset_prepared_path": ""}  # fmt: skip
     recipe = recipe_from_mapping(raw, tmp_path / "r.yaml", check_files=False).recipe
     with pytest.raises(UserError, match=r"d.jsonl line 2: \d+ tokens, longer than sequence_len 80 .*raise") as caught:
         tokenize_with_cache(recipe, tok)
@@ -692,7 +692,7 @@ def test_a_turn_terminator_that_never_trains_is_said_once(tmp_path, keys, why, c
                                                              {"role": "assistant", "content": "Hello"}]}] * 2)
     datasets = [{**spec, "path": str(path)} for spec in keys.pop("datasets", [{"type": "chat_template"}] * 2)]
     raw = {"base_model": str(TOKENIZER_DIR), "datasets": datasets, "chat_template": "jinja",
-           "chat_template_jinja": END_TEMPLATE, "dataset_prepared_path": None, **keys}  # fmt: skip
+           "chat_template_jinja": END_TEMPLATE, "dataset_prepared_path": "", **keys}  # fmt: skip
     recipe = recipe_from_mapping(raw, tmp_path / "r.yaml", check_files=False).recipe
     tokenizer = load_tokenizer(recipe, str(TOKENIZER_DIR))
     assert len(tokenizer.encode("[END]", add_special_tokens=False)) == (1 if "tokens" in keys else 5)

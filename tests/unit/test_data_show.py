@@ -48,7 +48,7 @@ def test_preprocess_debug_shows_what_each_format_trains(run_cli, write_recipe, t
 def test_preprocess_counts_each_dataset_and_warns_of_an_empty_one(run_cli, write_recipe, tmp_path):
     rows = write_jsonl(tmp_path / "a.jsonl", [{"instruction": f"say {i}", "input": "", "output": "ok"} for i in range(3)])
     (tmp_path / "empty.jsonl").write_text("")
-    recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "dataset_prepared_path": None,
+    recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "dataset_prepared_path": "",
                            "datasets": [{"path": str(rows), "type": "alpaca"},
                                         {"path": str(tmp_path / "empty.jsonl"), "type": "alpaca"}]})  # fmt: skip
     done = run_cli("preprocess", recipe)
@@ -58,13 +58,46 @@ def test_preprocess_counts_each_dataset_and_warns_of_an_empty_one(run_cli, write
     # rows, but no example trains a token (roles_to_train naming a role no row has): said too (it was silent)
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
                                                                {"role": "assistant", "content": "yo"}]}] * 2)  # fmt: skip
-    recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "dataset_prepared_path": None, "chat_template": "chatml",
+    recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "dataset_prepared_path": "", "chat_template": "chatml",
                            "datasets": [{"path": str(rows), "type": "alpaca"}, {"path": str(chat), "type":
                                         "chat_template", "roles_to_train": ["asistant"]}]})  # fmt: skip
     done = run_cli("preprocess", recipe)
     assert done.code == 0, done.err
-    assert (f"warning: datasets[1] ({chat}): none of its 2 rows gave an example with trained tokens (roles_to_train: "
-            "['asistant']): the run trains on the other datasets only") in done.err, done.err  # fmt: skip
+    assert (f"warning: datasets[1] ({chat}): none of its 2 rows gave an example (2 without trained tokens; "
+            "roles_to_train: ['asistant']): the run trains on the other datasets only") in done.err, done.err  # fmt: skip
+
+
+def test_preprocess_names_what_each_dataset_lost_and_a_custom_answer_field_no_row_has(run_cli, write_recipe, tmp_path):
+    """Deduplication and min_sample_len drops are counted in all and against the dataset each dropped example came
+    from (preprocess listed neither); a custom format whose field_output no row holds is refused (each example
+    trained its EOS alone)."""
+    same = {"text": "one two three four five"}
+    first = write_jsonl(tmp_path / "a.jsonl", [same, same, {"text": "hi"}, {"text": "six seven eight nine ten"}])
+    second = write_jsonl(tmp_path / "b.jsonl", [same, {"text": "eleven twelve thirteen fourteen"}])
+    short = write_jsonl(tmp_path / "c.jsonl", [{"text": "yo"}])
+    recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "dataset_prepared_path": "", "min_sample_len": 4,
+                           "dataset_exact_deduplication": True, "datasets": [
+                               {"path": str(path), "type": "completion"} for path in (first, second, short)]})  # fmt: skip
+    done = run_cli("preprocess", recipe)
+    assert done.code == 0, done.err
+    # a dataset that gives nothing is said with what dropped its rows (it said "no trained tokens" for any cause)
+    assert (f"warning: datasets[2] ({short}): none of its 1 rows gave an example (1 shorter than min_sample_len 4 "
+            "dropped): the run trains on the other datasets only") in done.err, done.err  # fmt: skip
+    assert "  dropped_too_short: 2" in done.out and "  dropped_duplicates: 2" in done.out, done.out
+    assert ("  datasets[0]: 4 rows, 2 examples (1 shorter than min_sample_len 4 dropped, 1 exact duplicates dropped"
+            ")") in done.out, done.out
+    assert "  datasets[1]: 2 rows, 1 examples (1 exact duplicates dropped)" in done.out
+    rows = write_jsonl(tmp_path / "qa.jsonl", [{"question": "2+2?", "answer": "4"}] * 2)
+    form = {"field_instruction": "question", "field_output": "response", "format": "Q: {instruction} A:"}
+    recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "dataset_prepared_path": "",
+                           "datasets": [{"path": str(rows), "type": form}]})  # fmt: skip
+    done = run_cli("preprocess", recipe)
+    assert done.code == 2 and len(done.err.strip().splitlines()) == 1, done.err
+    assert ("datasets[0]" in done.err and "field_output 'response' is in none of its 2 rows" in done.err
+            and "its rows have: question, answer" in done.err), done.err  # fmt: skip
+    recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "dataset_prepared_path": "", "train_on_inputs": True,
+                           "datasets": [{"path": str(rows), "type": form}]})  # fmt: skip
+    assert run_cli("preprocess", recipe).code == 0  # the prompt trains: a completion-style format, answer or not
 
 
 def test_a_reward_model_s_scored_positions_say_their_class(run_cli, write_recipe, tmp_path):

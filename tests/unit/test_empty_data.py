@@ -16,7 +16,7 @@ def test_an_empty_data_file_is_named_without_a_sequence_len_hint(tmp_path, monke
     path = tmp_path / "empty.jsonl"
     path.write_text("")
     recipe = recipe_from_mapping({"base_model": "m", "datasets": [{"path": str(path), "type": "alpaca"}],
-                                  "dataset_prepared_path": None}, tmp_path / "r.yaml", check_files=False).recipe  # fmt: skip
+                                  "dataset_prepared_path": ""}, tmp_path / "r.yaml", check_files=False).recipe  # fmt: skip
     tok = load_tokenizer()
     with pytest.raises(UserError, match=f"no usable training examples: 0 rows read from {path}$") as caught:
         prepare_data(recipe, tok)
@@ -64,7 +64,7 @@ def test_a_row_longer_than_the_tokenizers_maximum_is_counted_not_warned_about(tm
     rows = [{"instruction": "Repeat", "input": "", "output": "apple " * (600 if i == 0 else 3)} for i in range(4)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     recipe = recipe_from_mapping({"base_model": "m", "datasets": [{"path": str(path), "type": "alpaca"}],
-                                  "dataset_prepared_path": None, "sequence_len": 256}, tmp_path / "r.yaml",
+                                  "dataset_prepared_path": "", "sequence_len": 256}, tmp_path / "r.yaml",
                                  check_files=False).recipe  # fmt: skip
     tok = load_tokenizer()
     tok.model_max_length = 128

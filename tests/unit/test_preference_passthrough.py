@@ -83,7 +83,7 @@ def test_conversational_rows_that_cant_be_split_are_refused_naming_the_field(tok
 
     path = write_jsonl(tmp_path / "d.jsonl", [row])
     recipe = recipe_from_mapping({"base_model": "m", "rl": rl, "datasets": [{"path": str(path)}],
-                                  "dataset_prepared_path": None}, Path("r.yaml"), check_files=False).recipe  # fmt: skip
+                                  "dataset_prepared_path": ""}, Path("r.yaml"), check_files=False).recipe  # fmt: skip
     with pytest.raises(UserError) as caught:
         prepare_preference_data(recipe, tok)
     assert caught.value.message.startswith(f"{path} line 1: {message}")

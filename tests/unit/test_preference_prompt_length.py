@@ -22,7 +22,7 @@ def prepare(tmp_path, tok, words, **keys):
     rows = [{"question": "Repeat " + " ".join(["word"] * n), "chosen": "ok", "rejected": "no"} for n in words]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     raw = {"base_model": "m", "rl": "dpo", "datasets": [{"path": str(path), "type": "chatml.intel"}],
-           "chat_template": "chatml", "dataset_prepared_path": None, **keys}  # fmt: skip
+           "chat_template": "chatml", "dataset_prepared_path": "", **keys}  # fmt: skip
     return prepare_preference_data(recipe_from_mapping(raw, tmp_path / "r.yaml", check_files=False).recipe, tok)
 
 

@@ -122,7 +122,7 @@ def test_rows_are_checked_against_sequence_len_and_max_prompt_len_before_trainin
 
     rows = [{"question": "Repeat " + " ".join(["word"] * n), "chosen": "ok", "rejected": "no"} for n in (1, 2, 40)]
     path = write_rows(tmp_path, rows * 2)
-    base = {"datasets": [{"path": path, "type": "chatml.intel"}], "chat_template": "chatml", "dataset_prepared_path": None}
+    base = {"datasets": [{"path": path, "type": "chatml.intel"}], "chat_template": "chatml", "dataset_prepared_path": ""}
     prompt_tokens = [len(tokenizer(p["prompt"])["input_ids"]) for p in prepare_data(dpo(**base), tokenizer).train]
     data = prepare_data(dpo(**base, sequence_len=30), tokenizer)
     assert data.stats["dropped_too_long"] == 2 and len(data.train) == 4

@@ -164,3 +164,39 @@ def test_ids_and_modules_the_model_lacks_are_one_line(tmp_path):
     with pytest.raises(UserError, match="wte names no embedding or output layer of the model") as caught:
         check_token_rows(model, {"wte": [5]})
     assert caught.value.hint == "use its names: embed_tokens, lm_head"
+
+
+def test_an_adapter_saved_with_another_embedding_size_is_refused_before_peft_loads_it(run_cli, write_recipe, tmp_path):
+    """lora_model_dir's adapter grew the embedding to 544 rows (a token added, resize_token_embeddings_to_32x); a run
+    whose model has 513 (the same token, without the rounding) was a state-dict size mismatch traceback from peft
+    after the model loaded. It is one line at validate, read from the files, and again before peft loads it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = make_tiny_model(tmp_path / "base")
+    adapter = tmp_path / "adapter"
+    model = AutoModelForCausalLM.from_pretrained(base)
+    model.resize_token_embeddings(544)
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=list(MODULES))).save_pretrained(adapter)
+    changes = {"base_model": str(base), "adapter": "lora", "lora_model_dir": str(adapter), "tokens": ["<x1>"],
+               "datasets": [{"path": str(tmp_path / "d.jsonl"), "type": "alpaca"}]}  # fmt: skip
+    (tmp_path / "d.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    done = run_cli("validate", write_recipe(changes))
+    line = done.err.strip().splitlines()[-1]  # (the lines before: this test's own model building)
+    assert done.code == 2 and line.startswith("error: ") and "Traceback" not in done.err, done.err
+    assert ("adapter holds 544 embedding rows (embed_tokens) but this run's model has 513" in line
+            and "set resize_token_embeddings_to_32x: true" in line), done.err  # fmt: skip
+    assert run_cli("validate", write_recipe({**changes, "resize_token_embeddings_to_32x": True})).code == 0
+    # before peft loads it (the tokenizer may not have been on this machine at validate): the model's own rows
+    from llmtune.train.model.adapters import attach_adapter
+
+    loaded = AutoModelForCausalLM.from_pretrained(base)
+    loaded.resize_token_embeddings(513)
+    with pytest.raises(UserError, match="holds 544 embedding rows .* has 513.*") as refused:
+        attach_adapter(loaded, recipe(base_model=str(base), lora_model_dir=str(adapter)))
+    assert "resize_token_embeddings_to_32x: true" in refused.value.hint
+    loaded.resize_token_embeddings(576)  # the rounding set where the adapter's run had none
+    with pytest.raises(UserError, match="has 576 .*rounded up to 32"):
+        attach_adapter(loaded, recipe(lora_model_dir=str(adapter), resize_token_embeddings_to_32x=True))
+    loaded.resize_token_embeddings(544)
+    assert attach_adapter(loaded, recipe(lora_model_dir=str(adapter))).peft_config["default"].r == 2

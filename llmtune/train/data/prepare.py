@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 
 from llmtune.errors import UserError
+from llmtune.recipe.data import CustomFormat
 from llmtune.recipe.mixing import shuffle_each
 from llmtune.train.data.base import PreparedData, arrange, empty_data, no_progress
+from llmtune.train.data.counts import dataset_counts, deduplicate, empty_reason, snapshot
 from llmtune.train.data.formats import IGNORE, FormatContext, RowError
 from llmtune.train.data.packing import pack_examples
 from llmtune.train.data.reward import converter, fit_pair
@@ -119,22 +121,6 @@ def stream_budget(recipe) -> int | None:
     return rows * recipe.sequence_len if recipe.sample_packing else rows
 
 
-def _deduplicate(groups: dict[str, list[dict]], stats: dict) -> None:
-    """dataset_exact_deduplication: drop examples identical to an earlier one (eval ones also when in train)."""
-    seen: set[tuple] = set()
-    for name in ("train", "test"):
-        kept = []
-        for example in groups.get(name) or []:
-            key = (tuple(example["input_ids"]), tuple(example["labels"]))
-            if key in seen:
-                stats["dropped_duplicates"] += 1
-                continue
-            seen.add(key)
-            kept.append(example)
-        if name in groups:
-            groups[name] = kept
-
-
 def _no_length_warning(record) -> bool:
     """transformers' tokenizer warns that a row longer than its model_max_length "will result in indexing errors";
     llmtune measures every row against sequence_len and drops or truncates it before the model sees it (the data line
@@ -151,13 +137,18 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
     budget = stream_budget(recipe) if group == "datasets" else None
     # eval_sequence_len: test_datasets rows are measured against it (Axolotl's split == "test")
     key, limit = recipe.test_row_limit if group == "test_datasets" else ("sequence_len", recipe.sequence_len)
+    empty = []
     for index, spec in enumerate(specs):
         label = f"{group}[{index}]"
         ctx = FormatContext(tokenizer, spec, recipe.train_on_inputs, limit,
                             _template_for(spec, recipe, tokenizer), eot_ids, recipe.num_labels or 2,
                             _default_system(recipe), template_name=_template_name(spec, recipe))  # fmt: skip
         to_examples = converter(spec)
-        taken, rows_before, kept_before = 0, stats["rows"], len(examples)
+        taken, rows_before, kept_before, before = 0, stats["rows"], len(examples), snapshot(stats)
+        # a custom format's answer field in no row: every example would train its EOS alone (Axolotl reads a
+        # missing field_output as an empty answer, row by row); with train_on_inputs the prompt trains as well
+        asks = isinstance(spec.type, CustomFormat) and not recipe.train_on_inputs
+        answer, answered, fields = (spec.type.field_output, False, "") if asks else (None, True, "")
         for row, where in progress(read_rows(spec, label, recipe.streaming, recipe.seed), f"tokenizing {label}"):
             if budget is not None and taken >= budget:
                 break  # streamed: max_steps needs no more
@@ -168,6 +159,8 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
                 raise UserError(f"{where}: {err} ({label}.type is {shown_type(spec.type)})", err.hint
                                 or "fix the row, or set the dataset's type/fields to match the data") from None  # fmt: skip
             stats["rows"] += 1
+            if not answered:
+                answered, fields = answer in row, fields or ", ".join(map(str, row))
             for ids, labels in pieces:
                 if spec.type == "bradley_terry.chat_template":  # a stored pair: each side must fit
                     fitted = fit_pair(ids, labels, limit, recipe.excess_length_strategy == "truncate")
@@ -193,16 +186,18 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
                 examples.append({"input_ids": ids, "labels": labels})
                 taken += len(ids) if recipe.sample_packing else 1
         read = stats["rows"] - rows_before
-        stats.setdefault("per_dataset", {})[label] = {"rows": read, "examples": len(examples) - kept_before}
+        if read and not answered:
+            raise UserError(f"{label} ({spec.path}): field_output '{answer}' is in none of its {read} rows, so each "
+                            "example would train only its end-of-sequence token", f"set {label}.type.field_output "
+                            f"to the field that holds the answers (its rows have: {fields})")  # fmt: skip
+        stats.setdefault("per_dataset", {})[label] = dataset_counts(stats, before, read, len(examples) - kept_before)
         shuffle_each(examples, kept_before, recipe, len(specs))
-        if len(examples) == kept_before and len(specs) > 1 and os.environ.get("RANK", "0") == "0":
-            # one source among several gives nothing: no rows, or rows without trained tokens (roles_to_train
-            # naming a role no row has)
-            roles = getattr(spec, "roles_to_train", None)
-            what = "has no rows" if not read else (f"none of its {read} rows gave an example with trained tokens"
-                                                   + (f" (roles_to_train: {roles})" if roles else ""))  # fmt: skip
-            print(f"[llmtune] warning: {label} ({spec.path}){':' if read else ''} {what}: the run trains on the "
-                  f"other {group} only", file=sys.stderr, flush=True)  # fmt: skip
+        if len(examples) == kept_before:
+            empty.append((label, spec))
+    if examples and os.environ.get("RANK", "0") == "0":  # (none at all: no_examples says why, as an error)
+        for label, spec in empty:  # one source among several gives nothing: said, with what dropped its rows
+            print(f"[llmtune] warning: {label} ({spec.path}){empty_reason(stats['per_dataset'][label], spec, recipe, key)}"
+                  f": the run trains on the other {group} only", file=sys.stderr, flush=True)  # fmt: skip
     return examples
 
 
@@ -308,7 +303,7 @@ def tokenize_with_cache(recipe, tokenizer, progress=no_progress, purpose: str = 
     if recipe.test_datasets:
         examples["test"] = tokenize_group(recipe.test_datasets, "test_datasets", recipe, tokenizer, stats, progress)
     if recipe.dataset_exact_deduplication:
-        _deduplicate(examples, stats)
+        deduplicate(examples, stats)
     groups = {name: TokenRows.from_examples(rows) for name, rows in examples.items()}
     if not len(groups["train"]):
         raise no_examples(recipe, stats, purpose)

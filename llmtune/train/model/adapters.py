@@ -88,6 +88,11 @@ def _with_adapter(model, recipe):
             if name in fused:
                 param.data = param.data.to(fused[name])
     if recipe.lora_model_dir:
+        from llmtune.plan.vocabulary import check_adapter_rows, embedding_modules_of
+
+        weight = model.get_input_embeddings().weight
+        rows = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 partitioned: the full shape is ds_shape
+        check_adapter_rows(recipe, rows, embedding_modules_of(getattr(model.config, "model_type", None))[0])
         return PeftModel.from_pretrained(model, recipe.lora_model_dir, is_trainable=True)
     layout = ModuleLayout.of(model)  # before peft wraps it
     check_module_names(recipe, layout, key="lora_modules_to_save")
