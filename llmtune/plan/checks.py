@@ -303,3 +303,20 @@ def eval_notes(recipe, facts: ModelFacts | None) -> list[str]:
         f"{key}), more than training's "
         f"{trained}; the estimate counts training's micro-batches{logits} (no gradients or saved activations)",
     ]
+
+
+def system_message_notes(recipe) -> list[str]:
+    """default_system_message where no dataset reads it: Axolotl gave it to sharegpt conversations in chatml or
+    llama3 when chat_template named the same template, and nothing else reads it."""
+    if not recipe.default_system_message:
+        return []
+    for spec in [*(recipe.datasets or []), *(recipe.test_datasets or [])]:
+        kind = spec.type if isinstance(spec.type, str) else ""
+        if kind.split(":")[0].startswith("sharegpt") and (spec.conversation or "vicuna_v1.1") == recipe.chat_template \
+                and recipe.chat_template in ("chatml", "llama3"):  # fmt: skip
+            return []
+    return [
+        "default_system_message: no effect here: it is the system message of sharegpt datasets with "
+        "conversation: chatml or llama3 when chat_template names the same template (as Axolotl applied it); "
+        "give chat_template rows a system turn, or write it into the template"
+    ]

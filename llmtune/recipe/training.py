@@ -322,6 +322,16 @@ class TrainingKeys(Section):
             raise ValueError("save_steps and saves_per_epoch are both set; use one")
         if self.eval_steps is not None and self.evals_per_epoch is not None:
             raise ValueError("eval_steps and evals_per_epoch are both set; use one")
+        for kind in ("save", "eval"):  # Axolotl refuses these pairs; the Trainer read the strategy and dropped the rest
+            strategy, steps, per_epoch = (
+                getattr(self, f"{kind}{key}") for key in ("_strategy", "_steps", "s_per_epoch")
+            )
+            asked = f"{kind}_steps: {steps:g}" if steps is not None else f"{kind}s_per_epoch: {per_epoch}" if per_epoch \
+                else None  # fmt: skip
+            if strategy in ("epoch", "no") and asked:
+                raise ValueError(f"{kind}_strategy: {strategy} and {asked} disagree (the {kind} steps are read only "
+                                 f"with {kind}_strategy: steps); set {kind}_strategy: steps, or remove "
+                                 f"{asked.split(':')[0]}")  # fmt: skip
         return self
 
     @property

@@ -107,7 +107,9 @@ def upgrade_recipe(path: str | Path, force: bool = False) -> Upgrade:
     data, _ = screen(raw, path)
     lines = path.read_text(encoding="utf-8").splitlines()
     result = Upgrade(path, upgraded_path(path))
-    entries = _entries(lines, path)
+    shadowed: list[tuple[_Entry, int]] = []
+    entries = _entries(lines, path, shadowed)
+    _drop_shadowed(lines, shadowed, result.changes)
     lines = _rename_dataset_keys(lines, result.changes)  # in place, one line each: the entries' lines stay put
     new_lines = _rewrite(lines, raw, original.model_dump(mode="json"), data, entries, result.changes)
     if not result.changes:
@@ -159,7 +161,7 @@ def _refuse_capabilities(raw: dict, path: Path) -> None:
                         "remove them (llmtune validate explains each one)")  # fmt: skip
 
 
-def _entries(lines: list[str], path: Path) -> dict[str, _Entry]:
+def _entries(lines: list[str], path: Path, shadowed: list | None = None) -> dict[str, _Entry]:
     """Each top-level key with the lines it spans, from YAML's own node positions."""
     root = yaml.compose("\n".join(lines), Loader=yaml.SafeLoader)
     entries: dict[str, _Entry] = {}
@@ -173,8 +175,20 @@ def _entries(lines: list[str], path: Path) -> dict[str, _Entry]:
             raise UserError(f"{path}: --upgrade rewrites one key per line; this recipe puts several on one line",
                             "write the recipe as a block mapping (one key per line)")  # fmt: skip
         taken.update(range(first, end))
+        if key_node.value in entries and shadowed is not None:  # written twice: the loader reads the last one
+            shadowed.append((entries[key_node.value], first))
         entries[key_node.value] = _Entry(key_node.value, first, end, key_node.start_mark.column)
     return entries
+
+
+def _drop_shadowed(lines: list[str], shadowed: list[tuple[_Entry, int]], changes: list[str]) -> None:
+    """A key written twice: the earlier entries commented out in place (line for line, so that every entry's
+    position stays), the one the loader reads kept."""
+    for entry, used in shadowed:
+        for index in range(entry.first, entry.end):
+            lines[index] = f"# {lines[index]}"
+        lines[entry.first] += f"  # removed: written again at line {used + 1}, which is the one read"
+        changes.append(f"line {entry.first + 1}: {entry.key} removed (written again at line {used + 1})")
 
 
 def _flow(value: Any) -> str:

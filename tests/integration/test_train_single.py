@@ -122,7 +122,7 @@ def test_preprocess_then_cache_hit(make_recipe):
 @pytest.mark.parametrize("processes", ["1", "2"])
 def test_bad_row_is_one_line_exit_2(make_recipe, tmp_path, processes):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": 5}\n')
+    bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": ["b"]}\n')
     recipe = make_recipe("bad", datasets=[{"path": str(bad), "type": "alpaca"}])
     result = llmtune("train", recipe, "--num-processes", processes)
     assert result.returncode == 2

@@ -85,7 +85,7 @@ def test_embeddings_padded_to_32_config_overrides_and_reinit(tiny, tok):
     model = load_model(r, str(tiny), tok, "no", device="cpu")
     rows = model.get_input_embeddings().weight.shape[0]
     assert rows % 32 == 0 and rows >= len(tok) > rows - 32
-    assert model.config.rope_theta == 1234.0
+    assert model.config.rope_parameters["rope_theta"] == 1234.0  # where transformers 5 reads it (test_config_overrides)
     before, after = original.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight
     assert not torch.equal(before, after)
     with pytest.raises(UserError, match="transformers has no NopeConfig"):

@@ -839,3 +839,14 @@ def test_a_custom_format_with_a_placeholder_never_filled_is_refused_when_the_rec
     assert words in caught.value.message
     fine = {**raw["datasets"][0]["type"], key: "{{literal}} " + ("{system}" if key == "system_format" else "{input}")}
     recipe_from_mapping({**raw, "datasets": [{"path": "d.jsonl", "type": fine}]}, Path("r.yaml"), check_files=False)
+
+
+def test_a_number_where_text_is_read_is_its_digits_and_a_csv_s_empty_cell_is_missing(tok):
+    """A CSV reader types a column of numbers as numbers (and an empty cell in it as NaN): the answer 4 was a row
+    error ('should be str, not int') in a file that is fine."""
+    [(ids, labels)] = run(tok, {"instruction": "2+2?", "output": 4}, type="alpaca")
+    assert pieces(tok, ids, labels) == ["4" + tok.eos_token]
+    [(ids, _)] = run(tok, {"instruction": "2+2?", "input": float("nan"), "output": 4.5}, type="alpaca")  # input optional: left out
+    assert "### Input" not in tok.decode(ids) and tok.decode(ids).endswith("4.5" + tok.eos_token)
+    with pytest.raises(RowError, match="should be str, not bool"):
+        run(tok, {"instruction": "2+2?", "output": True}, type="alpaca")

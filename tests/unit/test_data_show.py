@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from recipe_edits import DROP
 from tiny import TOKENIZER_DIR, write_jsonl
 
 from llmtune.train.data.formats import IGNORE
@@ -98,6 +99,19 @@ def test_preprocess_names_what_each_dataset_lost_and_a_custom_answer_field_no_ro
     recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "dataset_prepared_path": "", "train_on_inputs": True,
                            "datasets": [{"path": str(rows), "type": form}]})  # fmt: skip
     assert run_cli("preprocess", recipe).code == 0  # the prompt trains: a completion-style format, answer or not
+
+
+def test_a_pretraining_dataset_row_error_names_that_key_and_the_text_field_to_set(run_cli, write_recipe, tmp_path):
+    """pretraining_dataset entries train as completion datasets: a row's error named datasets[0], which the recipe
+    doesn't have, and hinted at 'type/fields'."""
+    rows = write_jsonl(tmp_path / "c.jsonl", [{"content": "hello world"}])
+    recipe = write_recipe({"base_model": str(TOKENIZER_DIR), "datasets": DROP, "pretraining_dataset": str(rows),
+                           "max_steps": 2, "dataset_prepared_path": ""})  # fmt: skip
+    done = run_cli("preprocess", recipe)
+    assert done.code == 2, done.err
+    assert done.err.strip().splitlines()[-1] == (
+        f"error: {rows} line 1: missing field 'text' (row has: content) (pretraining_dataset[0].type is completion) "
+        "(hint: set pretraining_dataset[0].field (Axolotl's text_column) to the field that holds the text)")
 
 
 def test_a_reward_model_s_scored_positions_say_their_class(run_cli, write_recipe, tmp_path):

@@ -776,6 +776,18 @@ def test_early_stopping_without_eval_data_is_noted_as_having_no_effect():
                                                                                                  "eval_strategy"]
 
 
+def test_default_system_message_where_no_dataset_reads_it_is_noted_as_having_no_effect():
+    """Axolotl gave it to sharegpt conversations in chatml/llama3 under the same chat_template; a chat_template
+    dataset never saw it, and nothing said so."""
+    cpu = make_cluster(1, device="cpu")
+    chat = [{"path": "org/d", "type": "chat_template"}]
+    said = make_plan(recipe(datasets=chat, chat_template="chatml", default_system_message="Be kind."), cpu).notes
+    assert any(note.startswith("default_system_message: no effect here") for note in said), said
+    sharegpt = [{"path": "org/d", "type": "sharegpt", "conversation": "chatml"}]
+    said = make_plan(recipe(datasets=sharegpt, chat_template="chatml", default_system_message="Be kind."), cpu).notes
+    assert not any("default_system_message" in note for note in said), said
+
+
 def test_a_zero3_file_without_the_gather_key_saves_a_model_file_and_the_size_wrap_is_shown(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 3}}))

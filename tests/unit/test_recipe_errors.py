@@ -63,6 +63,10 @@ BAD_RECIPES = [
      ["use_eaft", "liger_fused_linear_cross_entropy"], []),
     ("val-and-test-sets", {"val_set_size": 0.1, "test_datasets": [{"path": "org/t", "type": "alpaca"}]},
      ["test_datasets", "val_set_size"], []),
+    ("save-strategy-and-steps", {"save_strategy": "epoch", "save_steps": 2},
+     ["save_strategy: epoch and save_steps: 2 disagree", "set save_strategy: steps"], []),
+    ("eval-strategy-no-and-per-epoch", {"val_set_size": 0.1, "eval_strategy": "no", "evals_per_epoch": 2},
+     ["eval_strategy: no and evals_per_epoch: 2 disagree", "remove evals_per_epoch"], []),
     ("val-set-whole", {"val_set_size": 1.0}, ["val_set_size: 1", "nothing to train", "count of 2"], []),
     # mappings handed on as keyword arguments: a TypeError at step 1 before
     ("scheduler-kwarg", {"lr_scheduler": "cosine", "lr_scheduler_kwargs": {"num_cylces": 2}},

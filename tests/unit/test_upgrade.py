@@ -139,6 +139,18 @@ def test_translations_merge_into_keys_the_recipe_already_has(tmp_path, write_rec
     assert upgraded.recipe.model_dump(mode="json") == load_recipe(path).recipe.model_dump(mode="json")
 
 
+def test_a_key_written_twice_keeps_only_the_one_read(tmp_path, write_recipe):
+    """The loader reads the last of a key written twice (and warns); the upgraded recipe kept both."""
+    path = write_recipe(text=write_recipe().read_text() + "learning_rate: 0.001\nsequence_len: 512\nlearning_rate: 0.002\n")
+    result = upgrade_recipe(path)
+    text = (tmp_path / "recipe.upgraded.yaml").read_text()
+    assert "# learning_rate: 0.001  # removed: written again at line" in text
+    assert [line for line in text.splitlines() if line.startswith("learning_rate")] == ["learning_rate: 0.002"]
+    assert any("learning_rate removed (written again at line" in change for change in result.changes)
+    upgraded = load_recipe(tmp_path / "recipe.upgraded.yaml")
+    assert upgraded.recipe.learning_rate == 0.002 and not [n for n in upgraded.notes if "appears twice" in n]
+
+
 def test_a_recipe_in_todays_vocabulary_is_left_alone(run_cli, write_recipe, tmp_path):
     result = run_cli("validate", "--upgrade", write_recipe({"strict": False, "sequence_len": 512}))
     assert result.code == 0, result.err

@@ -102,6 +102,12 @@ def _field(row: dict, name: str, kind=str, required: bool = True):
             raise RowError(f"missing field '{name}' (row has: {', '.join(map(str, row)) or 'nothing'})")
         return kind()
     value = row[name]
+    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        # a number where text is read (an answer of 4; a CSV reader types a column of numbers as numbers): its
+        # digits; NaN is a CSV's empty cell in such a column
+        if value != value:
+            return _field({}, name, kind, required)
+        return str(value)
     if not isinstance(value, kind):
         raise RowError(f"field '{name}' should be {kind.__name__}, not {type(value).__name__}")
     return value

@@ -156,8 +156,7 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
             try:
                 pieces = to_examples(row, ctx)
             except RowError as err:
-                raise UserError(f"{where}: {err} ({label}.type is {shown_type(spec.type)})", err.hint
-                                or "fix the row, or set the dataset's type/fields to match the data") from None  # fmt: skip
+                raise row_error(err, where, label, spec, recipe) from None
             stats["rows"] += 1
             if not answered:
                 answered, fields = answer in row, fields or ", ".join(map(str, row))
@@ -199,6 +198,15 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
             print(f"[llmtune] warning: {label} ({spec.path}){empty_reason(stats['per_dataset'][label], spec, recipe, key)}"
                   f": the run trains on the other {group} only", file=sys.stderr, flush=True)  # fmt: skip
     return examples
+
+
+def row_error(err: RowError, where: str, label: str, spec, recipe) -> UserError:
+    """A row's error, naming the recipe key its dataset came from (pretraining_dataset entries train as datasets)."""
+    if label.startswith("datasets[") and "pretraining_dataset" in recipe.model_fields_set:  # (read as datasets)
+        label = "pretraining_dataset" + label[len("datasets") :]
+    hint = err.hint or (f"set {label}.field (Axolotl's text_column) to the field that holds the text" if spec.type
+                        == "completion" else "fix the row, or set the dataset's type/fields to match the data")  # fmt: skip
+    return UserError(f"{where}: {err} ({label}.type is {shown_type(spec.type)})", hint)
 
 
 def shown_type(kind) -> str:

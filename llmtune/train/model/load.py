@@ -165,6 +165,8 @@ def model_config(recipe, source: str, log):
     overrides_of_model_config applied."""
     import transformers
 
+    from llmtune.train.model.config_overrides import apply_overrides
+
     name = recipe.base_model_config or source
     revision = recipe.revision_of_model if name == recipe.base_model else None
     config_class = transformers.AutoConfig
@@ -174,10 +176,7 @@ def model_config(recipe, source: str, log):
             raise UserError(f"cls_model_config: transformers has no {recipe.cls_model_config}",
                             "name a config class of this transformers version, or remove it")  # fmt: skip
     config = config_class.from_pretrained(name, trust_remote_code=recipe.trust_remote_code, revision=revision)
-    for key, value in (recipe.overrides_of_model_config or {}).items():
-        if not hasattr(config, key):
-            log(f"overrides_of_model_config.{key}: {type(config).__name__} has no such setting; set anyway")
-        setattr(config, key, value)
+    apply_overrides(config, recipe.overrides_of_model_config, log)
     return config
 
 
