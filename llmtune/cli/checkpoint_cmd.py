@@ -18,6 +18,18 @@ Target = Annotated[Path | None, typer.Argument(help="With `reshard`: the checkpo
                                                show_default=False)]  # fmt: skip
 
 
+def packed_run(run: Path) -> str | None:
+    """What a run's checkpoints count as rows where its recipe packs the examples (sample_packing): packed
+    sequences. For markers older than their `rows_are`."""
+    import json
+
+    try:
+        recipe = json.loads((run / "llmtune" / "plan.json").read_text()).get("recipe") or {}
+    except (OSError, ValueError):
+        return None
+    return "packed sequences" if recipe.get("sample_packing") and not recipe.get("rl") else None
+
+
 def describe(folder: Path) -> list[str]:
     """One line per checkpoint of `folder` (an output_dir, or a checkpoint itself), oldest first."""
     from llmtune.plan.checkpoint_layout import files_in
@@ -48,8 +60,9 @@ def describe(folder: Path) -> list[str]:
         if info.get("global_batch_size"):
             line += f", data parallel {info['data_parallel_size']}, global batch {info['global_batch_size']}"
         if info.get("rows_seen") is not None:
-            line += f", {info['rows_seen']} rows seen" + (f" ({info['rows_per_epoch']} per epoch)"
-                                                          if info.get("rows_per_epoch") else "")  # fmt: skip
+            unit = info.get("rows_are") or packed_run(path.parent) or "rows"
+            line += f", {info['rows_seen']} {unit} seen" + (f" ({info['rows_per_epoch']} per epoch)"
+                                                            if info.get("rows_per_epoch") else "")  # fmt: skip
         if "stages" in info:
             line += f", {info['stages']} pipeline stages"
         if (path / UNIVERSAL_DONE).is_file():
@@ -105,8 +118,9 @@ def reshard(target: Path | None) -> None:
 
 
 def checkpoint(where: Where, target: Target = None) -> None:
-    """Show a run's checkpoints (step, the world size and strategy that saved each, global batch, rows seen), or,
-    with `reshard`, convert one so that any world size resumes it."""
+    """Show a run's checkpoints (step, the world size and strategy that saved each, global batch, rows seen: packed
+    sequences where sample_packing packs the examples), or, with `reshard`, convert one so that any world size
+    resumes it."""
     from llmtune.train.checkpoint.folders import last_complete
 
     if where == "reshard":

@@ -33,7 +33,8 @@ def eval_command(
         ),
     ] = None,
 ) -> None:
-    """Eval loss, perplexity and exact-match accuracy (a preference run: rewards, margins, accuracy); writes eval.json."""
+    """Eval loss, perplexity and exact-match accuracy (a preference run: rewards, margins, accuracy); writes eval.json
+    (with --data, eval-<data>.json beside it; a run measured with another recipe's --model, eval-<recipe>.json)."""
     from llmtune.post.evaluate import evaluate
 
     if data is not None and not data.exists():
@@ -132,7 +133,8 @@ def chat(
     seed: Seed = 0,
     raw: Raw = False,
 ) -> None:
-    """Talk to a model in the terminal, streamed, with its chat template (/reset, /exit)."""
+    """Talk to a model in the terminal, streamed, with its chat template or the prompt its run trained on (/reset,
+    /exit)."""
     from llmtune.post.generate import Sampling
     from llmtune.post.generate import chat as run_chat
 

@@ -47,6 +47,7 @@ class Saved:
     mesh: dict | None = None  # HSDP, context or tensor parallel sizes, when the run had them
     rows_seen: int | None = None  # rows trained up to this checkpoint, over all ranks (older markers: None)
     rows_per_epoch: int | None = None
+    rows_are: str | None = None  # "packed sequences" where sample_packing packed the examples (older markers: None)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def saved_allocation(recipe, checkpoint: Path) -> Saved | None:
         info.get("global_batch_size") or recipe.micro_batch_size * recipe.gradient_accumulation_steps * data_parallel
     )
     return Saved(checkpoint, int(info.get("step", 0)), world, data_parallel, batch, info.get("strategy"),
-                 info.get("mesh"), info.get("rows_seen"), info.get("rows_per_epoch"))  # fmt: skip
+                 info.get("mesh"), info.get("rows_seen"), info.get("rows_per_epoch"), info.get("rows_are"))  # fmt: skip
 
 
 def zero_tag(checkpoint: Path) -> str | None:
@@ -229,11 +230,12 @@ def resumed_accumulation(
             f"{before} -> {accumulation}, global batch {saved.global_batch_size} kept")  # fmt: skip
     if saved.rows_seen is not None and saved.rows_per_epoch:
         epochs, into = divmod(saved.rows_seen, saved.rows_per_epoch)
+        unit = saved.rows_are or "rows"
         if saved.rows_seen <= saved.rows_per_epoch:
-            line += f", {saved.rows_seen} of {saved.rows_per_epoch} rows seen"
+            line += f", {saved.rows_seen} of {saved.rows_per_epoch} {unit} seen"
         else:
             where = f"epoch {epochs + 1}: {into} of {saved.rows_per_epoch}" if into else f"{epochs} epochs done"
-            line += f", {saved.rows_seen} rows seen ({where})"
+            line += f", {saved.rows_seen} {unit} seen ({where})"
     if universal:
         line += "; " + universal_line(saved, data_parallel)
     return Resumed(accumulation, line, universal)

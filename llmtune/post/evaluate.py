@@ -34,6 +34,9 @@ def resolve_target(target: Path, model: str | None = None) -> Target:
     from llmtune.recipe import load_recipe
     from llmtune.train.model.load import model_source
 
+    if not target.exists():  # said before load_recipe calls it a missing recipe: it may have been a run folder
+        raise UserError(f"{target} does not exist",
+                        "llmtune eval takes a run's output_dir (or its checkpoint-N, or merged folder) or a recipe file")  # fmt: skip
     if target.is_dir():
         if model is not None:
             raise UserError(f"--model goes with a recipe, and {target} is a folder",
@@ -44,7 +47,7 @@ def resolve_target(target: Path, model: str | None = None) -> Target:
         raise UserError(f"{target} trains a reward model: `llmtune eval` measures a causal LM's answers",
                         "the run's own eval (val_set_size) reports eval_accuracy")  # fmt: skip
     if model is not None:
-        return _model_target(recipe, model)
+        return _model_target(recipe, model, target)
     return Target(recipe, model_source(recipe)[0], None, Path(recipe.output_dir) / "eval_base.json",
                   f"base model {recipe.base_model}")  # fmt: skip
 
@@ -74,9 +77,9 @@ def _run_target(folder: Path) -> Target:
                   is_run=True)  # fmt: skip
 
 
-def _model_target(recipe, model: str) -> Target:
+def _model_target(recipe, model: str, recipe_file: Path) -> Target:
     """Any model measured on the recipe's eval data: an adapter folder (on the recipe's base model), a model folder,
-    or a hub id."""
+    or a hub id. A run's folder keeps its eval.json for its own eval split: this one is eval-<recipe>.json."""
     from llmtune.post.generate import check_model_name
     from llmtune.recipe.paths import adapter_trained_on
     from llmtune.train.model.load import model_source
@@ -84,6 +87,9 @@ def _model_target(recipe, model: str) -> Target:
     check_model_name(model, "--model")
     folder = Path(model)
     if folder.is_dir():
+        from llmtune.post.consolidate import PLAN
+
+        mine = folder / ("eval.json" if not (folder / PLAN).exists() else f"eval-{recipe_file.stem}.json")
         if (folder / "adapter_config.json").exists():
             base = model_source(recipe)[0]
             named = adapter_trained_on(folder, recipe.base_model)  # another base (by name)
@@ -91,12 +97,12 @@ def _model_target(recipe, model: str) -> Target:
             if named:
                 note = (f"the adapter says it was trained on {named}; it is measured on the recipe's base_model "
                         f"{recipe.base_model}")  # fmt: skip
-            return Target(recipe, base, str(folder), folder / "eval.json", f"adapter {model} on {recipe.base_model}",
+            return Target(recipe, base, str(folder), mine, f"adapter {model} on {recipe.base_model}",
                           is_run=True, note=note)  # fmt: skip
         if not (folder / "config.json").exists():
             raise UserError(f"--model {model} has no model (config.json) or adapter (adapter_config.json)",
                             "pass a model folder, an adapter folder or a hub id")  # fmt: skip
-        return Target(recipe, str(folder), None, folder / "eval.json", f"model {model}", is_run=True)
+        return Target(recipe, str(folder), None, mine, f"model {model}", is_run=True)
     if folder.exists() or folder.suffix in (".yaml", ".yml", ".json"):
         raise UserError(f"--model {model} is not a model folder", "pass a model folder, an adapter folder or a hub id")
     name = model.replace("/", "--")
@@ -147,6 +153,8 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
 
     info = resolve_target(target, model)
     recipe = info.recipe
+    if data is not None:  # the result file named for its own split stays that split's: this one names the data
+        info.result_file = info.result_file.with_name(f"{info.result_file.stem}-{data.stem}.json")
     if data is None and not recipe.val_set_size and not recipe.test_datasets:  # before the model loads
         raise UserError("the recipe has no eval data (val_set_size or test_datasets)", "pass --data FILE")
     try:
@@ -166,6 +174,8 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
     except (OSError, ValueError) as err:
         raise UserError(f"could not load the model '{info.model_dir}' ({str(err).splitlines()[0][:160]})",
                         "check the path or hub id, your network or HF_TOKEN") from None  # fmt: skip
+    if info.adapter_dir and (recipe.load_in_4bit or recipe.load_in_8bit):
+        info.note = "; ".join(filter(None, [info.note, unquantized_note(recipe, dtype)]))
     if info.adapter_dir:
         from peft import PeftModel
 
@@ -212,6 +222,13 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
     if pairs:
         results.update(exact_match(model, tokenizer, pairs, batch_size, max_new_tokens, show))
     return _write(info, results)
+
+
+def unquantized_note(recipe, dtype) -> str:
+    """Eval loads the base of a QLoRA (or 8-bit) run unquantized: the figure is that model's, not the one trained."""
+    bits = 4 if recipe.load_in_4bit else 8
+    return (f"the base model was measured unquantized ({str(dtype).removeprefix('torch.')}), while training used it "
+            f"in {bits} bits: the eval loss differs from the run's own eval_loss by the quantization error")  # fmt: skip
 
 
 def _tokenizer_source(info: Target) -> str:

@@ -1,7 +1,8 @@
 """`llmtune chat` and `llmtune infer`: generate with a run's adapter, a merged folder, any HF folder or a hub id.
 
-Prompts go through the model's chat template when it has one (`--raw` sends them as plain text); a run trained on
-alpaca rows (and its merged folder) is prompted with the alpaca prompt it was trained on instead.
+Prompts go through the model's chat template when it has one (`--raw` sends them as plain text); a run trained on one
+of Axolotl's instruct formats or ShareGPT conversations (and its merged folder) is prompted with the text training
+wrote instead, by training's own prompter; a run whose prompts can't be written so is told it in a note.
 Batched generation pads on the left, so every prompt's answer starts at the same column.
 """
 
@@ -13,6 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtune.errors import UserError
+from llmtune.post.prompts import (  # (trained_prompt_format and untrained_prompt_note are imported from here too)
+    NO_SYSTEM_SLOT,
+    plan_recipe,
+    trained_prompt,
+    trained_prompt_format,
+    untrained_prompt_note,
+)
 
 
 @dataclass
@@ -20,36 +28,18 @@ class Loaded:
     model: object
     tokenizer: object
     label: str
-    prompt_format: str | None = None  # "alpaca": the run trained on alpaca rows, and is prompted as it was trained
-
-
-def trained_prompt_format(folder: Path) -> str | None:
-    """'alpaca' when the run (or the merged folder) at `folder` trained on alpaca rows only, else None."""
-    plan_file = folder / "llmtune" / "plan.json"
-    if not plan_file.is_file():
-        return None
-    recipe = json.loads(plan_file.read_text()).get("recipe") or {}
-    types = [spec.get("type") for spec in recipe.get("datasets") or [] if isinstance(spec, dict)]
-    return "alpaca" if types and not recipe.get("rl") and all(kind == "alpaca" for kind in types) else None
-
-
-def alpaca_text(tokenizer, instruction: str, extra: str = "") -> str:
-    """The alpaca prompt as training built it, the tokenizer's BOS included where it adds one."""
-    from llmtune.train.data.formats import ALPACA_NO_INPUT, ALPACA_WITH_INPUT
-
-    text = (ALPACA_WITH_INPUT if extra.strip() else ALPACA_NO_INPUT).format(instruction=instruction, input=extra)
-    ids = tokenizer("x", add_special_tokens=True)["input_ids"]
-    bos = tokenizer.bos_token if tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id] else ""
-    return bos + text
+    prompt_format: str | None = None  # the run's trained prompt format (prompts.trained_prompt_format)
 
 
 def prompt_text(loaded: Loaded, row: dict, prompt, raw: bool) -> str:
-    """What the model sees for one prompt: the trained alpaca prompt for an alpaca run's text prompts (a row's own
+    """What the model sees for one prompt: the trained prompt for a run with a trained_prompt_format (a row's own
     instruction and input kept apart), else the chat template (render)."""
-    if loaded.prompt_format == "alpaca" and not raw and isinstance(prompt, str):
-        if isinstance(row.get("instruction"), str):
-            return alpaca_text(loaded.tokenizer, row["instruction"], str(row.get("input") or ""))
-        return alpaca_text(loaded.tokenizer, prompt)
+    if loaded.prompt_format and not raw:
+        if isinstance(prompt, list):
+            return trained_prompt(loaded.tokenizer, loaded.prompt_format, prompt)
+        instruct = not loaded.prompt_format.startswith("sharegpt:") and isinstance(row.get("instruction"), str)
+        text, extra = (row["instruction"], str(row.get("input") or "")) if instruct else (prompt, "")
+        return trained_prompt(loaded.tokenizer, loaded.prompt_format, [{"role": "user", "content": text}], extra)
     return render(loaded.tokenizer, prompt, raw)
 
 
@@ -65,8 +55,7 @@ def inference_device() -> tuple[str, object]:
 def refuse_reward_model(folder: Path, command: str) -> None:
     """A reward model (a run with reward_model / process_reward_model, or its merged folder) has no language-model
     head: commands that generate or score next tokens can't use it."""
-    plan_file, config_file = folder / "llmtune" / "plan.json", folder / "config.json"
-    reward = plan_file.exists() and json.loads(plan_file.read_text())["recipe"].get("num_labels")
+    config_file, reward = folder / "config.json", plan_recipe(folder).get("num_labels")
     if not reward and config_file.exists():
         architectures = json.loads(config_file.read_text()).get("architectures") or []
         reward = any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures)
@@ -105,18 +94,15 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
     check_model_name(target, "MODEL")
     path = Path(target)
     device, dtype = inference_device()
-    adapter, recipe = None, None
+    adapter = recipe = prompt_folder = None
     model_dir, tokenizer_dir, label = target, target, target
-    prompt_folder = None
     if path.is_dir():
         from llmtune.post.consolidate import has_tokenizer, loadable_weights
 
         weights, prompt_folder = loadable_weights(path, command)
         refuse_reward_model(prompt_folder, command)
         plan_file = prompt_folder / "llmtune" / "plan.json"
-        if (
-            weights is not None and weights.folder != path.absolute()
-        ):  # the newest checkpoint of a run without a final save
+        if weights is not None and weights.folder != path.absolute():  # the newest checkpoint, with no final save
             path, label = weights.folder, f"{weights.folder.name} of run {prompt_folder}"
             model_dir = tokenizer_dir = str(path)
         if plan_file.exists():  # a full model loads without it; an adapter needs its base from it
@@ -138,7 +124,9 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
                             "pass a run's output_dir, a merged folder, or a hub id")  # fmt: skip
         if not has_tokenizer(path):
             # saved without its tokenizer (an adapter, a checkpoint): the base model's
-            tokenizer_dir = model_dir if adapter else base_of(recipe, model_dir)
+            from llmtune.train.model.load import model_source
+
+            tokenizer_dir = model_source(recipe)[0] if recipe is not None and not adapter else model_dir
     elif path.suffix in (".yaml", ".yml", ".json") or path.exists():
         raise UserError(f"{target} is not a model folder", "pass a run's output_dir, a merged folder, or a hub id")
     try:
@@ -161,8 +149,11 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     prompt_format = trained_prompt_format(prompt_folder) if prompt_folder else None
-    if tokenizer.chat_template is None and prompt_format is None:
-        print(f"note: {label} has no chat template: prompts go in as plain text, as with --raw", file=sys.stderr)
+    templated = tokenizer.chat_template is not None
+    note = untrained_prompt_note(prompt_folder, label, templated) if prompt_folder and not prompt_format else None
+    if note or (not templated and prompt_format is None):
+        print(f"note: {note or f'{label} has no chat template: prompts go in as plain text, as with --raw'}",
+              file=sys.stderr)  # fmt: skip
     return Loaded(model, tokenizer, label, prompt_format)
 
 
@@ -175,13 +166,6 @@ def fit_embeddings(model, tokenizer, recipe) -> None:
     rows = embedding_rows(recipe, tokenizer)
     if rows > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(rows, mean_resizing=False)  # (the adapter's rows replace the new ones)
-
-
-def base_of(recipe, fallback: str) -> str:
-    """The base model a run trained from (for its tokenizer), else `fallback`."""
-    from llmtune.train.model.load import model_source
-
-    return model_source(recipe)[0] if recipe is not None else fallback
 
 
 @dataclass
@@ -254,20 +238,15 @@ def render(tokenizer, prompt, raw: bool) -> str:
     chat_template_kwargs)."""
     from llmtune.train.data.templates import template_kwargs
 
-    if isinstance(prompt, list):
-        if tokenizer.chat_template is None:
-            raise UserError("chat messages need a chat template, and this tokenizer has none", "pass plain prompts")
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                             **template_kwargs(tokenizer))  # fmt: skip
-    if raw or tokenizer.chat_template is None:
-        return prompt
+    if not isinstance(prompt, list):
+        if raw or tokenizer.chat_template is None:
+            return prompt
+        prompt = [{"role": "user", "content": prompt}]
+    elif tokenizer.chat_template is None:
+        raise UserError("chat messages need a chat template, and this tokenizer has none", "pass plain prompts")
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, **template_kwargs(tokenizer)
+        prompt, tokenize=False, add_generation_prompt=True, **template_kwargs(tokenizer)
     )
-
-
-def generate_batch(loaded: Loaded, texts: list[str], sampling: Sampling) -> list[str]:
-    return generate_texts(loaded.model, loaded.tokenizer, texts, sampling.kwargs(loaded.tokenizer, loaded.model))
 
 
 def read_prompts(path: Path) -> list[tuple[dict, object]]:
@@ -315,13 +294,10 @@ def infer(target: str, prompts: list[str], file: Path | None, output: Path | Non
     loaded = load_for_generation(target)
     set_seed(sampling.seed)
     texts = [prompt_text(loaded, row, prompt, raw) for row, prompt in rows]
-    results = []
-    starts = range(0, len(texts), batch_size)
+    outputs, options, starts = [], sampling.kwargs(loaded.tokenizer, loaded.model), range(0, len(texts), batch_size)
     for start in progress(starts, "generating", total=len(starts)):
-        outputs = generate_batch(loaded, texts[start : start + batch_size], sampling)
-        results += [
-            {**row, "output": text} for (row, _), text in zip(rows[start : start + batch_size], outputs, strict=True)
-        ]
+        outputs += generate_texts(loaded.model, loaded.tokenizer, texts[start : start + batch_size], options)
+    results = [{**row, "output": text} for (row, _), text in zip(rows, outputs, strict=True)]
     if output is not None:
         from llmtune.plan.files import atomic_write
 
@@ -346,11 +322,18 @@ def chat(
             stdout.write(text + ("\n" if stream_end else ""))
             stdout.flush()
 
+    trained = None if raw else loaded.prompt_format
+    plain = raw or (trained is None and tokenizer.chat_template is None)
+    if system and (plain or trained in NO_SYSTEM_SLOT):  # said, never dropped silently
+        why = "messages go in as plain text" if plain else f"the {trained} prompt has no system message"
+        print(f"note: --system is not used: {why}", file=sys.stderr)
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
     stdout.write(f"chatting with {loaded.label}: /reset starts over, /exit ends\n")
-    if loaded.prompt_format == "alpaca" and not raw:
-        stdout.write("(trained on alpaca prompts: each message goes alone, as one alpaca instruction)\n")
+    if trained:
+        how = "the conversation" if trained.startswith("sharegpt:") else "each message alone, as one instruction"
+        slot = ", --system as its system prompt" if system and trained not in NO_SYSTEM_SLOT else ""
+        stdout.write(f"(trained on {trained} prompts: {how}, written as training wrote it{slot})\n")
     while True:
         stdout.write("you> ")
         stdout.flush()
@@ -366,10 +349,8 @@ def chat(
             stdout.write("(conversation cleared)\n")
             continue
         history.append({"role": "user", "content": text})
-        if loaded.prompt_format == "alpaca" and not raw:
-            prompt = alpaca_text(tokenizer, text)
-        else:
-            prompt = text if raw or tokenizer.chat_template is None else render(tokenizer, history, raw)
+        prompt = trained_prompt(tokenizer, trained, history) if trained else text if plain else render(
+            tokenizer, history, raw)  # fmt: skip
         batch = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
         stdout.write("model> ")
         stdout.flush()

@@ -11,12 +11,43 @@ from pathlib import Path
 
 from llmtune.errors import UserError
 from llmtune.post.report_preference import plot_preference, preference_curves, preference_section
+from llmtune.train.runtime.report import launch_steps, loss_since_start, span_text
 
 
 def _throughput(metrics: dict) -> str:
     whole = metrics.get("tokens_per_second_whole_run", metrics.get("tokens_per_second"))  # older runs: one figure
     steady = metrics.get("tokens_per_second_steady")
-    return f"{whole} tokens/s over the whole run" + (f", {steady} after the warm-up steps" if steady else "")
+    # resumed: the figures are this launch's (its train() call), not the whole run's
+    over = "over those steps" if launch_steps(metrics) else "over the whole run"
+    return f"{whole} tokens/s {over}" + (f", {steady} after the warm-up steps" if steady else "")
+
+
+def _training_time(metrics: dict) -> str:
+    minutes, span = (metrics.get("train_seconds") or 0) / 60, launch_steps(metrics)
+    steps = f" for {span_text(span)}, since the resume" if span else ""
+    return f"{minutes:.1f} min{steps} ({_throughput(metrics)})"
+
+
+def _steps(metrics: dict):
+    span = launch_steps(metrics)
+    if not span:
+        return metrics.get("steps")
+    checkpoint = Path(str(metrics["resumed_from"])).name
+    return f"{metrics.get('steps')} (resumed from {checkpoint}: {span_text(span)} in this launch)"
+
+
+def _mean_loss(metrics: dict) -> str | None:
+    """The mean train loss over the whole run where the history has every launch's losses; else labelled with the
+    steps it covers (a resumed launch's Trainer averages its own steps only)."""
+    loss, span = metrics.get("train_loss"), metrics.get("train_loss_steps")
+    if loss is None or not span:
+        return _fmt(loss)
+    whole = loss_since_start(metrics.get("log_history") or [], span[0])
+    if whole is None:
+        return f"{loss:.4f} ({span_text(span)}, since the resume)"
+    logged = "" if whole["every_step"] else ", the mean of the logged losses"
+    since = f"{loss:.4f} over {span_text(span)}, since the resume"
+    return f"{whole['mean']:.4f} ({span_text(whole['steps'])}{logged}); {since}"
 
 
 def _gpu_memory(metrics: dict) -> str | None:
@@ -110,18 +141,17 @@ def _summary(run: Path, metrics: dict, plan: dict, recipe: dict, data: dict | No
     method = {"lora": "LoRA", "qlora": "QLoRA"}.get(recipe.get("adapter") or "", "full fine-tune")
     evals = [e["eval_loss"] for e in metrics.get("log_history") or [] if "eval_loss" in e]
     final_eval = metrics.get("eval_loss", evals[-1] if evals else None)
-    minutes = (metrics.get("train_seconds") or 0) / 60
     rows = [
         ("model", f"`{recipe.get('base_model')}` ({method})"),
         ("strategy", f"{plan.get('title', metrics.get('strategy'))}, world size {metrics.get('world_size')}"),
         ("global batch", f"{plan.get('global_batch_size')} = micro-batch {plan.get('micro_batch_size')} x "
                          f"accumulation {plan.get('gradient_accumulation_steps')} x data-parallel {plan.get('data_parallel_size')}"),
-        ("steps", metrics.get("steps")),
+        ("steps", _steps(metrics)),
         ("tokens seen", _tokens_seen(metrics)),
-        ("training time", f"{minutes:.1f} min ({_throughput(metrics)})"),
+        ("training time", _training_time(metrics)),
         ("peak GPU memory", _gpu_memory(metrics)),
         ("final train loss", _fmt(metrics.get("final_loss"))),
-        ("mean train loss", _fmt(metrics.get("train_loss"))),
+        ("mean train loss", _mean_loss(metrics)),
         ("final eval loss", _fmt(final_eval)),
         ("model saved in", f"`{run}`" + (" (adapter: `llmtune merge` folds it into the base)" if recipe.get("adapter") else "")),
     ]  # fmt: skip
@@ -139,7 +169,10 @@ def _summary(run: Path, metrics: dict, plan: dict, recipe: dict, data: dict | No
 
 def _tokens_seen(metrics: dict) -> str | None:
     if metrics.get("tokens_seen") is not None:
-        return f"{metrics['tokens_seen']:,}"
+        this_launch = metrics.get("tokens_seen_this_run") if launch_steps(metrics) else None
+        return f"{metrics['tokens_seen']:,}" + (
+            f" ({this_launch:,} since the resume)" if this_launch is not None else ""
+        )
     if metrics.get("tokens_seen_this_run") is not None:  # resumed from a checkpoint that didn't count them
         return f"{metrics['tokens_seen_this_run']:,} since the resume"
     return None

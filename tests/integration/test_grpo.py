@@ -118,7 +118,7 @@ def test_a_lora_grpo_run_learns_what_its_reward_favours_and_records_it(workspace
     # the recipe, found from the run's plan), the mean reward under TRL's names
     result = llmtune("eval", workspace[0] / "short", "--data", workspace[1], "--limit", "8", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    written = json.loads((workspace[0] / "short" / "eval.json").read_text())
+    written = json.loads((workspace[0] / "short" / f"eval-{Path(workspace[1]).stem}.json").read_text())  # (--data's)
     assert written["method"] == "grpo" and written["examples"] == 8 and written["max_new_tokens"] == 12
     assert written["reward"] == written["rewards/short_reward/mean"] > first  # the trained model's answers are short
     shown = written["samples"][0]

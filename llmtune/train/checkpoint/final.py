@@ -14,7 +14,9 @@ def model_card(recipe, plan: dict, metrics: dict, gguf_origin: str | None) -> st
     method = {"lora": "LoRA", "qlora": "QLoRA"}.get(recipe.adapter or "", "full fine-tune")
     datasets = "\n".join(f"- `{d.path}` (type `{d.type or 'pretokenized'}`)" for d in recipe.datasets)
     origin = f" (from the GGUF file `{gguf_origin}`, de-quantized)" if gguf_origin else ""
-    rows = "\n".join(f"| {k} | {v} |" for k, v in metrics.items() if not isinstance(v, (dict, list)))
+    rows = "\n".join(
+        f"| {k} | {_shown(k, v, metrics)} |" for k, v in metrics.items() if not isinstance(v, (dict, list))
+    )
     front = {"library_name": "peft" if recipe.adapter else "transformers", "base_model": recipe.base_model,
              "tags": ["llmtune", method.lower().replace(" ", "-")]}  # fmt: skip
     return (
@@ -22,9 +24,42 @@ def model_card(recipe, plan: dict, metrics: dict, gguf_origin: str | None) -> st
         f"# {Path(recipe.output_dir).name}\n\n"
         f"{method} of `{recipe.base_model}`{origin} with llmtune, strategy {plan['title']} "
         f"on {plan['world_size']} process(es).\n\n## Data\n\n{datasets}\n\n"
-        f"## Metrics\n\n| metric | value |\n| --- | --- |\n{rows}\n\n"
+        f"## Metrics\n\n{_covers(metrics)}| metric | value |\n| --- | --- |\n{rows}\n\n"
         "## Recipe\n\nThe resolved recipe and the launch plan are in `llmtune/` beside this card.\n"
     )
+
+
+PACKED = "packed sequences"  # what rows_seen counts where sample_packing packed the examples (the marker's rows_are)
+
+
+def packed_rows(metrics: dict) -> dict:
+    """With sample_packing a row the Trainer draws is a packed sequence of several examples: rows_seen counts those,
+    as rows_per_epoch (the packed rows of an epoch) does, so the two give the epoch; said beside them."""
+    data = metrics.get("data") or {}
+    if metrics.get("packing_efficiency") is None or not data.get("train_rows"):
+        return {}
+    return {
+        "rows_per_epoch": data["train_rows"],
+        "rows_are": f"{PACKED} ({data.get('train_examples')} examples packed into {data['train_rows']} per epoch)",
+    }
+
+
+def _shown(key: str, value, metrics: dict):
+    if key in ("rows_seen", "rows_seen_this_run", "rows_per_epoch") and metrics.get("rows_are") and value is not None:
+        return f"{value} {PACKED}"
+    return value
+
+
+def _covers(metrics: dict) -> str:
+    """A resumed run: which figures cover only the launch that resumed it."""
+    since = metrics.get("since_resume")
+    if not since:
+        return ""
+    from llmtune.train.runtime.report import span_text
+
+    named = ", ".join(f"`{key}`" for key in since["figures"])
+    return (f"Resumed from `{Path(str(metrics.get('resumed_from'))).name}`: {named} cover {span_text(since['steps'])} "
+            "(this launch) only; the other figures cover the whole run.\n\n")  # fmt: skip
 
 
 def write_run_files(output_dir: Path, recipe, plan: dict, metrics: dict, gguf_origin: str | None) -> None:

@@ -29,6 +29,7 @@ from llmtune.errors import UserError
 from llmtune.train.checkpoint import dcp, folders, manifest
 from llmtune.train.runtime import collectives
 from llmtune.train.runtime.hooks import test_kill
+from llmtune.train.runtime.progress import log
 
 
 def _disk_full(err: BaseException, folder: Path) -> bool:
@@ -171,6 +172,8 @@ class CheckpointManager:
                 manifest.complete_deepspeed_copy(staged)
             info[manifest.KEY] = manifest.gather(staged, _local_main())
         info.setdefault("format", self.format)
+        if self.recipe is not None and self.recipe.sample_packing and not self.recipe.rl and "rows_seen" in info:
+            info.setdefault("rows_are", "packed sequences")  # rows_seen and rows_per_epoch count them, not examples
         if main and self.machines == 1 and staged.exists():  # what a resume checks is still there (several
             info.setdefault("files", manifest.files_in(staged))  # machines: the manifest above, per machine)
         if main and staged.exists():
@@ -295,10 +298,14 @@ class CheckpointManager:
     def save_final(self, write_model: Callable[[Path], None], tokenizer, metrics: dict, gguf_origin: str | None,
                    main: bool) -> None:  # fmt: skip
         """The trained model (`write_model`, called on every rank: a sharded model's save is a collective), and, by
-        the first rank, the tokenizer and the run's files (metrics.json, model card, resolved recipe)."""
-        from llmtune.train.checkpoint.final import write_run_files
+        the first rank, the tokenizer and the run's files (metrics.json, model card, resolved recipe); then a note for
+        each output of the post commands the new model leaves stale (training continued in the same output_dir)."""
+        from llmtune.train.checkpoint.final import packed_rows, write_run_files
+        from llmtune.train.runtime.report import resumed_figures
 
         before = _files(self.output_dir)
+        stale = stale_outputs(self.output_dir) if main else []  # what `llmtune merge` and `eval` made of an older model
+        metrics.update(**resumed_figures(metrics), **packed_rows(metrics))
         try:
             write_model(self.output_dir)
             if main:
@@ -316,6 +323,22 @@ class CheckpointManager:
                             f"in {self.output_dir} ({getattr(err, 'strerror', None) or str(err).splitlines()[0][:120]}):"
                             " that save's files were removed, the checkpoints kept",
                             _after_failed_save(self.output_dir, metrics.get("steps"), self.recipe)) from None  # fmt: skip
+        for line in stale:
+            log(f"note: {line}")
+
+
+def stale_outputs(run: Path) -> list[str]:
+    """What the post commands wrote from the run's final model before this save replaced it (training continued in
+    the same output_dir): each with the command that rewrites it. The files stay: they are the user's to replace.
+    A checkpoint's own outputs (merged-checkpoint-N, eval-checkpoint-N.json) and the base model's eval still hold."""
+    found = []
+    if (run / "merged").is_dir():
+        found.append(f"{run / 'merged'} holds the model merged before this training continued, not the one just "
+                     f"saved: llmtune merge {run} --force rewrites it")  # fmt: skip
+    if (run / "eval.json").is_file():
+        found.append(f"{run / 'eval.json'} measured the model saved before this training continued (metrics.json has "
+                     f"this run's eval loss): llmtune eval {run} measures the new one")  # fmt: skip
+    return found
 
 
 def full_state_dict_for_final_save(trainer) -> None:
