@@ -102,6 +102,7 @@ def train(
     from llmtune.train.runtime.progress import mark
 
     mark("start")  # the command has parsed its flags (Python and the CLI's imports before this are not counted)
+    from llmtune.launch.flags import check_cuda_usable, check_inherited_environment
     from llmtune.launch.net import free_port
     from llmtune.launch.preflight import (
         check_deepspeed_schema,
@@ -122,7 +123,8 @@ def train(
                                    "rdzv_endpoint": rdzv_endpoint}.items() if v is not None}  # fmt: skip
     if rdzv_endpoint and loaded.recipe.rdzv_backend != "etcd":
         raise UserError(
-            "--rdzv-endpoint is the etcd server of rdzv_backend: etcd", "set rdzv_backend: etcd in the recipe"
+            "--rdzv-endpoint is the etcd server of rdzv_backend: etcd",
+            "for c10d the rendezvous is --main-process-ip and --main-process-port; for etcd set rdzv_backend: etcd",
         )
     if profile and not loaded.recipe.profiler_steps:
         from llmtune.recipe.training import PROFILE_STEPS
@@ -134,6 +136,7 @@ def train(
     check_local_splits(loaded.recipe)
     ours = sorted({opt for param in ctx.command.params for opt in getattr(param, "opts", []) if opt.startswith("--")})
     check_launcher_flags(list(ctx.args), ours)
+    check_inherited_environment()
     if main_process_port is None and num_machines == 1 and hostfile is None:
         main_process_port = free_port()  # one machine: any free port will do, and two runs never collide
     cluster = cluster_from_flags(
@@ -154,6 +157,7 @@ def train(
         return
     the_plan = make_plan(loaded.recipe, cluster, resume=True)
     check_launcher_flags(list(ctx.args), ours, the_plan.commands[cluster.machine_rank])
+    check_cuda_usable(cluster.device)  # this machine runs ranks of the plan
     check_nvme_offload(the_plan)
     check_deepspeed_schema(loaded.recipe, the_plan)
     fit = None if no_memory_check else memory_check(loaded.recipe, the_plan, gpu_memory)
@@ -298,13 +302,25 @@ def slurm(
     ] = False,
 ) -> None:
     """Write an sbatch script that runs the recipe on N nodes (one launcher per node), and optionally submit it."""
-    from llmtune.launch.slurm import SlurmJob, write_job
+    import re
+    import shlex
+
+    from llmtune.launch.slurm import SlurmJob, job_name_of, write_job
     from llmtune.launch.slurm import submit as sbatch
     from llmtune.recipe import load_recipe
 
     loaded = load_recipe(recipe)
     job = SlurmJob(nodes, gpus_per_node, partition, time, account, job_name, cpus_per_task, signal_seconds, device)
-    script = write_job(recipe, loaded.recipe, job, output)
+    try:
+        script = write_job(recipe, loaded.recipe, job, output)
+    except UserError as err:  # the plan's hints name train's --num-processes: here it is nodes x GPUs per node
+        wanted = re.search(r"--num-processes (\d+)", err.hint or "")
+        if wanted is None:
+            raise
+        count = int(wanted.group(1))
+        shape = (f"--nodes {nodes} --gpus-per-node {count // nodes}" if count % nodes == 0 else
+                 f"--nodes and --gpus-per-node that make {count} processes")  # fmt: skip
+        raise UserError(err.message, err.hint.replace(wanted.group(0), shape)) from None
     if cpus_per_task is None and device != "cpu":
         typer.echo(f"note: no --cpus-per-task: on a cluster that binds tasks to CPUs without a per-GPU default, the "
                    f"launcher and its {gpus_per_node} ranks (and their data loaders) share one core; pass the cores "
@@ -313,11 +329,11 @@ def slurm(
     typer.echo(f"wrote {script}")
     if submit:
         job_id, _ = sbatch(script)
-        name = job.job_name or f"llmtune-{recipe.stem}"
+        name = job.job_name or job_name_of(Path(recipe))
         typer.echo(f"submitted job {job_id}; log: {output_dir / 'slurm' / f'{name}-{job_id}.out'}; "
                    f"rank logs: {output_dir / 'llmtune' / 'logs'}")  # fmt: skip
     else:
-        typer.echo(f"submit with: sbatch {script}")
+        typer.echo(f"submit with: sbatch {shlex.quote(str(script))}")
 
 
 def vllm_serve(recipe: RecipeArg) -> None:

@@ -265,14 +265,18 @@ def check_launcher_flags(extra: list[str], ours: list[str], command: list[str] |
     import difflib
 
     from llmtune.errors import UserError
+    from llmtune.launch.flags import planned_flag, stray_word
 
-    flags = [arg.split("=", 1)[0] for arg in extra if arg.startswith("--")]
+    flags = [arg.split("=", 1)[0] for arg in extra if (arg.startswith("--") and arg != "--") or arg in ("-m", "-t")]
     if not extra:
         return
     from accelerate.commands.launch import launch_command_parser
 
     parser = launch_command_parser()
     for flag in flags:
+        refused = planned_flag(flag)
+        if refused is not None:
+            raise refused
         twin = "--" + flag[2:].replace("_", "-")
         if twin in ours:
             raise UserError(f"{flag} is llmtune's {twin} (llmtune sets accelerate's from it)", f"use {twin}")
@@ -280,6 +284,10 @@ def check_launcher_flags(extra: list[str], ours: list[str], command: list[str] |
             close = difflib.get_close_matches(twin, ours, n=1)
             raise UserError(f"{flag} is an option of neither llmtune train nor accelerate launch",
                             f"did you mean {close[0]}?" if close else "see llmtune train --help")  # fmt: skip
+    stray = stray_word(extra)
+    if stray is not None:
+        raise UserError(f"unexpected argument {stray!r}: llmtune train takes one recipe, and other words would reach "
+                        "accelerate launch as a script to run", "pass one recipe; launcher flags start with --")  # fmt: skip
     if command is not None and command[:2] != ["accelerate", "launch"]:
         shown = ", ".join(flags) or " ".join(extra)
         raise UserError(f"{shown}: launcher flags, but this plan runs {command[0]} directly (no accelerate launch "

@@ -84,11 +84,21 @@ class SlurmJob:
                             "use letters, digits, '.', '_', '+' and '-'")  # fmt: skip
 
 
+def job_name_of(recipe_path: Path) -> str:
+    """The default job name, from the recipe's file name in the characters Slurm job names hold."""
+    return "llmtune-" + re.sub(r"[^\w.+-]", "_", recipe_path.stem)
+
+
+def _directive_value(value: str) -> str:
+    """A #SBATCH value: in double quotes where it holds a space (sbatch reads the line's words as a shell would)."""
+    return f'"{value}"' if any(c.isspace() for c in value) else value
+
+
 def sbatch_script(recipe_path: Path, output_dir: Path, job: SlurmJob, workdir: Path, llmtune: list[str],
                   script_path: Path) -> str:  # fmt: skip
     """The sbatch script text (pure: no file is read or written). `llmtune` is how the nodes start llmtune."""
     job.check()
-    name = job.job_name or f"llmtune-{recipe_path.stem}"
+    name = job.job_name or job_name_of(recipe_path)
     processes = job.training_processes
     directives = [
         f"--job-name={name}",
@@ -99,7 +109,7 @@ def sbatch_script(recipe_path: Path, output_dir: Path, job: SlurmJob, workdir: P
         *([f"--partition={job.partition}"] if job.partition else []),
         *([f"--time={job.time}"] if job.time else []),
         *([f"--account={job.account}"] if job.account else []),
-        f"--output={output_dir / 'slurm' / '%x-%j.out'}",
+        f"--output={_directive_value(str(output_dir / 'slurm' / '%x-%j.out'))}",
         "--open-mode=append",
         "--requeue",
         f"--signal=B:USR1@{job.signal_seconds}",
@@ -150,8 +160,9 @@ requeue() {{
 }}
 trap requeue USR1
 
-{server}srun{srun_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c \\
-  "{visible}exec {launch} --machine-rank \\$SLURM_NODEID --main-process-ip $HEAD_ADDR --main-process-port $PORT" &
+# each node's task: its machine rank is that node's SLURM_NODEID (the command's words pass as arguments, quoted once)
+{server}srun{srun_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '{visible}exec "$@" --machine-rank "$SLURM_NODEID"' \\
+  llmtune {launch} --main-process-ip "$HEAD_ADDR" --main-process-port "$PORT" &
 SRUN_PID=$!
 wait "$SRUN_PID"
 STATUS=$?
@@ -174,7 +185,7 @@ def _vllm_server(recipe_path: Path, output_dir: Path, job: SlurmJob, llmtune: li
 SERVER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n 1)
 SERVER_ADDR=$(scontrol show node "$SERVER_NODE" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p' | head -n 1)
 export LLMTUNE_VLLM_SERVER_HOST=${{SERVER_ADDR:-$SERVER_NODE}}
-srun --nodes=1 --ntasks=1 --nodelist="$SERVER_NODE" bash -c "CUDA_VISIBLE_DEVICES={gpus} exec {serve}" \\
+srun --nodes=1 --ntasks=1 --nodelist="$SERVER_NODE" bash -c 'CUDA_VISIBLE_DEVICES={gpus} exec "$@"' vllm {serve} \\
   >{log} 2>&1 &
 VLLM_PID=$!
 {stop}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from llmtune.errors import UserError
@@ -152,9 +153,16 @@ def build_deepspeed_config(
         if preset_name != recipe.deepspeed:  # Axolotl's shipped file, named by its path in Axolotl's repository
             kept = ""
             if PRESETS[preset_name].stage == 3:  # the file's optimizer sub-groups (one per parameter), as on disk:
-                # a checkpoint saved with the file resumes with the stand-in and back (the layout check compares it)
-                config["zero_optimization"]["sub_group_size"] = AXOLOTL_SUB_GROUP
-                kept = f", with the file's sub_group_size {AXOLOTL_SUB_GROUP}"
+                # a checkpoint saved with the file resumes with the stand-in and back (the layout check compares it);
+                # and its prefetch limits, 0 (DeepSpeed's defaults are 1e9)
+                config["zero_optimization"].update(sub_group_size=AXOLOTL_SUB_GROUP, stage3_max_live_parameters=0,
+                                                   stage3_max_reuse_distance=0)  # fmt: skip
+                kept = (
+                    f", with the file's sub_group_size {AXOLOTL_SUB_GROUP}, max_live_parameters 0, max_reuse_distance 0"
+                )
+            if "cpuoffload" in Path(str(recipe.deepspeed)).stem:  # its top-level keys: torch's optimizer may step
+                config.update(zero_force_ds_cpu_optimizer=False, zero_allow_untested_optimizer=True)
+                kept += ", zero_force_ds_cpu_optimizer false"
             notes.append(f"deepspeed: {recipe.deepspeed} is Axolotl's own file, not on disk here: llmtune's "
                          f"{preset_name} preset stands for it{kept} (a file at that path would be read instead)")  # fmt: skip
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -421,10 +422,66 @@ def test_flags_train_does_not_know_are_refused_unless_accelerate_launch_takes_th
     with pytest.raises(UserError, match="--num-proceses is an option of neither") as err:
         check_launcher_flags(["--num-proceses", "2"], ours)
     assert err.value.hint == "did you mean --num-processes?"
-    check_launcher_flags(["--tee", "3"], ours)  # accelerate's: passed on, where the plan launches with it
-    check_launcher_flags(["--tee", "3"], ours, ["accelerate", "launch", "--config_file", "c.yaml", "-m", "x"])
+    threads = ["--num_cpu_threads_per_process", "4"]
+    check_launcher_flags(threads, ours)  # accelerate's: passed on, where the plan launches with it
+    check_launcher_flags(threads, ours, ["accelerate", "launch", "--config_file", "c.yaml", "-m", "x"])
     with pytest.raises(UserError, match="this plan runs python directly"):
-        check_launcher_flags(["--tee", "3"], ours, ["python", "-m", "llmtune.train", "plan.json"])
+        check_launcher_flags(threads, ours, ["python", "-m", "llmtune.train", "plan.json"])
+
+
+@pytest.mark.parametrize(("extra", "said", "hint"), [
+    # what the plan decides from the recipe: these crashed every rank or changed the run behind the plan
+    (["--config_file", "acc.yaml"], "--config_file: llmtune writes the accelerate config", "deepspeed:"),
+    (["--use_fsdp"], "--use_fsdp: FSDP's settings come from the recipe", "fsdp_version: 2"),
+    (["--fsdp_sharding_strategy", "FULL_SHARD"], "FSDP's settings come from the recipe", "fsdp_config"),
+    (["--mixed_precision", "bf16"], "--mixed_precision: the recipe's bf16/fp16", "bf16: true"),
+    (["--gradient_accumulation_steps", "4"], "the recipe sets the batch", "gradient_accumulation_steps in the recipe"),
+    (["--zero_stage", "2"], "DeepSpeed's settings come from the recipe", "deepspeed:"),
+    (["--rdzv_backend", "c10d"], "the recipe sets the rendezvous", "rdzv_backend: c10d"),
+    (["--log_dir", "/tmp/x", "--tee", "0"], "--log_dir: llmtune sets it", "remove it"),
+    (["-m", "mymod"], "-m: llmtune runs its own training module", "remove it"),
+    # torchrun's spellings of llmtune's options (--nnodes was answered 'did you mean --no-ssh?')
+    (["--nnodes", "2"], "--nnodes is torchrun's", "use --num-machines"),
+    (["--nproc_per_node", "2"], "--nproc_per_node is torchrun's", "use --num-processes"),
+    (["--rdzv_endpoint", "10.0.0.1:29400"], "c10d's endpoint", "use --main-process-ip"),
+    # a word that is not a flag was accelerate's training script, run as Python on every rank
+    (["other.yaml"], "unexpected argument 'other.yaml': llmtune train takes one recipe", "pass one recipe"),
+    (["--", "train.py"], "unexpected argument 'train.py'", "pass one recipe"),
+    (["--num_cpu_threads_per_process", "4", "x.yaml"], "unexpected argument 'x.yaml'", "pass one recipe"),
+])  # fmt: skip
+def test_launcher_flags_that_set_what_the_recipe_plans_and_stray_words_are_one_line(extra, said, hint):
+    from llmtune.launch.runner import check_launcher_flags
+
+    with pytest.raises(UserError, match=re.escape(said)) as refused:
+        check_launcher_flags(extra, ["--num-processes", "--num-machines", "--main-process-ip", "--rdzv-endpoint"])
+    assert hint in refused.value.hint
+
+
+def test_a_launchers_variables_inherited_from_the_shell_are_refused(monkeypatch):
+    """WORLD_SIZE=4 inherited made one process say 'the launcher started 4'; RANK=1 alone a traceback from torch."""
+    from llmtune.launch.flags import check_inherited_environment
+
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    check_inherited_environment()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(UserError, match="WORLD_SIZE=4, RANK=1 are set in the environment") as refused:
+        check_inherited_environment()
+    assert refused.value.hint.startswith("unset WORLD_SIZE RANK;")
+
+
+def test_device_cuda_without_a_usable_gpu_is_one_line(monkeypatch):
+    """Every rank divided its local rank by a GPU count of 0 (ZeroDivisionError), with 'run it again' advice."""
+    import torch
+
+    from llmtune.launch.flags import check_cuda_usable
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    check_cuda_usable("cpu")
+    with pytest.raises(UserError, match=r"torch sees no usable GPU on this machine \(CUDA_VISIBLE_DEVICES=0,1\)"):
+        check_cuda_usable("cuda")
 
 
 def test_a_ranks_user_error_is_said_once_last_even_when_torchrun_names_the_peer(tmp_path):

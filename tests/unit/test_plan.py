@@ -91,6 +91,14 @@ def test_axolotl_shipped_deepspeed_files_stand_for_presets_and_the_plan_says_so(
         zero = zero.deepspeed_config["zero_optimization"]
         found = [(zero.get(key) or {}).get("device") for key in ("offload_optimizer", "offload_param")]
         assert (zero["stage"], *found) == (stage, optimizer, parameters), name
+        if stage == 3:  # the file's own values where it has them (DeepSpeed's defaults for these are 1e9)
+            assert (zero["stage3_max_live_parameters"], zero["stage3_max_reuse_distance"], zero["sub_group_size"]) == (
+                0, 0, 0), name  # fmt: skip
+    # the offload files let torch's optimizer step (zero_force_ds_cpu_optimizer: false), as the file on disk does
+    offload = make_plan(recipe(deepspeed="deepspeed_configs/zero3_bf16_cpuoffload_params.json"), make_cluster(2, device="cuda"))
+    assert offload.deepspeed_config["zero_force_ds_cpu_optimizer"] is False
+    assert "zero_force_ds_cpu_optimizer" not in make_plan(recipe(deepspeed="deepspeed_configs/zero3_bf16.json"),
+                                                          make_cluster(2, device="cuda")).deepspeed_config  # fmt: skip
     # zero2.json offloads the optimizer, so another optimizer than DeepSpeed's CPU Adam is refused, naming the file
     with pytest.raises(UserError) as err:
         make_plan(recipe(deepspeed="deepspeed_configs/zero2.json", optimizer="paged_adamw_8bit"),

@@ -39,8 +39,28 @@ def test_script_matches_golden_and_parses(name, tmp_path):
     path.write_text(text)
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
     # what every node runs: its machine rank from Slurm, the head's address and port from the script
-    assert "--machine-rank \\$SLURM_NODEID --main-process-ip $HEAD_ADDR --main-process-port $PORT" in text
+    assert "bash -c 'exec \"$@\" --machine-rank \"$SLURM_NODEID\"'" in text
+    assert '--main-process-ip "$HEAD_ADDR" --main-process-port "$PORT" &' in text
     assert "'/shared/recipes/llama 8b.yaml'" in text  # quoted for the shell
+
+
+def test_each_nodes_command_gets_the_recipe_path_as_one_word_whatever_it_holds(tmp_path):
+    """The srun line ran `bash -c "exec ... 'path'"`: a path with an apostrophe left a quote open, and one with $HOME
+    was expanded by the script's shell. Each node's words are now arguments of bash -c, quoted once: run as a node
+    would (srun left out, exec printing its words), the recipe is one word, as written."""
+    recipe = Path("/shared/it's $HOME/r 8b.yaml")
+    text = sbatch_script(recipe, Path("/shared/runs/x y"), SlurmJob(2, 4), Path("/shared/work"), LLMTUNE,
+                         Path("/shared/runs/x y/slurm/job.sbatch"))  # fmt: skip
+    assert '#SBATCH --output="/shared/runs/x y/slurm/%x-%j.out"' in text and "#SBATCH --job-name=llmtune-r_8b" in text
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    command = "\n".join(lines[start : start + 2]).replace('exec "$@"', 'printf "%s\\n" "$@"').rstrip(" &")
+    command = command[command.index("bash -c") :]  # what srun starts on each node
+    shown = subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True,
+                           env={"PATH": os.environ["PATH"], "HEAD_ADDR": "10.0.0.1", "PORT": "29500",
+                                "SLURM_NODEID": "1", "HOME": "/root"}).stdout.splitlines()  # fmt: skip
+    assert shown == [*LLMTUNE, "train", str(recipe), "--num-processes", "8", "--num-machines", "2",
+                     "--main-process-ip", "10.0.0.1", "--main-process-port", "29500", "--machine-rank", "1"]
 
 
 def test_gpu_and_cpu_directives():
@@ -120,3 +140,12 @@ def test_the_trainers_connect_where_the_script_put_the_server(monkeypatch):
     monkeypatch.setenv("LLMTUNE_VLLM_SERVER_HOST", "10.0.0.7")
     arguments = config_arguments(recipe, "cuda")
     assert arguments["vllm_server_host"] == "10.0.0.7" and arguments["vllm_server_port"] == 8011
+
+
+def test_a_size_that_doesnt_divide_the_job_is_hinted_in_nodes_and_gpus_per_node(run_cli, write_recipe):
+    """The plan's hint named train's --num-processes, which llmtune slurm doesn't take."""
+    recipe = write_recipe({"fsdp_version": 2, "tensor_parallel_size": 3, "bf16": True})
+    done = run_cli("slurm", recipe, "--nodes", "2", "--gpus-per-node", "4")
+    assert done.code == 2, done.err
+    line = done.err.strip().splitlines()[-1]
+    assert "tensor_parallel_size 3" in line and "--nodes 2 --gpus-per-node 3" in line and "--num-processes" not in line
