@@ -88,9 +88,8 @@ def ulysses_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, notes: li
     the states over every rank; the C ranks of a group train on the same rows, so the data-parallel degree (and the
     global batch) is world / C."""
     cp = recipe.context_parallel_size
-    _check_divides(world, cp, "context_parallel_size")
     _check_attention_only(facts, "Ulysses", "remove context_parallel_size")
-    if facts:
+    if facts:  # the model first, then the world size (whose hint would name a size the model can't take)
         if facts.num_heads % cp:
             raise UserError(f"context_parallel_size {cp} does not divide the model's {facts.num_heads} attention heads "
                             "(DeepSpeed's Ulysses gives each rank whole heads)",
@@ -99,6 +98,7 @@ def ulysses_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, notes: li
             raise UserError(f"context_parallel_size {cp} and the model's {facts.num_kv_heads} KV heads don't divide "
                             "one another (Ulysses splits the KV heads, or repeats them when there are fewer)",
                             "choose a context_parallel_size that divides the KV heads or is a multiple of them")  # fmt: skip
+    _check_divides(world, cp, "context_parallel_size")
     if recipe.sequence_len < cp:
         raise UserError(f"sequence_len {recipe.sequence_len} is too short to split across context_parallel_size {cp}")
     notes.append(f"context parallel (DeepSpeed Ulysses, through accelerate): each row split into {cp} chunks; an "
@@ -128,12 +128,12 @@ def tensor_parallel_mesh(recipe: Recipe, world: int, facts: ModelFacts | None, n
     """world = dp_replicate x dp_shard x tensor_parallel, each checked against the model and the cluster."""
     tp = recipe.tensor_parallel_size
     fsdp = recipe.resolved_fsdp()
-    shard, replicate = _data_parallel_sizes(recipe, world, tp, "tensor_parallel_size", shard_the_rest=fsdp is not None)
-    if facts:
+    if facts:  # the model first: a world size fixed to a size the model can't take would only move the refusal
         for what, count in (("attention heads", facts.num_heads), ("KV heads", facts.num_kv_heads)):
             if count % tp:
                 raise UserError(f"tensor_parallel_size {tp} does not divide the model's {count} {what} (each rank "
                                 f"keeps whole heads)", "choose a tensor_parallel_size that divides both head counts")  # fmt: skip
+    shard, replicate = _data_parallel_sizes(recipe, world, tp, "tensor_parallel_size", shard_the_rest=fsdp is not None)
     if recipe.save_strategy != "no":
         notes.append("tensor parallel: checkpoints hold the whole weights, and the optimizer state as torch's "
                      "distributed checkpoint (each rank its shards); a stopped run resumes on the same mesh"

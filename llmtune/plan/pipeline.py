@@ -63,6 +63,10 @@ def split_layers(layer_params: list[int], first_extra: int, last_extra: int, sta
 
 def pipeline_plan(recipe: Recipe, world: int, facts: ModelFacts | None) -> PipelinePlan:
     stages = recipe.pipeline_parallel_size
+    virtual = recipe.pipeline_virtual_stages if recipe.pipeline_schedule == "interleaved_1f1b" else 1
+    if facts and facts.num_layers < stages * virtual:  # the model first: the world-size hint would name this count
+        raise UserError(f"pipeline_parallel_size {stages} x {virtual} virtual stages needs at least {stages * virtual} "
+                        f"layers, but the model has {facts.num_layers}", "use fewer stages")  # fmt: skip
     if world % stages:
         raise UserError(
             f"world size {world} is not divisible by pipeline_parallel_size {stages} "
@@ -79,7 +83,6 @@ def pipeline_plan(recipe: Recipe, world: int, facts: ModelFacts | None) -> Pipel
     microbatches = recipe.pipeline_microbatches or max(accumulation, stages)
     if microbatches < stages:
         raise UserError(f"pipeline_microbatches ({microbatches}) is fewer than pipeline_parallel_size ({stages})")
-    virtual = recipe.pipeline_virtual_stages if recipe.pipeline_schedule == "interleaved_1f1b" else 1
     layers = params = None
     if facts:
         try:

@@ -291,7 +291,9 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
     if relayout:  # another ZeRO layout: the engine loads the checkpoint's universal conversion (the worker converts)
         notes.append(relayout)
         deepspeed_config["checkpoint"] = {**deepspeed_config.get("checkpoint", {}), "load_universal": True}
-    resumed = resumed_accumulation(recipe, strategy, world, data_parallel, mesh, STRATEGY_TITLES, offload, resume)
+    # (validate, rehearse and the wizard plan the recipe alone: output_dir's checkpoint is train's and plan's)
+    resumed = resumed_accumulation(recipe, strategy, world, data_parallel, mesh, STRATEGY_TITLES, offload) \
+        if resume else None  # fmt: skip
     if resumed:  # the checkpoint it resumes was saved on another world size: keep its global batch
         accumulation = resumed.accumulation
         global_batch = recipe.micro_batch_size * accumulation * data_parallel

@@ -202,6 +202,7 @@ class DistributedKeys(Section):
             if self.rdzv_backend != "etcd":
                 raise ValueError("rdzv_endpoint is the etcd server of rdzv_backend: etcd; set that too, or remove it "
                                  "(c10d's endpoint is --main-process-ip:--main-process-port)")  # fmt: skip
+        self._check_fsdp_words()
         config = self.fsdp_config
         if config and config.version and self.fsdp_version and config.version != self.fsdp_version:
             raise ValueError(f"fsdp_version is {self.fsdp_version} but fsdp_config.version is {config.version}")
@@ -210,6 +211,27 @@ class DistributedKeys(Section):
             raise ValueError("sharding_strategy NO_SHARD has no FSDP2 form (FSDP2 always shards its parameters): for "
                              "no sharding, remove fsdp/fsdp_config (plain DDP), or use fsdp_version: 1")  # fmt: skip
         return self
+
+    def _check_fsdp_words(self) -> None:
+        """Axolotl's word list against itself and fsdp_config: the first word or fsdp_config's key won silently."""
+        words = self.fsdp or []
+        sharding = [word for word in words if "sharding_strategy" in FSDP_WORDS[word]]
+        if len(sharding) > 1:
+            raise ValueError(f"fsdp: {' and '.join(sharding)} are two sharding strategies; keep one")
+        given = self.fsdp_config.model_dump(exclude_unset=True) if self.fsdp_config else {}
+        for word in words:
+            for key, value in FSDP_WORDS[word].items():
+                if key in given and given[key] != value:
+                    raise ValueError(f"fsdp: {word} and fsdp_config.{key}: {given[key]} disagree; keep one")
+        strategy = given.get("sharding_strategy") or next((FSDP_WORDS[w]["sharding_strategy"] for w in sharding), None)
+        reshard = given.get("reshard_after_forward")
+        if (
+            strategy in ("FULL_SHARD", "SHARD_GRAD_OP")
+            and reshard is not None
+            and reshard != (strategy == "FULL_SHARD")
+        ):
+            raise ValueError(f"sharding_strategy {strategy} and fsdp_config.reshard_after_forward: {reshard} disagree "
+                             f"(FSDP2 reads {strategy} as reshard_after_forward: {strategy == 'FULL_SHARD'}); keep one")  # fmt: skip
 
     @property
     def model_parallel_size(self) -> int:

@@ -120,7 +120,7 @@ def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
             + (f", {stats['truncated_prompt']} cut to its last max_prompt_len tokens" if stats.get("truncated_prompt")
                else ""))  # fmt: skip
     else:
-        log(data_line(recipe, stats))
+        log(data_line(recipe, stats, plan))
     args = None
     if plan["strategy"] != "pipeline":
         # Built before the model: under ZeRO-3 this registers DeepSpeed's config, so from_pretrained creates the

@@ -129,3 +129,22 @@ def test_a_reward_model_s_scored_positions_say_their_class(run_cli, write_recipe
     assert lines[start].endswith(", 2 scored positions"), lines[start]
     scored = [line.split("<- ", 1)[1] for line in lines[start + 1 : start + 5] if line.lstrip().startswith("+")]
     assert scored == ["step label 1", "step label 0"], lines[start : start + 5]
+
+
+def test_the_data_line_says_when_the_rows_cant_fill_one_global_batch_on_several_ranks():
+    """1 row, 2 ranks, global batch 4: accelerate filled each rank's batch with copies of it, without a word."""
+    from pathlib import Path
+
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.train.data.counts import data_line
+
+    recipe = recipe_from_mapping({"base_model": "org/m", "datasets": [{"path": "org/d", "type": "alpaca"}]},
+                                 Path("r.yaml"), check_files=False).recipe  # fmt: skip
+    stats = {"train_examples": 1, "eval_examples": 0, "cache_hit": False, "train_rows": 1, "dropped_too_long": 0,
+             "dropped_no_labels": 0}  # fmt: skip
+    ddp = {"global_batch_size": 4, "data_parallel_size": 2, "strategy": "ddp"}
+    line = data_line(recipe, stats, ddp)
+    assert line.startswith("data: 1 train / 0 eval examples (tokenized; 0 longer than sequence_len dropped, 0 without")
+    assert "note: 1 training row(s) don't fill one global batch of 4: each rank's batch is filled by repeating" in line
+    assert "note" not in data_line(recipe, {**stats, "train_rows": 4}, ddp)
+    assert "note" not in data_line(recipe, stats, {**ddp, "data_parallel_size": 1})  # one process: a smaller batch

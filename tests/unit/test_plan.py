@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -295,7 +296,7 @@ def test_tensor_parallel_mesh_and_batch_follow_the_data_parallel_degree(tmp_path
 @pytest.mark.parametrize(
     ("changes", "world", "words"),
     [
-        ({"tensor_parallel_size": 3}, 4, ["world size 4", "tensor_parallel_size 3"]),
+        ({"tensor_parallel_size": 3}, 4, ["tensor_parallel_size 3", "4 attention heads"]),  # the model before the world
         ({"tensor_parallel_size": 4}, 4, ["tensor_parallel_size 4", "2 KV heads"]),
         ({"tensor_parallel_size": 2, "dp_shard_size": 3}, 4, ["world size 4", "not divisible by dp_shard_size 3", "--num-processes 6"]),
         ({"fsdp_version": 2, "dp_replicate_size": 3}, 4, ["world size 4", "dp_replicate_size 3"]),
@@ -863,3 +864,16 @@ def test_cuda_without_a_process_count_on_a_machine_without_gpus_says_so(monkeypa
     assert caught.value.message == "--device cuda, and this machine has no GPU to count the processes from"
     assert caught.value.hint.startswith("pass --num-processes N")
     assert cluster.make_cluster(2, device="cuda").num_processes == 2  # a plan for GPUs elsewhere, sized by the flag
+
+
+@pytest.mark.parametrize(("changes", "said"), [
+    ({"fsdp_version": 2, "tensor_parallel_size": 3}, "tensor_parallel_size 3 does not divide the model's 4 attention heads"),
+    ({"pipeline_parallel_size": 3}, "pipeline_parallel_size 3 x 1 virtual stages needs at least 3 layers, but the model has 2"),
+])  # fmt: skip
+def test_a_size_the_model_cant_take_is_said_before_the_world_size_hint_that_would_lead_to_it(tmp_path, changes, said):
+    """On 2 processes the world-size refusal came first, its hint 'use --num-processes 3'; following it met this."""
+    from tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model")  # 4 attention heads, 2 layers
+    with pytest.raises(UserError, match=re.escape(said)):
+        make_plan(recipe(base_model=str(model), **changes), make_cluster(2, device="cpu"))

@@ -67,6 +67,15 @@ BAD_RECIPES = [
      ["save_strategy: epoch and save_steps: 2 disagree", "set save_strategy: steps"], []),
     ("eval-strategy-no-and-per-epoch", {"val_set_size": 0.1, "eval_strategy": "no", "evals_per_epoch": 2},
      ["eval_strategy: no and evals_per_epoch: 2 disagree", "remove evals_per_epoch"], []),
+    # Axolotl's FSDP word list against itself and fsdp_config: the first word or fsdp_config won silently
+    ("fsdp-two-strategies", {"fsdp": ["full_shard", "shard_grad_op"], "fsdp_version": 2},
+     ["full_shard and shard_grad_op are two sharding strategies"], []),
+    ("fsdp-word-vs-config", {"fsdp": ["full_shard", "offload", "auto_wrap"],
+                             "fsdp_config": {"fsdp_version": 2, "fsdp_offload_params": False}},
+     ["fsdp: offload and fsdp_config.offload_params: False disagree"], []),
+    ("fsdp-strategy-vs-reshard", {"fsdp": ["shard_grad_op", "auto_wrap"], "fsdp_version": 2,
+                                  "fsdp_config": {"reshard_after_forward": True}},
+     ["sharding_strategy SHARD_GRAD_OP and fsdp_config.reshard_after_forward: True disagree"], []),
     ("val-set-whole", {"val_set_size": 1.0}, ["val_set_size: 1", "nothing to train", "count of 2"], []),
     # mappings handed on as keyword arguments: a TypeError at step 1 before
     ("scheduler-kwarg", {"lr_scheduler": "cosine", "lr_scheduler_kwargs": {"num_cylces": 2}},

@@ -195,6 +195,16 @@ def test_no_resume_no_check(tmp_path):
     assert plan.gradient_accumulation_steps == 2
 
 
+def test_validate_plans_the_recipe_alone_not_the_checkpoint_in_its_output_dir(tmp_path):
+    """validate said 'valid, global batch 8' for a recipe of global batch 2 beside a stale checkpoint of another
+    world size (its resume arithmetic), while plan and train refused that checkpoint."""
+    saved(tmp_path, **DDP_2)
+    alone = plan_alone(recipe(tmp_path), make_cluster(1, device="cpu"))
+    assert (alone.gradient_accumulation_steps, alone.global_batch_size) == (2, 4)
+    assert not any("resuming checkpoint-4" in note for note in alone.notes)
+    assert make_plan(recipe(tmp_path), make_cluster(1, device="cpu")).global_batch_size == 8  # train's plan resumes
+
+
 def test_the_checkpoint_command_shows_each_checkpoints_allocation(tmp_path, run_cli):
     saved(tmp_path, step=3, world_size=2)  # an older marker
     six = saved(tmp_path, step=6, **DDP_2, files=["optimizer.pt", "trainer_state.json"])

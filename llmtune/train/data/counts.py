@@ -57,16 +57,23 @@ def phrases(counts: dict, recipe, limit: str = "sequence_len", always: tuple[str
             for key, words in DROPS.items() if counts.get(key) or key in always]  # fmt: skip
 
 
-def data_line(recipe, stats: dict) -> str:
-    """The line a supervised run logs once its data is ready."""
+def data_line(recipe, stats: dict, plan: dict | None = None) -> str:
+    """The line a supervised run logs once its data is ready; where the rows can't fill one global batch on several
+    ranks, what accelerate does then (each rank's batch filled by repeating rows) is said with it."""
     limit = "sequence_len" + " (eval_sequence_len for test rows)" * bool(
         recipe.eval_sequence_len and recipe.test_datasets
     )
     long = "truncated" if recipe.excess_length_strategy == "truncate" else "dropped_too_long"
     shown = phrases(stats, recipe, limit, always=(long, "dropped_no_labels"))
     packing = f", packing efficiency {stats['packing_efficiency']:.1%}" if recipe.sample_packing else ""
-    return (f"data: {stats['train_examples']} train / {stats['eval_examples']} eval examples "
+    line = (f"data: {stats['train_examples']} train / {stats['eval_examples']} eval examples "
             f"({'cache hit' if stats['cache_hit'] else 'tokenized'}; {', '.join(shown)}){packing}")  # fmt: skip
+    rows, batch = stats.get("train_rows"), (plan or {}).get("global_batch_size")
+    if rows and batch and rows < batch and (plan.get("data_parallel_size") or 1) > 1 and plan["strategy"] != "pipeline":
+        line += (f"\n[llmtune] note: {rows} training row(s) don't fill one global batch of {batch}: each rank's batch is filled "
+                 "by repeating rows (every step sees copies of them); add rows, or lower micro_batch_size or the "
+                 "processes")  # fmt: skip
+    return line
 
 
 def dataset_line(label: str, counts: dict, recipe) -> str:
