@@ -108,8 +108,13 @@ def make_cluster(
     device = device or ("cuda" if gpus else "cpu")
     device, _, backend = device.partition(":")
     if device not in ("cuda", "cpu") or backend not in ("", "gloo") or (device, backend) == ("cpu", "gloo"):
-        raise UserError(f"--device must be cuda or cpu, not {device + (':' + backend if backend else '')!r}",
-                        "cuda:gloo shares GPUs between ranks over gloo, for tests")  # fmt: skip
+        given = device + (":" + backend if backend else "")
+        hint = ("a run uses every GPU it is shown: pick them with CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES="
+                f"{backend} llmtune train ... --device cuda)" if device == "cuda" and backend.isdigit() else
+                "use --device cuda" if device.lower() in ("gpu", "nccl", "cuda") else
+                "cuda (GPUs, NCCL) or cpu (a rehearsal on CPU processes); cuda:gloo shares GPUs between ranks over "
+                "gloo, for tests")  # fmt: skip
+        raise UserError(f"--device must be cuda or cpu, not {given!r}", hint)
     if num_machines < 1:
         raise UserError(f"--num-machines must be at least 1 (got {num_machines})")
     if num_processes is None and device == "cuda" and not gpus:

@@ -219,6 +219,13 @@ def test_gloo_on_a_gpu_lets_ranks_share_it_and_refuses_a_pipeline(monkeypatch):
     assert make_cluster(1, device="cuda").backend == "nccl" and make_cluster(1, device="cpu").backend == "gloo"
     with pytest.raises(UserError, match="--device must be cuda or cpu, not 'cpu:gloo'"):
         make_cluster(1, device="cpu:gloo")
+    # torch's device names: the hint says how a run picks its GPUs (it offered cuda:gloo)
+    with pytest.raises(UserError, match="not 'cuda:1'") as refused:
+        make_cluster(1, device="cuda:1")
+    assert "CUDA_VISIBLE_DEVICES=1 llmtune train" in refused.value.hint
+    with pytest.raises(UserError, match="not 'gpu'") as refused:
+        make_cluster(1, device="gpu")
+    assert refused.value.hint == "use --device cuda"
     assert make_plan(recipe(deepspeed="zero3"), shared).strategy == "zero3"
     with pytest.raises(UserError, match="send/recv, which gloo cannot do on CUDA tensors"):
         make_plan(recipe(pipeline_parallel_size=2), shared)
