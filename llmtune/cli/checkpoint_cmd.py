@@ -21,13 +21,11 @@ Target = Annotated[Path | None, typer.Argument(help="With `reshard`: the checkpo
 def packed_run(run: Path) -> str | None:
     """What a run's checkpoints count as rows where its recipe packs the examples (sample_packing): packed
     sequences. For markers older than their `rows_are`."""
-    import json
+    from llmtune.post.consolidate import plan_recipe
+    from llmtune.train.checkpoint.final import PACKED
 
-    try:
-        recipe = json.loads((run / "llmtune" / "plan.json").read_text()).get("recipe") or {}
-    except (OSError, ValueError):
-        return None
-    return "packed sequences" if recipe.get("sample_packing") and not recipe.get("rl") else None
+    recipe = plan_recipe(run)
+    return PACKED if recipe.get("sample_packing") and not recipe.get("rl") else None
 
 
 def describe(folder: Path) -> list[str]:

@@ -12,6 +12,7 @@ from llmtune.plan.commands import ELASTIC
 from llmtune.plan.memory.facts import ModelFacts
 from llmtune.recipe import Recipe
 from llmtune.recipe.kernels import liger_requested
+from llmtune.recipe.sharegpt import default_system_of, sharegpt_conversation
 
 STRATEGY_TITLES = {
     "single": "single process", "ddp": "DDP (data parallel)", "zero1": "DeepSpeed ZeRO-1",
@@ -306,14 +307,15 @@ def eval_notes(recipe, facts: ModelFacts | None) -> list[str]:
 
 
 def system_message_notes(recipe) -> list[str]:
-    """default_system_message where no dataset reads it: Axolotl gave it to sharegpt conversations in chatml or
-    llama3 when chat_template named the same template, and nothing else reads it."""
+    """default_system_message where no dataset reads it (default_system_of: ShareGPT conversations in chatml or
+    llama3 under the same chat_template)."""
     if not recipe.default_system_message:
         return []
+    system = default_system_of(recipe.default_system_message, recipe.chat_template)
     for spec in [*(recipe.datasets or []), *(recipe.test_datasets or [])]:
-        kind = spec.type if isinstance(spec.type, str) else ""
-        if kind.split(":")[0].startswith("sharegpt") and (spec.conversation or "vicuna_v1.1") == recipe.chat_template \
-                and recipe.chat_template in ("chatml", "llama3"):  # fmt: skip
+        kind = spec.type.split(":")[0] if isinstance(spec.type, str) else ""
+        if system and kind.startswith("sharegpt") and sharegpt_conversation(
+                spec.conversation, kind == "sharegpt.load_glaive") == system[0]:  # fmt: skip
             return []
     return [
         "default_system_message: no effect here: it is the system message of sharegpt datasets with "

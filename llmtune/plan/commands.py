@@ -23,8 +23,10 @@ def elastic_sizes(plan: dict, world: int) -> dict:
             "gradient_accumulation_steps": plan["global_batch_size"] // (plan["micro_batch_size"] * world)}  # fmt: skip
 
 
-def _environment(cluster: Cluster, strategy: str) -> dict[str, str]:
-    env = {"TOKENIZERS_PARALLELISM": "false"}
+def _environment(cluster: Cluster, strategy: str, precision: str) -> dict[str, str]:
+    # the plan's precision: transformers reads an inherited ACCELERATE_MIXED_PRECISION where bf16/fp16 are off (a
+    # one-process run trained in bf16 under a plan saying fp32)
+    env = {"TOKENIZERS_PARALLELISM": "false", "ACCELERATE_MIXED_PRECISION": precision}
     if cluster.num_processes > 1 or strategy != "single":  # torchrun's own prefix, [default0]:, names no rank
         env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
     if cluster.rehearsal:

@@ -329,8 +329,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
     if recipe.use_eaft:
         notes.append(f"EAFT loss: each trained token's cross-entropy weighted by the entropy of its top-{recipe.eaft_k} "
                      f"next-token probabilities (power {recipe.eaft_alpha})")  # fmt: skip
-    env = _environment(cluster, strategy)
-    env["ACCELERATE_MIXED_PRECISION"] = precision  # the plan's: transformers read an inherited one (a silent bf16)
+    env = _environment(cluster, strategy, precision)
     if cluster.launcher == "deepspeed":
         if recipe.rdzv_backend in ELASTIC or recipe.max_restarts:
             raise UserError(f"rdzv_backend: {recipe.rdzv_backend} and max_restarts are torchrun's; DeepSpeed's launcher "

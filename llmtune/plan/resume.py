@@ -168,7 +168,6 @@ def resumed_accumulation(
     mesh: dict | None,
     titles: dict[str, str],
     offload: str,
-    same_world: bool = True,
 ) -> Resumed | None:
     """When the run resumes a checkpoint saved on another world size: how it continues here (the gradient
     accumulation that keeps its global batch, the line that says so, whether ZeRO state goes through a universal
@@ -190,7 +189,7 @@ def resumed_accumulation(
             f"resume with the recipe's strategy keys as they were, or start over: {start_over(recipe)}",
         )
     if saved.world_size == world:
-        return _same_world(recipe, saved, data_parallel) if same_world else None
+        return _same_world(recipe, saved, data_parallel)
     if written not in MOVABLE or mesh or saved.mesh:
         title = titles.get(written, written) + (" (with a device mesh)" if mesh or saved.mesh else "")
         raise UserError(

@@ -140,6 +140,15 @@ def check_new_tokens(recipe) -> None:
     check_modules_to_save(recipe, new, name, embedding_modules_of(model_type))
 
 
+def _to_32(rows: int) -> int:
+    return -(-rows // 32) * 32
+
+
+def embedding_rows_for(recipe, tokens: int) -> int:
+    """The embedding rows a vocabulary of `tokens` needs: rounded up to 32 with resize_token_embeddings_to_32x."""
+    return _to_32(tokens) if getattr(recipe, "resize_token_embeddings_to_32x", False) else tokens
+
+
 def adapter_embedding_rows(folder: str, module: str) -> int | None:
     """The rows of `module` (the input embedding) an adapter folder holds, read from its safetensors header (nothing
     loaded): peft saves an embedding whole when it trained it (modules_to_save) or when the run grew it. None where
@@ -164,7 +173,7 @@ def check_adapter_rows(recipe, rows: int, module: str) -> None:
     saved = adapter_embedding_rows(recipe.lora_model_dir, module)
     if saved is None or saved == rows:
         return
-    if not recipe.resize_token_embeddings_to_32x and saved == -(-rows // 32) * 32:
+    if not recipe.resize_token_embeddings_to_32x and saved == _to_32(rows):
         hint = "set resize_token_embeddings_to_32x: true, as the run that trained it had"
     elif recipe.resize_token_embeddings_to_32x and rows % 32 == 0 and rows - 32 < saved < rows:
         hint = "remove resize_token_embeddings_to_32x: the run that trained it hadn't set it"
@@ -191,5 +200,5 @@ def check_adapter_vocabulary(recipe) -> None:
     if known is None or not isinstance(vocab_size, int):
         return
     tokens = len(known | {token for _, token in wanted_tokens(recipe)})
-    rows = max(vocab_size, -(-tokens // 32) * 32 if recipe.resize_token_embeddings_to_32x else tokens)
+    rows = max(vocab_size, embedding_rows_for(recipe, tokens))
     check_adapter_rows(recipe, rows, embedding_modules_of(config.get("model_type"))[0])

@@ -104,6 +104,16 @@ def loadable_weights(folder: Path, command: str) -> tuple[RunWeights | None, Pat
     return weights, run
 
 
+def plan_recipe(folder: Path) -> dict:
+    """The recipe mapping a run (or its merged folder) saved in its plan, as written; {} where there is none or it
+    can't be read (for what only sharpens a message or a prompt; run_recipe validates it)."""
+    try:
+        recipe = json.loads((folder / PLAN).read_text()).get("recipe")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return recipe if isinstance(recipe, dict) else {}
+
+
 def run_recipe(run: Path, needed: bool = True, hint: str | None = None):
     """The recipe a run saved in its plan; one that this llmtune's schema no longer takes (a run of an older or newer
     llmtune) is one line when it is needed (an adapter's base, eval's data), else None."""

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtune.errors import UserError
+from llmtune.post.consolidate import plan_recipe
 from llmtune.post.prompts import (  # (trained_prompt_format and untrained_prompt_note are imported from here too)
     NO_SYSTEM_SLOT,
-    plan_recipe,
     trained_prompt,
     trained_prompt_format,
     untrained_prompt_note,

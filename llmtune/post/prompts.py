@@ -3,42 +3,42 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from llmtune.post.consolidate import plan_recipe
+
 NO_SYSTEM_SLOT = {"sharegpt:gemma"}  # trained prompts without a system message (every instruct prompter has one)
-
-
-def plan_recipe(folder: Path) -> dict:
-    plan_file = folder / "llmtune" / "plan.json"
-    return (json.loads(plan_file.read_text()).get("recipe") or {}) if plan_file.is_file() else {}
 
 
 def _prompt_key(spec: dict) -> str | None:
     """A dataset entry's prompt format where chat can write it as training did: an instruct type in its style
     ('alpaca', 'oasst', 'alpaca:chat', 'alpaca_chat:chatml') or 'sharegpt:<conversation>'; else None."""
-    from llmtune.train.data.instruct import PROMPTED
+    from llmtune.recipe.sharegpt import sharegpt_conversation
+    from llmtune.train.data.instruct import PROMPTED, prompt_style
     from llmtune.train.data.sharegpt import SHAREGPT_FORMATS
 
     kind = spec.get("type")
     name, _, style = kind.partition(":") if isinstance(kind, str) else ("", "", "")
     if name in PROMPTED:  # plain `alpaca` writes the text of PROMPTED's alpaca in its instruct style
         default = PROMPTED[name][2]
-        style = style or (name == "alpaca_chat" and spec.get("conversation")) or default  # (as instruct.prompted)
+        style = prompt_style(name, kind, spec.get("conversation"), default)
         return name if style == default else f"{name}:{style}"
-    if name in SHAREGPT_FORMATS and not style:  # (sharegpt's default conversation, as sharegpt.sharegpt picks it)
-        return "sharegpt:" + (spec.get("conversation") or ("chatml_glaive" if "glaive" in name else "vicuna_v1.1"))
+    if name in SHAREGPT_FORMATS and not style:
+        return "sharegpt:" + sharegpt_conversation(spec.get("conversation"), name == "sharegpt.load_glaive")
     return None
 
 
 def trained_prompt_format(folder: Path) -> str | None:
     """The prompt format (_prompt_key) every dataset of the run (or merged folder) at `folder` trained on, where
     chat and infer can write it as training did; None for mixed formats, chat templates and the rest."""
+    from llmtune.recipe.sharegpt import default_system_of
+
     recipe = plan_recipe(folder)
     keys = {_prompt_key(spec) for spec in recipe.get("datasets") or [] if isinstance(spec, dict)}
     key = keys.pop() if len(keys) == 1 and not recipe.get("rl") else None
-    if key and recipe.get("default_system_message") and key == f"sharegpt:{recipe.get('chat_template')}":
-        return None  # training swapped in the recipe's system message (prepare._default_system): not written here
+    system = default_system_of(recipe.get("default_system_message"), recipe.get("chat_template"))
+    if key and system and key == f"sharegpt:{system[0]}":
+        return None  # training swapped in the recipe's system message (default_system_of): not written here
     return key
 
 

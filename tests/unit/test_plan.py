@@ -884,3 +884,13 @@ def test_a_size_the_model_cant_take_is_said_before_the_world_size_hint_that_woul
     model = make_tiny_model(tmp_path / "model")  # 4 attention heads, 2 layers
     with pytest.raises(UserError, match=re.escape(said)):
         make_plan(recipe(base_model=str(model), **changes), make_cluster(2, device="cpu"))
+
+
+def test_the_ranks_get_the_plans_precision_whatever_the_shell_exported(monkeypatch):
+    """transformers reads ACCELERATE_MIXED_PRECISION where bf16/fp16 are off: an exported bf16 trained a one-process
+    run in bf16 under a plan saying fp32. The plan's environment, which the launcher lays over the shell's, sets it."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    rehearsal = make_plan(recipe(bf16=True), make_cluster(1, device="cpu"))
+    assert rehearsal.precision == "no" and rehearsal.env["ACCELERATE_MIXED_PRECISION"] == "no"
+    gpu = make_plan(recipe(bf16=True), make_cluster(2, device="cuda"))
+    assert gpu.env["ACCELERATE_MIXED_PRECISION"] == gpu.precision == "bf16"

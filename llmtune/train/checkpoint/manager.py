@@ -173,7 +173,9 @@ class CheckpointManager:
             info[manifest.KEY] = manifest.gather(staged, _local_main())
         info.setdefault("format", self.format)
         if self.recipe is not None and self.recipe.sample_packing and not self.recipe.rl and "rows_seen" in info:
-            info.setdefault("rows_are", "packed sequences")  # rows_seen and rows_per_epoch count them, not examples
+            from llmtune.train.checkpoint.final import PACKED
+
+            info.setdefault("rows_are", PACKED)  # rows_seen and rows_per_epoch count them, not examples
         if main and self.machines == 1 and staged.exists():  # what a resume checks is still there (several
             info.setdefault("files", manifest.files_in(staged))  # machines: the manifest above, per machine)
         if main and staged.exists():

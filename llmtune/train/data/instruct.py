@@ -79,9 +79,12 @@ def styled(system: str, system_no_input: str, style: str = "instruct") -> Prompt
     return Prompter(system, system_no_input, *STYLES[style])
 
 
-def _style(ctx: FormatContext, default: str = "instruct") -> str:
-    """The `:style` suffix of the dataset type, or `conversation:` for alpaca_chat, else the default."""
-    suffix = ctx.spec.type.partition(":")[2] if isinstance(ctx.spec.type, str) else ""
+def prompt_style(name: str, kind, conversation: str | None, default: str = "instruct") -> str:
+    """The prompt style a format `name` writes: alpaca_chat's `conversation:` (Axolotl read it as the style), else
+    the `:style` suffix of the dataset type `kind`, else the format's default. (chat and infer write it too.)"""
+    if name == "alpaca_chat" and conversation:
+        return conversation
+    suffix = kind.partition(":")[2] if isinstance(kind, str) else ""
     return suffix or default
 
 
@@ -149,9 +152,7 @@ def prompted(name: str) -> Callable[[dict, FormatContext], list[Example]]:
     make, fields, default = PROMPTED[name]
 
     def convert(row: dict, ctx: FormatContext) -> list[Example]:
-        style = _style(ctx, default)
-        if name == "alpaca_chat" and ctx.spec.conversation:  # Axolotl read `conversation:` as the prompt style
-            style = ctx.spec.conversation
+        style = prompt_style(name, ctx.spec.type, ctx.spec.conversation, default)
         values = fields(row)
         system = values[3] if len(values) > 3 else None
         return _prompt_answer(ctx, make(style).prompt(values[0], values[1], system), values[2])
@@ -167,7 +168,7 @@ def orcamini(row: dict, ctx: FormatContext) -> list[Example]:
 
 def reflection(row: dict, ctx: FormatContext) -> list[Example]:
     """Axolotl's `reflection`: the answer is the thought, the reflection and the corrected response, all trained."""
-    style = _style(ctx)
+    style = prompt_style("reflection", ctx.spec.type, None)
     instruction, extra = _field(row, "instruction"), _field(row, "input", required=False)
     values = {k: _field(row, k) for k in ("output", "reflection", "corrected")}
     system = REFLECT.format(", paired with an input that provides further context" if extra else "")

@@ -17,6 +17,7 @@ from pathlib import Path
 from llmtune.errors import UserError
 from llmtune.recipe.data import CustomFormat
 from llmtune.recipe.mixing import shuffle_each
+from llmtune.recipe.sharegpt import default_system_of
 from llmtune.train.data.base import PreparedData, arrange, empty_data, no_progress
 from llmtune.train.data.counts import dataset_counts, deduplicate, empty_reason, snapshot
 from llmtune.train.data.formats import IGNORE, FormatContext, RowError
@@ -87,14 +88,6 @@ def _template_name(spec, recipe) -> str:
     return spec.chat_template or recipe.chat_template or "tokenizer_default"
 
 
-def _default_system(recipe) -> tuple[str, str] | None:
-    """Axolotl applied default_system_message to sharegpt's chatml / llama3 conversation when chat_template named
-    the same template."""
-    if recipe.default_system_message and recipe.chat_template in ("chatml", "llama3"):
-        return recipe.chat_template, recipe.default_system_message
-    return None
-
-
 def eot_token_ids(recipe, tokenizer) -> frozenset[int]:
     """The ids of the recipe's eot_tokens; each must be one token (as Axolotl requires)."""
     ids = set()
@@ -137,12 +130,12 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
     budget = stream_budget(recipe) if group == "datasets" else None
     # eval_sequence_len: test_datasets rows are measured against it (Axolotl's split == "test")
     key, limit = recipe.test_row_limit if group == "test_datasets" else ("sequence_len", recipe.sequence_len)
-    empty = []
+    empty, system = [], default_system_of(recipe.default_system_message, recipe.chat_template)
     for index, spec in enumerate(specs):
         label = f"{group}[{index}]"
         ctx = FormatContext(tokenizer, spec, recipe.train_on_inputs, limit,
                             _template_for(spec, recipe, tokenizer), eot_ids, recipe.num_labels or 2,
-                            _default_system(recipe), template_name=_template_name(spec, recipe))  # fmt: skip
+                            system, template_name=_template_name(spec, recipe))  # fmt: skip
         to_examples = converter(spec)
         taken, rows_before, kept_before, before = 0, stats["rows"], len(examples), snapshot(stats)
         # a custom format's answer field in no row: every example would train its EOS alone (Axolotl reads a

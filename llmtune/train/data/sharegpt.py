@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from llmtune.recipe.sharegpt import sharegpt_conversation
 from llmtune.train.data.base import IGNORE, Example, FormatContext, RowError, _eos, _field, _ids
 
 VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
@@ -224,7 +225,7 @@ def _glaive(row: dict) -> list[dict]:
 
 def sharegpt(row: dict, ctx: FormatContext, variant: str = "") -> list[Example]:
     spec, tokenizer = ctx.spec, ctx.tokenizer
-    name = spec.conversation or ("chatml_glaive" if variant == "glaive" else "vicuna_v1.1")
+    name = sharegpt_conversation(spec.conversation, variant == "glaive")
     conv = CONVERSATIONS[name]
     if ctx.default_system and name == ctx.default_system[0]:
         conv = replace(conv, system_message=ctx.default_system[1])  # Axolotl re-registered the template with it

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 
 from llmtune.errors import UserError
@@ -68,8 +67,9 @@ def load_tokenizer(recipe, source: str):
 def embedding_rows(recipe, tokenizer) -> int:
     """The embedding rows a run's tokenizer needs (its added tokens), rounded up to 32 with
     resize_token_embeddings_to_32x: what training grows the base to, and what loading its adapter needs again."""
-    rows = len(tokenizer)
-    return math.ceil(rows / 32) * 32 if getattr(recipe, "resize_token_embeddings_to_32x", False) else rows
+    from llmtune.plan.vocabulary import embedding_rows_for
+
+    return embedding_rows_for(recipe, len(tokenizer))
 
 
 def adapter_tokenizer(recipe) -> str | None:
