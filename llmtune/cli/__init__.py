@@ -97,5 +97,10 @@ def main() -> None:
         kinds = {klass.__name__ for klass in type(err).__mro__}
         if "ClickException" not in kinds:
             raise
-        err.show()
-        sys.exit(EXIT_USER_ERROR if "UsageError" in kinds else err.exit_code)
+        if "UsageError" not in kinds:
+            err.show()
+            sys.exit(err.exit_code)
+        from llmtune.cli.usage import usage_error
+
+        typer.echo(f"error: {usage_error(err).one_line()}", err=True)
+        sys.exit(EXIT_USER_ERROR)

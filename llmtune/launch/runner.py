@@ -257,7 +257,9 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def check_launcher_flags(extra: list[str], ours: list[str], command: list[str] | None = None) -> None:
+def check_launcher_flags(
+    extra: list[str], ours: list[str], command: list[str] | None = None, name: str = "llmtune train"
+) -> None:
     """Flags `llmtune train` doesn't know go to `accelerate launch`, and only there: a flag neither knows, one llmtune
     sets itself from its own option, or any flag where the plan runs no accelerate launcher (one process runs python
     directly; a hostfile, DeepSpeed's launcher) is refused in one line, instead of being dropped (a mistyped
@@ -282,11 +284,11 @@ def check_launcher_flags(extra: list[str], ours: list[str], command: list[str] |
             raise UserError(f"{flag} is llmtune's {twin} (llmtune sets accelerate's from it)", f"use {twin}")
         if not _accelerate_takes(parser, flag):
             close = difflib.get_close_matches(twin, ours, n=1)
-            raise UserError(f"{flag} is an option of neither llmtune train nor accelerate launch",
-                            f"did you mean {close[0]}?" if close else "see llmtune train --help")  # fmt: skip
+            raise UserError(f"{flag} is an option of neither {name} nor accelerate launch",
+                            f"did you mean {close[0]}?" if close else f"see {name} --help")  # fmt: skip
     stray = stray_word(extra)
     if stray is not None:
-        raise UserError(f"unexpected argument {stray!r}: llmtune train takes one recipe, and other words would reach "
+        raise UserError(f"unexpected argument {stray!r}: {name} takes one recipe, and other words would reach "
                         "accelerate launch as a script to run", "pass one recipe; launcher flags start with --")  # fmt: skip
     if command is not None and command[:2] != ["accelerate", "launch"]:
         shown = ", ".join(flags) or " ".join(extra)

@@ -39,10 +39,18 @@ class Cluster:
     # the process group's backend: gloo on CPU, NCCL on GPUs; `--device cuda:gloo` puts GPU tensors on gloo so
     # that several ranks can share one GPU (NCCL refuses that): the GPU test tier's stand-in for several GPUs
     backend: str = ""
+    unused_address: str = ""  # --main-process-ip given for one machine, where the ranks meet on this machine
 
     def __post_init__(self) -> None:
         if not self.backend:
             object.__setattr__(self, "backend", "gloo" if self.device == "cpu" else "nccl")
+
+    def notes(self) -> list[str]:
+        if not self.unused_address:
+            return []
+        return [f"--main-process-ip {self.unused_address} is not used on one machine: the ranks meet on this machine "
+                "(127.0.0.1); a job on several machines takes --num-machines N, and each machine runs the command "
+                "with its --machine-rank"]  # fmt: skip
 
     @property
     def processes_per_machine(self) -> int:
@@ -54,6 +62,9 @@ class Cluster:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
 
 def make_cluster(
@@ -133,6 +144,9 @@ def make_cluster(
         raise UserError(f"--machine-rank {machine_rank} is outside 0..{num_machines - 1}")
     if num_machines > 1 and not main_process_ip:
         raise UserError("--main-process-ip is required with --num-machines > 1", "give the address of machine rank 0")
+    unused = ""
+    if num_machines == 1 and hostfile is None and main_process_ip not in (None, *LOOPBACK):
+        unused, main_process_ip = main_process_ip, None  # accelerate and torchrun ignore it on one machine too
     port = DEFAULT_PORT if main_process_port is None else main_process_port
     if not 1 <= port <= 65535:
         raise UserError(f"--main-process-port {port} is not a TCP port (1-65535)")
@@ -143,7 +157,7 @@ def make_cluster(
             "lower --num-processes, or rehearse on CPU with --device cpu",
         )
     return Cluster(num_processes, num_machines, machine_rank, main_process_ip or "127.0.0.1", port, device,
-                   launcher, hostfile, not no_ssh, hosts, backend)  # fmt: skip
+                   launcher, hostfile, not no_ssh, hosts, backend, unused)  # fmt: skip
 
 
 def _check_address(address: str | None) -> None:

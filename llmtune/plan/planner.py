@@ -151,6 +151,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
     notes: list[str] = []
     world = cluster.num_processes
     facts = read_model_facts(recipe.base_model_config or recipe.base_model)
+    notes += cluster.notes()
     precision = _precision(recipe, cluster, notes)
     strategy = choose_strategy(recipe, world)
     pipeline = pipeline_plan(recipe, world, facts) if strategy == "pipeline" else None

@@ -92,6 +92,17 @@ def test_a_main_process_ip_that_can_t_be_one_is_refused_before_any_wait(address,
     assert make_cluster(4, 2, 1, "fe80::1", 29500, "cpu").main_process_ip == "fe80::1"  # IPv6 stays an address
 
 
+def test_a_main_process_ip_on_one_machine_is_said_unused_and_not_written():
+    """accelerate and torchrun ignore it on one machine: a user who forgot --num-machines must hear it."""
+    plan = make_plan(recipe(), make_cluster(2, 1, 0, "10.0.0.5", None, "cpu"))
+    assert any(note.startswith("--main-process-ip 10.0.0.5 is not used on one machine") and "--num-machines N" in note
+               for note in plan.notes)  # fmt: skip
+    assert plan.cluster.main_process_ip == "127.0.0.1"
+    for address in ("127.0.0.1", "localhost", None):  # this machine: nothing to say
+        assert make_cluster(2, 1, 0, address, None, "cpu").notes() == []
+    assert make_cluster(4, 2, 0, "10.0.0.5", None, "cpu").notes() == []
+
+
 def test_deepspeed_over_ssh_runs_on_machine_0_only(tmp_path):
     path = hostfile(tmp_path, "node-a slots=2\nnode-b slots=2\n")
     plan = make_plan(recipe(deepspeed="zero2"), make_cluster(device="cpu", launcher="deepspeed", hostfile=str(path)))
@@ -497,3 +508,28 @@ def test_a_ranks_user_error_is_said_once_last_even_when_torchrun_names_the_peer(
         assert report(watcher, tmp_path, out) == 2
         assert out.getvalue() == error + "\n"
     assert error not in console.getvalue()  # not shown as it came: only the report's line
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    # accelerate's and torchrun's spellings of an option the command has: click's four lines named neither
+    (["plan", "{recipe}", "--num_processes", "2"], "--num_processes is spelled --num-processes in llmtune plan "
+                                                   "(hint: use --num-processes)"),
+    (["validate", "{recipe}", "--nnodes", "2"], "--nnodes is torchrun's (or DeepSpeed's launcher's); llmtune validate "
+                                                "takes --num-machines (hint: use --num-machines)"),
+    (["estimate", "{recipe}", "--num-processes", "8"], "it counts GPUs per machine (hint: use --gpus-per-machine"),
+    (["plan", "{recipe}", "--num-proceses", "2"], "llmtune plan has no option --num-proceses (hint: did you mean "
+                                                  "--num-processes?)"),
+    (["plan", "{recipe}", "--frobnicate"], "llmtune plan has no option --frobnicate (hint: see llmtune plan --help)"),
+    (["plan"], "Missing argument 'recipe' (hint: see llmtune plan --help)"),
+    (["plan", "{recipe}", "--num-processes", "x"], "Invalid value for '--num-processes'"),
+    # rehearse takes launcher flags as train does, and refuses the same ones before building anything
+    (["rehearse", "{recipe}", "--num_processes", "2"], "--num_processes is llmtune's --num-processes"),
+    (["rehearse", "{recipe}", "--lr", "1"], "--lr is an option of neither llmtune rehearse nor accelerate launch"),
+])  # fmt: skip
+def test_a_command_line_the_command_cannot_take_is_one_line_exit_2(run_cli, write_recipe, tmp_path, args, said):
+    recipe = write_recipe({"output_dir": str(tmp_path / "out")})
+    result = run_cli(*[str(recipe) if arg == "{recipe}" else arg for arg in args])
+    lines = result.err.strip().splitlines()
+    assert result.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0], result.err
+    assert "Usage:" not in result.err and "Traceback" not in result.err
+    assert not (tmp_path / "out").exists()  # nothing written

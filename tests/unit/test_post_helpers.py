@@ -134,7 +134,7 @@ def test_exact_match_scores_the_last_turn_given_everything_before_it(tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
     for train_on_eos in ("turn", "all"):  # "all" also trains the user turn's end: no answer on its own
         recipe = recipe_from_mapping({"base_model": "m", "chat_template": "tokenizer_default", "dataset_prepared_path":
-                                      None, "datasets": [{"path": str(path), "type": "chat_template",
+                                      "", "datasets": [{"path": str(path), "type": "chat_template",
                                                           "train_on_eos": train_on_eos}]},
                                      tmp_path / "r.yaml", check_files=False).recipe  # fmt: skip
         one_turn, two_turns = sorted(prepare_data(recipe, tok).train, key=lambda e: len(e["input_ids"]))
