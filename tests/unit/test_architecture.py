@@ -60,6 +60,7 @@ FLOORS = {
         ["states", "activations", "buffers"],
         ["parallel", "preference"],
         ["peak", "basis", "table"],
+        ["recommend"],
         ["fit"],
     ],
 }

@@ -13,55 +13,8 @@ from llmtune.plan.memory import preference
 from llmtune.plan.memory.buffers import FIT_FRACTION, GB
 from llmtune.plan.memory.facts import ModelFacts
 from llmtune.plan.memory.peak import Estimate, estimate
+from llmtune.plan.memory.recommend import recommend
 from llmtune.plan.memory.states import trainable_parameters
-
-# The seeds' decision guide as data. For each kind of cluster, strategies in order of preference, each
-# with its reason; the first one whose per-GPU total fits (and whose offload fits the CPU) wins.
-REASONS = {
-    "single / DDP": "the model and its optimizer fit one GPU: plain data parallel has the least communication",
-    "ZeRO-1": "sharding only the optimizer states is enough and costs no extra communication over DDP",
-    "ZeRO-2": "sharding optimizer states and gradients is enough; parameters stay whole on every GPU",
-    "pipeline": "the model doesn't fit one GPU but each stage's layers do; stages exchange only activations",
-    "ZeRO-3": "only sharding the parameters too makes it fit (needed when even one layer is too big for a stage)",
-    "FSDP full shard": "only sharding the parameters too makes it fit (needed when even one layer is too big for a stage)",
-    "FSDP shard grad op": "sharding gradients and optimizer states is enough; parameters stay whole (FSDP's ZeRO-2)",
-    "FSDP hybrid shard": "sharding within each machine fits and keeps the all-gathers off the slow links between machines",
-    "ZeRO-2 + CPU offload": "nothing fits on the GPUs alone; offloading optimizer states and gradients to CPU does",
-    "ZeRO-3 + CPU offload": "nothing fits on the GPUs alone; offloading parameters and optimizer to CPU does",
-    "ZeRO-3 + NVMe offload": "even CPU memory is too small; ZeRO-Infinity offloads to NVMe",
-    "context parallel": "sharding states is not enough: the activations of these long sequences must be split too; "
-                        "context parallelism splits every row (and its activations) across GPUs",
-    "tensor parallel": "sharding states is not enough: the activations (or one layer) must be split too, which only "
-                       "tensor parallelism does; it needs the fast links inside one machine",
-}  # fmt: skip
-
-_OFFLOAD = ["ZeRO-2 + CPU offload", "ZeRO-3 + CPU offload", "ZeRO-3 + NVMe offload"]
-
-PREFERENCE = {
-    # one machine: pipeline before ZeRO-3 (the seeds' order: pipeline, ZeRO, tensor parallel)
-    "one machine": ["single / DDP", "ZeRO-1", "ZeRO-2", "pipeline", "ZeRO-3", "FSDP full shard", "context parallel",
-                    "tensor parallel", *_OFFLOAD],
-    # several machines, fast interconnect (InfiniBand, NVLink across nodes): ZeRO/FSDP scale well
-    "fast": ["single / DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full shard", "FSDP hybrid shard", "pipeline",
-             "context parallel", "tensor parallel", *_OFFLOAD],
-    # several machines, slow interconnect (Ethernet): keep the heavy traffic inside machines, DP + PP
-    "slow": ["single / DDP", "ZeRO-1", "pipeline", "FSDP hybrid shard", "ZeRO-2", "ZeRO-3", "FSDP full shard",
-             "context parallel", "tensor parallel", *_OFFLOAD],
-}  # fmt: skip
-
-
-def recommend(
-    estimates: list[Estimate], gpu_memory: float, num_machines: int = 1, interconnect: str = "fast",
-    cpu_memory: float | None = None,
-) -> tuple[Estimate, str] | None:  # fmt: skip
-    """The first strategy of the cluster's preference order whose total fits, with its reason; None if none does."""
-    profile = "one machine" if num_machines <= 1 else interconnect
-    by_name = {e.name: e for e in estimates}
-    for name in PREFERENCE[profile]:
-        row = by_name.get(name)
-        if row is not None and row.fits(gpu_memory, cpu_memory):
-            return row, REASONS[name]
-    return None
 
 
 @dataclass
@@ -133,10 +86,13 @@ def report_for(recipe, facts: ModelFacts, gpus_per_machine: int, num_machines: i
     stages = recipe.pipeline_parallel_size
     if stages <= 1 and gpus_per_machine > 1:
         stages = min(gpus_per_machine, facts.num_layers)  # what a pipeline inside one machine would hold
-    data_parallel = world // stages if recipe.pipeline_parallel_size > 1 else world
-    rows = [labelled(row, recipe, world, facts.model_type)
-            for row in estimate(recipe, facts, data_parallel, gpus_per_machine, stages, mixed=mixed)]  # fmt: skip
-    choice = recommend(rows, gpu_memory, num_machines, interconnect, cpu_memory)
+    # a pipeline recipe's other rows are those strategies on the same GPUs, every rank data parallel
+    flat = recipe.model_copy(update={"pipeline_parallel_size": 1}) if recipe.pipeline_parallel_size > 1 else recipe
+    rows = estimate(flat, facts, world, gpus_per_machine, stages, mixed=mixed)
+    stepped_foreach = estimate(flat, facts, world, gpus_per_machine, stages, mixed=mixed, fused=False)
+    rows = [labelled(row, recipe, world, facts.model_type, twin)
+            for row, twin in zip(rows, stepped_foreach, strict=True)]  # fmt: skip
+    choice = recommend(rows, gpu_memory, num_machines, interconnect, cpu_memory, recipe)
     return Report(recipe.base_model, facts.total_params(), trainable_parameters(recipe, facts), gpus_per_machine,
                   num_machines, gpu_memory, cpu_memory, interconnect, rows, choice,
                   preference.batch_note(recipe), remedy(recipe), assumptions(recipe))  # fmt: skip
@@ -164,12 +120,21 @@ def remedy(recipe) -> str:
     return ", ".join(ways[:-1]) + f", or {ways[-1]}"
 
 
-def labelled(row: Estimate, recipe, world_size: int, model_type: str) -> Estimate:
-    """The row with its basis: "measured on H100" where a recorded GPU run covers it, else "modelled"."""
-    from llmtune.plan.memory.basis import basis
+def labelled(row: Estimate, recipe, world_size: int, model_type: str, foreach: Estimate | None = None) -> Estimate:
+    """The row with its basis: "measured on H100" where a recorded GPU run covers it, else "modelled". `foreach`:
+    the row as the recorded runs stepped AdamW (foreach, before the plan fused it on CUDA): where its total differs,
+    the fused step's saving is modelled, not measured."""
+    from llmtune.plan.memory.basis import MODELLED, basis
 
     label, why = basis(recipe, row.name, world_size, model_type)
+    if label != MODELLED and foreach is not None and abs(foreach.total - row.total) > 0.005 * foreach.total:
+        label, why = MODELLED, (f"adamw_torch steps fused on CUDA (adamw_torch_fused), {_gb(foreach.total - row.total)}"
+                                " less at the step than the recorded runs' foreach AdamW: that saving is modelled")  # fmt: skip
     return replace(row, basis=label, basis_reason=why)
+
+
+def _gb(size: float) -> str:
+    return f"{size / GB:.1f} GB"
 
 
 def row_for_plan(plan) -> str:

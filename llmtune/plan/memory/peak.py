@@ -41,6 +41,7 @@ class Estimate:
     reserve: float = 0.0  # the caching allocator's: blocks cached but idle at the peak, and fragmentation
     reference: float = 0.0  # preference training's frozen reference model (estimate_preference), on this GPU
     staging: float = 0.0  # async_checkpoint: this rank's model and optimizer states copied to host memory (in cpu)
+    loading: float = 0.0  # QLoRA under ZeRO-3: the whole 4-bit model on each GPU as it loads, before partitioning
     reference_where: str = ""  # how this row holds it, or why there is none ("" without preference training)
     basis: str = "modelled"  # or "measured on H100": whether a recorded GPU run covers this row (estimate_basis)
     basis_reason: str = ""  # why a row is modelled
@@ -86,11 +87,11 @@ class Estimate:
     @property
     def allocated(self) -> float:
         """The peak torch.cuda.max_memory_allocated should show."""
-        return max(self.at_loss, self.in_backward, self.at_step)
+        return max(self.at_loss, self.in_backward, self.at_step, self.loading)
 
     @property
     def peak_at(self) -> str:
-        phases = {"loss": self.at_loss, "backward": self.in_backward, "step": self.at_step}
+        phases = {"loss": self.at_loss, "backward": self.in_backward, "step": self.at_step, "load": self.loading}
         return max(phases, key=phases.__getitem__)
 
     @property
@@ -107,7 +108,7 @@ def with_reserve(row: Estimate, idle_at_loss: float, allocator: buffers.Allocato
     logits' block, the layer working set that checkpointed forwards free before the loss, DeepSpeed's flat
     gradient buffers) plus fragmentation, a fraction of the transient bytes."""
     row = replace(row, reserve=0.0)
-    transient = row.allocated - row.persistent
+    transient = max(row.at_loss, row.in_backward, row.at_step) - row.persistent  # (loading is not a step's)
     if allocator.expandable:
         return replace(row, reserve=allocator.base + allocator.fraction * transient)
     reserved = max(row.at_loss + idle_at_loss, row.in_backward, row.at_step)
@@ -158,10 +159,13 @@ def estimate(
     stages: int = 1,
     mixed: bool | None = None,
     expandable: bool | None = None,
+    fused: bool = True,
 ) -> list[Estimate]:
     """One Estimate per strategy, per GPU. `mixed` overrides the recipe's precision (CPU rehearsals run fp32);
-    `expandable` the allocator mode, which otherwise follows PYTORCH_CUDA_ALLOC_CONF as the workers will."""
-    rows = _estimate(recipe, facts, data_parallel, gpus_per_machine, stages, mixed, expandable)
+    `expandable` the allocator mode, which otherwise follows PYTORCH_CUDA_ALLOC_CONF as the workers will. `fused`:
+    the recipe's adamw_torch steps as adamw_torch_fused, as the plan runs it on CUDA (every row but the pipeline's,
+    whose own loop steps it); False for a run that stepped foreach AdamW (the recorded calibration runs)."""
+    rows = _estimate(recipe, facts, data_parallel, gpus_per_machine, stages, mixed, expandable, fused)
     if recipe.async_checkpoint:
         per_machine = max(1, min(max(1, data_parallel), gpus_per_machine))
         share = trainable_parameters(recipe, facts) / max(1, facts.total_params())
@@ -173,7 +177,7 @@ def estimate(
 
 
 def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: int, stages: int,
-              mixed: bool | None, expandable: bool | None) -> list[Estimate]:  # fmt: skip
+              mixed: bool | None, expandable: bool | None, fused: bool = True) -> list[Estimate]:  # fmt: skip
     mixed = compute.is_mixed(recipe) if mixed is None else mixed
     params, grads, optimizer = _states(recipe, facts, mixed, deepspeed=False)
     zp, zg, zo = _states(recipe, facts, mixed, deepspeed=True)
@@ -224,7 +228,9 @@ def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: i
     def held(gradients: float) -> float:
         return gradients if accumulating else 0.0
 
-    scratch = buffers.optimizer_temporaries(recipe.optimizer, trainable, facts.embedding_params())
+    foreach = buffers.optimizer_temporaries(recipe.optimizer, trainable, facts.embedding_params())
+    stepped = "adamw_torch_fused" if fused and recipe.optimizer == "adamw_torch" else recipe.optimizer
+    scratch = buffers.optimizer_temporaries(stepped, trainable, facts.embedding_params())
     ds_buckets = 2 * width * facts.hidden_size**2  # overlap_comm: two reduce buckets of hidden^2 (llmtune's presets)
     # DDP's reducer keeps its buckets beside the gradients: gradient_as_bucket_view (off in accelerate and the
     # Trainer) would save "the total gradients size" (torch DistributedDataParallel's documentation)
@@ -250,7 +256,11 @@ def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: i
     expandable = buffers.expandable_segments(os.environ) if expandable is None else expandable
     # the caching allocator's reserve: FSDP's all-gathers run on a stream (and a pool) of their own
     allocators = {fsdp: buffers.allocator(recipe, expandable, fsdp=fsdp) for fsdp in (False, True)}
-    estimates = [_gpu_row(Estimate(name, p, g, o, 0.0, CUDA_CONTEXT, cpu, nvme, gathered, step), *extras[name],
+    # QLoRA under ZeRO-3: transformers builds quantized models without zero.Init, so each rank holds the whole
+    # 4-bit model (and its 16-bit embeddings and head) until DeepSpeed partitions it (the plan's note says so)
+    whole = params if recipe.load_in_4bit else 0.0
+    estimates = [_gpu_row(Estimate(name, p, g, o, 0.0, CUDA_CONTEXT, cpu, nvme, gathered, step,
+                                   loading=whole if name.startswith("ZeRO-3") else 0.0), *extras[name],
                           allocators[name.startswith("FSDP")], per_machine=per_machine)
                  for name, p, g, o, cpu, nvme, gathered, step in rows]  # fmt: skip
     if preference.method(recipe):  # TRL's trainers run no split strategy (llmtune.recipe.preference.check)
@@ -284,6 +294,6 @@ def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: i
         stage = _layout(recipe, facts, mixed, False, trainable, stages)
         base = Estimate(f"pipeline ({stages} stages, per stage)", params * share, grads * share, optimizer * share,
                         0.0, CUDA_CONTEXT, 0.0, 0.0)  # fmt: skip
-        estimates.append(_gpu_row(base, stage, grads * share, 0.0, scratch * share, 0.0,
+        estimates.append(_gpu_row(base, stage, grads * share, 0.0, foreach * share, 0.0,
                                   allocators[False], share))  # fmt: skip
     return estimates
