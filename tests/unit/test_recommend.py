@@ -95,3 +95,16 @@ def test_qlora_under_zero3_counts_the_whole_4bit_model_each_rank_loads():
     assert report.row("ZeRO-3 + CPU offload").peak_at == "load" and whole > 35 * GB
     assert report.choice is None  # nothing fits one 24 GB GPU
     assert report.row("ZeRO-2").loading == 0 and report.row("FSDP full shard").loading == 0
+
+
+def test_context_parallel_keeps_a_4bit_base_s_quantization_constants_whole_as_the_other_shardings_do():
+    """The absmax blocks are attributes beside the packed weights: FSDP2 under context parallelism shards the weights
+    and leaves them whole on every rank, as ZeRO-3 and FSDP do (the row divided them too, 5.6 GB low at 405B)."""
+    from llmtune.plan.memory.states import quantization_state_bytes
+
+    qlora = recipe(adapter="qlora", load_in_4bit=True, lora_target_linear=True, sequence_len=65536)
+    rows = {row.name: row for row in estimate(qlora, LLAMA_70B, 8, 8)}
+    kept = quantization_state_bytes(qlora, LLAMA_70B)
+    whole = rows["single / DDP"].params
+    assert rows["context parallel"].params == pytest.approx((whole - kept) / 8 + kept)
+    assert rows["FSDP full shard"].params == pytest.approx((whole - kept) / 8 + kept)

@@ -281,7 +281,7 @@ def _estimate(recipe, facts: ModelFacts, data_parallel: int, gpus_per_machine: i
         splits.append(tensor_parallel_split(recipe, tp))
     for split in splits:
         layout = _split_activations(sixteen if split.fsdp else loaded, split.saved, split.logits, split.recompute)
-        base = Estimate(split.name, params / split.states, grads / split.states, optimizer / split.states, 0.0,
+        base = Estimate(split.name, sharded(params, split.states), grads / split.states, optimizer / split.states, 0.0,
                         CUDA_CONTEXT, 0.0, 0.0, largest if split.fsdp else 0.0)  # fmt: skip
         estimates.append(_gpu_row(base, layout, held(grads) / split.states, 0.0,
                                   scratch / split.states, 0.0, allocators[split.fsdp],
