@@ -2,14 +2,16 @@
 
 Generated from llmtune/recipe/axolotl_history.py (which releases defined each key, and what llmtune does with it)
 and llmtune/recipe/axolotl_keys.py (why a key has no effect, what to do instead of a refused one). Prints the
-markdown; --write puts it between the markers in docs/axolotl.md. tests/unit/test_axolotl_corpus.py fails when
-the doc and this output differ, so re-run with --write after the key tables change.
+markdown; --write puts it between the markers in docs/axolotl.md, and the summary of counts (keys per release, per
+action) between the summary markers above them. tests/unit/test_axolotl_corpus.py fails when the doc and this
+output differ, so re-run with --write after the key tables change.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,6 +21,16 @@ from llmtune.recipe.axolotl_history import DATASET_KEYS, KEYS, RELEASES  # noqa:
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "axolotl.md"
 START, END = "<!-- tables:start -->", "<!-- tables:end -->"
+SUMMARY = ("<!-- summary:start -->", "<!-- summary:end -->")
+# The releases the summary counts keys of: the two README-era ones, the first of each schema layout, the last.
+MILESTONES = ("v0.3.0", "v0.4.0", "v0.5.0", "v0.8.0")
+ACTIONS = (  # the summary's rows: kind in the history table -> what it means
+    ("llmtune", "llmtune's own key"),
+    ("alias", "read under today's name (alias)"),
+    ("translated", "rewritten into today's form"),
+    ("no effect", "accepted without effect, said once"),
+    ("refused", "refused, naming the capability"),
+)
 # Actions of the history table that are not one of the kinds above, and what they mean for a recipe.
 UNLABELLED = {
     "unknown": "unknown keys when written directly in a dataset entry",
@@ -53,6 +65,31 @@ def names(keys: list[str], prefix: str = "") -> str:
 def hint_for(keys: list[str], table: dict) -> str:
     hints = [table[k].hint for k in keys if k in table and table[k].hint]
     return hints[0] if hints else ""
+
+
+def defined_in(release: str) -> int:
+    """How many top-level keys the release defined: between a key's first and last release, less its gaps."""
+    at = RELEASES.index(release)
+    return sum(RELEASES.index(e[0]) <= at <= RELEASES.index(e[1]) and release not in (e[3] if len(e) > 3 else ())
+               for e in KEYS.values())  # fmt: skip
+
+
+def kind_of(action: str) -> str:
+    return "alias" if action.startswith("alias of ") else action.partition(": ")[0]
+
+
+def summary() -> str:
+    """The paragraph and table of counts above the tables: releases, keys per release, keys per action."""
+    counts = [f"{defined_in(r)} ({r})" for r in (*MILESTONES, RELEASES[-1])]
+    text = (f"The table covers {len(RELEASES)} releases ({RELEASES[0]} to {RELEASES[-1]}) and {len(KEYS)} top-level "
+            f"keys. By release, from {counts[0].replace(' (', ' keys (', 1)} and {counts[1]} to "
+            f"{', '.join(counts[2:-1])} and {counts[-1]}. What llmtune does with them today:")  # fmt: skip
+    out = [textwrap.fill(text, width=118), "", "| action | keys |", "| --- | --- |"]
+    for kind, meaning in ACTIONS:
+        keys = sorted(k for k, e in KEYS.items() if kind_of(e[2]) == kind)
+        named = f" ({', '.join(f'`{k}`' for k in keys)})" if kind == "translated" else ""
+        out.append(f"| {meaning}{named} | {len(keys)} |")
+    return "\n".join(out) + "\n"
 
 
 def tables() -> str:
@@ -120,14 +157,17 @@ def tables() -> str:
 
 def write(doc: Path = DOC) -> None:
     text = doc.read_text(encoding="utf-8")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    doc.write_text(f"{head}{START}\n{tables()}{END}{tail}", encoding="utf-8")
+    for (start, end), generated in (((START, END), tables()), (SUMMARY, summary())):
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{start}\n{generated}{end}{tail}"
+    doc.write_text(text, encoding="utf-8")
 
 
-def in_doc(doc: Path = DOC) -> str:
-    """What docs/axolotl.md holds between the markers."""
-    return doc.read_text(encoding="utf-8").split(START, 1)[1].split(END, 1)[0].removeprefix("\n")
+def in_doc(doc: Path = DOC, markers: tuple[str, str] = (START, END)) -> str:
+    """What docs/axolotl.md holds between the markers (the tables', or SUMMARY)."""
+    start, end = markers
+    return doc.read_text(encoding="utf-8").split(start, 1)[1].split(end, 1)[0].removeprefix("\n")
 
 
 def main(argv: list[str] | None = None) -> int:

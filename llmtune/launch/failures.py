@@ -8,7 +8,6 @@ back; from its "Root Cause" section we name the failing rank and show the tail o
 from __future__ import annotations
 
 import codecs
-import json
 import re
 import signal
 import sys
@@ -267,35 +266,52 @@ def report(watcher: StderrWatcher, log_dir: Path, out=None, rendezvous: tuple[st
     return 1
 
 
-def _named_checkpoint(output_dir: Path) -> str | None:
-    """The recipe's resume_from_checkpoint, from the plan the launch wrote; None without one."""
+def _rerun_resumes(output_dir: Path) -> tuple[Path | None, str | None, Path | None, bool]:
+    """What a rerun of the launch whose plan output_dir holds resumes, by the rule `llmtune train` applies
+    (resume_checkpoint, on the recipe in the plan): (the checkpoint, the recipe's resume_from_checkpoint, the newest
+    complete checkpoint in output_dir, whether auto-resume is on)."""
+    from types import SimpleNamespace
+
+    from llmtune.plan.checkpoint_layout import last_complete
+    from llmtune.plan.resume import resume_checkpoint
+    from llmtune.post.consolidate import plan_recipe
+
+    saved = plan_recipe(output_dir)
+    named = saved.get("resume_from_checkpoint")
+    named = named if isinstance(named, str) and named else None
+    auto = saved.get("auto_resume_from_checkpoints", True) is not False
+    recipe = SimpleNamespace(output_dir=output_dir, resume_from_checkpoint=named, auto_resume_from_checkpoints=auto)
     try:
-        named = json.loads((output_dir / "llmtune" / "plan.json").read_text())["recipe"].get("resume_from_checkpoint")
-    except (OSError, ValueError, KeyError, AttributeError):
-        return None
-    return named if isinstance(named, str) and named else None
+        last = last_complete(output_dir)
+    except OSError:
+        last = None
+    return resume_checkpoint(recipe), named, last, auto
 
 
 def next_step(log_dir: Path, exitcode: int, one_machine: bool) -> str:
-    """What to do after a rank failed, true to what is on disk: the checkpoint a rerun resumes from, or that it starts
-    over; and for a rank that stopped on an error of its own (not a signal), that rerunning only helps once its cause
-    is gone. On several machines the checkpoints may sit on machine 0's disk, so none is named."""
-    from llmtune.plan.checkpoint_layout import last_complete
-
+    """What to do after a rank failed, true to what a rerun does: the checkpoint it resumes from, or that it starts
+    over, by the rule `llmtune train` applies to the plan's recipe (auto_resume_from_checkpoints, a
+    resume_from_checkpoint that wins over output_dir's); and for a rank that stopped on an error of its own (not a
+    signal), that rerunning only helps once its cause is gone. On several machines the checkpoints may sit on machine
+    0's disk, so none is named."""
     if not one_machine or log_dir.parent.name != "llmtune":
         again = "run the same command again: it resumes from the last complete checkpoint, if one was saved"
     else:
         output_dir = log_dir.parent.parent
-        last = last_complete(output_dir)
-        named = _named_checkpoint(output_dir)
-        if last:
-            again = f"to resume from the last complete checkpoint, run the same command again ({last.name})"
-        elif named:  # resume_from_checkpoint, and the run saved none of its own yet: a rerun loads that one again
-            again = f"run the same command again: it resumes {named} again"
+        resume, named, last, auto = _rerun_resumes(output_dir)
+        if resume is not None and named and resume == Path(named):  # the named one, not a checkpoint of its own
+            other = last is not None and last.resolve() != resume.resolve()
+            besides = f", as resume_from_checkpoint says, not {last.name} in {output_dir}" if other else ""
+            again = f"run the same command again: it resumes {named} again{besides}"
             if exitcode > 0:
                 return (f"if the error above was a passing fault (network, hardware), {again}; if it came from loading "
                         f"that checkpoint (damaged, or another model's), point resume_from_checkpoint at another "
                         "one or remove it; otherwise fix its cause first: the same command would stop the same way")  # fmt: skip
+        elif resume is not None:
+            again = f"to resume from the last complete checkpoint, run the same command again ({resume.name})"
+        elif last is not None and not auto:
+            again = (f"run the same command again: it starts over (auto_resume_from_checkpoints: false; set it to "
+                     f"true to resume {last.name})")  # fmt: skip
         else:
             again = f"run the same command again: it starts over (no complete checkpoint in {output_dir} yet)"
     if exitcode > 0:  # the rank raised: the same command meets the same error unless its cause was passing

@@ -119,16 +119,20 @@ def blocker(config: dict) -> str | None:
 
 def planned_batches(recipe, batches):
     """Padded batches where the model, as read on this machine, can't take padding-free ones: the ranks would fall
-    back after loading where the plan had promised them."""
+    back after loading where the plan had promised them; per-row SDPA instead of torch's varlen_attn where the model
+    drops attention weights in training."""
     from llmtune.errors import UserError
     from llmtune.plan.memory.facts import local_config
-    from llmtune.recipe.batches import PADDED, Batches
+    from llmtune.recipe.batches import PADDED, Batches, attention_dropout, with_attention_dropout
 
-    if not batches.padding_free:
+    if not batches.padding_free and batches.kernel != "torch_varlen":
         return batches
-    why = blocker(local_config(recipe.base_model_config or recipe.base_model))
-    if why is None:
-        return batches
-    if recipe.batch_flattening is True:
-        raise UserError(f"batch_flattening: true can't run with this model: {why}", "remove batch_flattening")
-    return Batches(PADDED, reason=why)
+    config = local_config(recipe.base_model_config or recipe.base_model)
+    if batches.padding_free:
+        why = blocker(config)
+        if why is not None:
+            if recipe.batch_flattening is True:
+                raise UserError(f"batch_flattening: true can't run with this model: {why}", "remove batch_flattening")
+            return Batches(PADDED, reason=why)
+    # overrides_of_model_config is applied to the loaded config (train/model/load.py): its dropout is the one trained
+    return with_attention_dropout(batches, attention_dropout({**config, **(recipe.overrides_of_model_config or {})}))

@@ -52,9 +52,9 @@ EXPERT_PARALLEL = (
     "llmtune doesn't split the experts over ranks: each rank holds every expert unless FSDP or ZeRO-3 shards the "
     "model (deepspeed: zero3 or fsdp_version: 2); `llmtune estimate` counts what each GPU holds"
 )
-AUTH = "credentials come from HF_TOKEN or `huggingface-cli login`, never from the recipe"
+AUTH = "credentials come from HF_TOKEN or `hf auth login`, never from the recipe"
 PUSH = (
-    "nothing is pushed; upload the output folder with `huggingface-cli upload <hub_model_id> <output_dir>` "
+    "nothing is pushed; upload the output folder with `hf upload <hub_model_id> <output_dir>` "
     "(credentials from HF_TOKEN in the environment, never written to disk)"
 )
 MEMORY_REASONS = (

@@ -10,7 +10,8 @@ whole L x L). The kernel that reads the rows apart:
 - flash-attn 2's varlen kernel, when the recipe asks for flash_attention_2 and it imports (bf16/fp16 on CUDA);
 - otherwise torch's own varlen attention (`torch.nn.attention.varlen.varlen_attn`, FlashAttention inside torch),
   bf16/fp16 on CUDA;
-- elsewhere (the CPU rehearsal, fp32) exact attention per row with SDPA: the same maths, row by row.
+- elsewhere (the CPU rehearsal, fp32) exact attention per row with SDPA: the same maths, row by row; also where the
+  model drops attention weights in training (its config's attention_dropout), which torch's varlen_attn can't do.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ PADDED = "padded"
 SEQUENCE_SPLIT = "sequence-split"
 # The attention implementation llmtune registers with transformers for padding-free batches (train/model/varlen.py).
 VARLEN_ATTENTION = "llmtune_varlen"
+# A model config's attention dropout, as transformers names it (Llama and most decoders; GPT-2's family).
+ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop")
 KERNELS = {
     "flash_attn": "flash-attn 2 varlen kernel (attn_implementation flash_attention_2)",
     "torch_varlen": "torch's varlen_attn (FlashAttention in torch, causal window)",
@@ -112,3 +115,24 @@ def resolve_batches(recipe, device: str, precision: str, strategy: str | None, f
     else:
         reason = "this torch has no torch.nn.attention.varlen (torch >= 2.10 does)"
     return Batches(PADDING_FREE, "sdpa_per_row", VARLEN_ATTENTION, reason)
+
+
+def attention_dropout(config: dict) -> float:
+    """The attention dropout a model config (config.json's mapping, or a loaded config's to_dict()) applies in
+    training, its text_config's included; 0.0 where it sets none."""
+    for part in (config, config.get("text_config")):
+        for key in ATTENTION_DROPOUT_KEYS if isinstance(part, dict) else ():
+            value = part.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+                return float(value)
+    return 0.0
+
+
+def with_attention_dropout(batches: Batches, dropout: float) -> Batches:
+    """torch's varlen_attn takes no dropout: a model that drops attention weights in training attends per row with
+    SDPA instead (train/model/varlen.py), so the plan and the ranks' `batches:` line name that kernel, and why."""
+    if batches.kernel != "torch_varlen" or not dropout:
+        return batches
+    why = f"the model's attention dropout is {dropout:g} in training, and torch's varlen_attn has no dropout"
+    return Batches(batches.layout, "sdpa_per_row", batches.attention, f"{batches.reason}; {why}" if batches.reason
+                   else why)  # fmt: skip

@@ -94,8 +94,8 @@ def choose_tokenizer(recipe, gguf_tokenizer: str | None, stand_in: str | None, o
         return TokenizerChoice(name, True, f"the recipe's tokenizer: {name} ({where})")
     if stand_in is None:
         raise UserError(f"the tokenizer of {name} is not available offline (not local, not in the HF cache, the Hub "
-                        "is unreachable)", f"fetch it once with network (`huggingface-cli download {name} --include "
-                        "'tokenizer*' '*.json'`), or pass --stand-in-tokenizer DIR to rehearse with another tokenizer "
+                        "is unreachable)", f"fetch it once with network (`hf download {name} --include 'tokenizer*' "
+                        "--include '*.json'`), or pass --stand-in-tokenizer DIR to rehearse with another tokenizer "
                         "(labelled a stand-in in the report)")  # fmt: skip
     if not Path(stand_in).is_dir():
         raise UserError(f"--stand-in-tokenizer {stand_in} is not a folder", "pass a folder saved by save_pretrained")

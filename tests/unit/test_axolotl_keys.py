@@ -304,6 +304,9 @@ def test_what_public_recipes_carry_that_axolotl_ignored_is_a_note_or_one_line_sa
     # hub and serialization spellings beside hub_model_id
     said = notes(hub_model_id="me/model", push_to_hub=True, hub_private_repo=True, safe_serialization=True)
     assert "push_to_hub" in said and "hub_private_repo" in said and "safe_serialization" in said
+    # the upload and login commands are today's huggingface_hub CLI (`hf`; it has no huggingface-cli)
+    assert "upload the output folder with `hf upload <hub_model_id> <output_dir>`" in said
+    assert "credentials come from HF_TOKEN or `hf auth login`" in notes(hf_use_auth_token=True)
     # a custom format's keys beside a named type: the default is a note, another value says where it goes
     spec = {"path": "org/data", "type": "alpaca", "field_instruction": "instruction", "field_output": "output"}
     assert "datasets[0].field_instruction" in notes(datasets=[spec])

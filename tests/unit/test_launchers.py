@@ -414,6 +414,18 @@ def test_the_advice_after_a_failure_names_the_checkpoint_a_rerun_resumes_from_or
     assert next_step(logs, -9, True) == ("to resume from the last complete checkpoint, run the same command again "
                                          "(checkpoint-2)")  # fmt: skip
     assert "checkpoint-2" in next_step(logs, 1, True) and "otherwise fix its cause first" in next_step(logs, 1, True)
+    # a rerun resumes what `llmtune train` would: the named checkpoint wins over output_dir's newest when that one was
+    # saved by a run that started elsewhere (it said checkpoint-2)
+    marker = {"started_from": "/elsewhere/checkpoint-1"}
+    (out / "checkpoint-2" / "llmtune-complete.json").write_text(json.dumps(marker))
+    assert next_step(logs, -9, True) == ("run the same command again: it resumes /old/checkpoint-9 again, as "
+                                         f"resume_from_checkpoint says, not checkpoint-2 in {out}")  # fmt: skip
+    # auto_resume_from_checkpoints: false and no resume_from_checkpoint: a rerun starts over (it said checkpoint-2)
+    (out / "llmtune" / "plan.json").write_text(json.dumps({"recipe": {"auto_resume_from_checkpoints": False}}))
+    assert next_step(logs, -9, True) == ("run the same command again: it starts over (auto_resume_from_checkpoints: "
+                                         "false; set it to true to resume checkpoint-2)")  # fmt: skip
+    assert "it starts over" in next_step(logs, 1, True) and "otherwise fix its cause first" in next_step(logs, 1, True)
+    (out / "llmtune" / "plan.json").write_text(json.dumps({"recipe": {}}))
     # several machines: machine 0 may hold the checkpoints, so none is named
     assert "if one was saved" in next_step(logs, -9, False) and "checkpoint-2" not in next_step(logs, -9, False)
 

@@ -114,3 +114,30 @@ def test_unknown_models_keep_the_plan_as_it_was(tmp_path):
     assert blocker({"model_type": "../../etc"}) is None
     plan = make_plan(recipe(base_model="org/not-downloaded"), make_cluster(1, device="cpu"))
     assert plan.kernels["batches"]["layout"] == PADDING_FREE
+
+
+def test_a_model_that_drops_attention_weights_is_planned_per_row_as_the_rank_attends(tmp_path):
+    """torch's varlen_attn has no dropout, so with attention dropout in training the varlen attention runs SDPA per
+    row (train/model/varlen.py); the plan and the rank's `batches:` line name that kernel and why (they said
+    varlen_attn). Read from config.json (attention_dropout, GPT-2's attn_pdrop) and overrides_of_model_config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtune.train.model.kernels import batch_layout
+
+    gpu = make_cluster(1, device="cuda")
+    plain = write_config(tmp_path / "plain", model_type="llama", intermediate_size=64)
+    assert make_plan(recipe(base_model=plain, bf16=True), gpu).kernels["batches"]["kernel"] == "torch_varlen"
+    why = "the model's attention dropout is 0.1 in training, and torch's varlen_attn has no dropout"
+    dropped = write_config(tmp_path / "dropped", model_type="llama", intermediate_size=64, attention_dropout=0.1)
+    gpt2 = write_config(tmp_path / "gpt2", model_type="gpt2", n_embd=32, n_layer=2, n_head=4, attn_pdrop=0.1)
+    for changes in ({"base_model": dropped}, {"base_model": gpt2},
+                    {"base_model": plain, "overrides_of_model_config": {"attention_dropout": 0.1}}):  # fmt: skip
+        batches = make_plan(recipe(**changes, bf16=True), gpu).kernels["batches"]
+        assert (batches["layout"], batches["kernel"], batches["reason"]) == (PADDING_FREE, "sdpa_per_row", why)
+        assert batches["summary"].endswith(f"attention: exact SDPA per row ({why})"), changes
+    # the rank, on the loaded model, says the same
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(dropped))
+    said = []
+    ranked = batch_layout(recipe(base_model=dropped, bf16=True), {"precision": "bf16", "cluster": {"device": "cuda"}},
+                          model, said.append)  # fmt: skip
+    assert (ranked.kernel, ranked.reason) == ("sdpa_per_row", why) and said == [f"batches: {ranked.describe()}"]

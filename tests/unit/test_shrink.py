@@ -218,3 +218,16 @@ def test_older_families_shrink_under_their_own_keys_into_a_model_of_the_counted_
     counted = sum(p.numel() for n, p in model.named_parameters() if "pos" not in n and "wpe" not in n)
     assert shrunk.shrunk.total_params() == pytest.approx(counted, rel=0.05)
     assert shrunk.shrunk.num_layers == 2 and shrunk.shrunk.hidden_size < 256
+
+
+def test_a_tokenizer_not_available_offline_is_fetched_with_todays_hub_cli():
+    """The hint names `hf download` (today's huggingface_hub has no huggingface-cli), each pattern with its own
+    --include: a second pattern after one --include is read by `hf download` as a file name."""
+    from types import SimpleNamespace
+
+    from llmtune.rehearse.model import choose_tokenizer
+
+    recipe = SimpleNamespace(tokenizer_config=None, base_model="someone/absent-model")
+    with pytest.raises(UserError, match="not available offline") as caught:
+        choose_tokenizer(recipe, None, None, online=False)
+    assert "`hf download someone/absent-model --include 'tokenizer*' --include '*.json'`" in caught.value.hint

@@ -148,10 +148,11 @@ def packed_boundaries(position_ids):
 def batch_layout(recipe, plan: dict, model, log):
     """The plan's batch layout on this rank: padding-free batches where the loaded model's attention takes them
     (the model is switched to the varlen kernel), padded rows elsewhere; said in one line."""
-    from llmtune.recipe.batches import PADDED, SEQUENCE_SPLIT, Batches
+    from llmtune.recipe.batches import PADDED, SEQUENCE_SPLIT, Batches, attention_dropout, with_attention_dropout
     from llmtune.train.model.varlen import apply, unsupported
 
     batches = kernels_for(recipe, plan["precision"], plan["cluster"]["device"]).batches
+    batches = with_attention_dropout(batches, attention_dropout(model.config.to_dict()))  # as varlen.py attends
     if batches.layout == SEQUENCE_SPLIT and not apply(model, batches.attention):
         why = unsupported(model)
         if recipe.sample_packing:
