@@ -1,8 +1,10 @@
 """`llmtune config`: the questions `accelerate config` asks, plus model, method and data, then a recipe.
 
 Every question has a flag; a question whose flag was given is not asked. `--yes` takes the default of
-every other question (for scripts). The strategy question shows the estimate table and preselects the
-recommended strategy. Text questions show their default in brackets: Enter takes it, typing replaces it, and
+every other question (for scripts). The strategy question shows the estimate table of the recipe as it will be
+written and preselects the recommended strategy (wizard_sft.py; the CPU memory is asked where it offloads); the
+recipe's header gives the estimate of its plan. A user error is one line naming the flag, and nothing is written:
+with --yes and no --strategy, nothing fitting is one too. Text questions show their default in brackets: Enter takes it, typing replaces it, and
 a local path that doesn't exist is refused in place, with the reason, until the answer is one that does.
 
 A base model that is an llmtune run's result (or a preference flag such as --rl) turns the data questions into
@@ -23,7 +25,6 @@ from typing import Any
 from llmtune import wizard_preference as preference
 from llmtune.errors import UserError
 from llmtune.recipe.writer import (
-    ROW_TO_STRATEGY,
     STRATEGIES,
     Answers,
     first_row,
@@ -32,7 +33,19 @@ from llmtune.recipe.writer import (
     machine_commands,
     recipe_text,
 )
-from llmtune.wizard_sft import sft_problem
+from llmtune.wizard_sft import (
+    Fit,
+    check_numbers,
+    choose_strategy,
+    gpu_count,
+    gpu_ids_problem,
+    load_text,
+    offer_async_checkpoint,
+    plan_of,
+    sft_problem,
+    size_problem,
+    verdict,
+)
 
 DATASET_TYPES = ["alpaca", "chat_template", "completion", "input_output"]
 
@@ -109,13 +122,8 @@ def _positive_int(value: str) -> str | None:
 
 
 def _size(value: str) -> str | None:
-    from llmtune.plan.memory.table import parse_size
-
-    try:
-        parse_size(value)
-        return None
-    except ValueError:
-        return "a size such as 80GB or 24GiB"
+    problem = size_problem("gpu_memory", value)
+    return problem and f"{problem}: write e.g. 80GB or 24GiB"
 
 
 def _detected_gpus() -> tuple[int, str | None]:
@@ -143,10 +151,7 @@ def _check_flags(given: dict[str, Any]) -> None:
         if value is not None and value not in allowed:
             flag = "--" + name.replace("_", "-")
             raise UserError(f"{flag} {value!r} is not one of {', '.join(map(str, allowed))}")
-    if given.get("gpu_memory") is not None:
-        from llmtune.plan.memory.table import parse_size_option
-
-        parse_size_option("--gpu-memory", given["gpu_memory"])
+    check_numbers(given)
 
 
 def _base_model_check(value: str) -> str | None:
@@ -154,12 +159,16 @@ def _base_model_check(value: str) -> str | None:
 
 
 def ask_all(given: dict[str, Any], ask: Asker, given_preference: dict[str, Any] | None = None,
-            ) -> tuple[Answers, str | None, preference.Preference | None]:  # fmt: skip
-    """Fill Answers: flags first, then questions (or defaults). Returns the answers, the estimate line and the
-    preference answers (None for SFT)."""
+            ) -> tuple[Answers, Fit, preference.Preference | None]:  # fmt: skip
+    """Fill Answers: flags first, then questions (or defaults). Returns the answers, what the strategy question's
+    estimate found and the preference answers (None for SFT)."""
     _check_flags(given)
     answers = Answers(**{k: v for k, v in given.items() if v is not None})
     fixed = {k for k, v in given.items() if v is not None}
+    named = gpu_count(given.get("gpu_ids") or "all")
+    if named and given.get("gpus_per_machine") is None:  # --gpu-ids 0,1: two GPUs per machine, not asked
+        answers.gpus_per_machine = named
+        fixed.add("gpus_per_machine")
 
     def want(name: str) -> bool:
         return name not in fixed
@@ -194,7 +203,9 @@ def ask_all(given: dict[str, Any], ask: Asker, given_preference: dict[str, Any] 
     if want("gpus_per_machine"):
         answers.gpus_per_machine = int(ask.text("How many GPUs per machine?", str(gpus or 1), _positive_int))
     if want("gpu_ids"):
-        answers.gpu_ids = ask.text("Which GPU ids on each machine (comma separated, or all)?", "all")
+        answers.gpu_ids = ask.text("Which GPU ids on each machine (comma separated, or all)?", "all",
+                                   lambda v: gpu_ids_problem(v, answers.gpus_per_machine))  # fmt: skip
+    answers.gpu_ids = ",".join(i.strip() for i in answers.gpu_ids.split(",")) if gpu_count(answers.gpu_ids) else "all"
     if want("gpu_memory"):
         answers.gpu_memory = ask.text("Memory of one GPU:", memory or answers.gpu_memory, _size)
     if want("mixed_precision"):
@@ -214,16 +225,20 @@ def ask_all(given: dict[str, Any], ask: Asker, given_preference: dict[str, Any] 
         answers.micro_batch_size = int(
             ask.text("Micro-batch size per GPU:", str(answers.micro_batch_size), _positive_int)
         )
-    draft = preference.draft_recipe(answers, pref) if pref else _draft_recipe(answers)
+
+    def text_of(answers: Answers) -> str:
+        return _recipe_text(answers, pref, Path("recipe.yaml"), None)
+
+    # the estimate is of the recipe as it is written (accumulation, packing, ...), with no strategy's keys
     offered = [key for key in STRATEGIES if not (pref and key in preference.SPLIT_STRATEGIES)]
-    estimate_line = _choose_strategy(answers, ask, want("strategy"), want, draft, offered)
+    fit = choose_strategy(answers, ask, want, text_of, offered, gpus)
     _strategy_details(answers, ask, want)
-    _offer_async_checkpoint(answers, ask, want, draft)
+    offer_async_checkpoint(answers, ask, want, fit, text_of)
     if want("output_dir"):
         default = (preference.default_output_dir(answers, pref) if pref
                    else f"./outputs/{answers.base_model.rstrip('/').split('/')[-1].lower()}-{answers.method}")  # fmt: skip
         answers.output_dir = ask.text("Output folder:", default)
-    return answers, estimate_line, pref
+    return answers, fit, pref
 
 
 def _ask_dataset(answers: Answers, ask: Asker, want: Callable[[str], bool]) -> None:
@@ -251,67 +266,13 @@ def _ask_dataset(answers: Answers, ask: Asker, want: Callable[[str], bool]) -> N
                         "mapping (type: {field_instruction: q, field_output: a})")  # fmt: skip
 
 
-def _draft_recipe(answers: Answers):
-    from llmtune.recipe.loader import recipe_from_mapping
-
-    mapping = {"base_model": answers.base_model, "datasets": [{"path": answers.dataset, "type": answers.dataset_type}],
-               "sequence_len": answers.sequence_len, "micro_batch_size": answers.micro_batch_size,
-               "gradient_checkpointing": answers.gradient_checkpointing}  # fmt: skip
-    if answers.method != "full":
-        mapping.update(adapter=answers.method, lora_r=16, lora_alpha=32, lora_target_linear=True)
-        if answers.method == "qlora":
-            mapping["load_in_4bit"] = True
-    # "no" is written out: a recipe without bf16 is bf16: auto (Axolotl's default)
-    mapping.update({"bf16": False} if answers.mixed_precision == "no" else {answers.mixed_precision: True})
-    return recipe_from_mapping(mapping, Path("llmtune-config.yaml"), check_files=False).recipe
-
-
-def _choose_strategy(answers: Answers, ask: Asker, asking: bool, keep_default: Callable[[str], bool], draft,
-                     offered: list[str]) -> str | None:  # fmt: skip
-    from llmtune.plan.memory.buffers import GB
-    from llmtune.plan.memory.facts import read_model_facts
-    from llmtune.plan.memory.fit import estimate_recipe
-    from llmtune.plan.memory.table import parse_size
-
-    facts = read_model_facts(draft.base_model, fetch=True)
-    estimate_line = None
-    recommended = "ddp"
-    if facts is None:
-        ask.show(f"(no estimate: the config of {draft.base_model} can't be read offline)")
-    else:
-        from llmtune.plan.memory.table import print_estimate
-
-        report = estimate_recipe(draft, answers.gpus_per_machine, answers.num_machines, parse_size(answers.gpu_memory),
-                                 None, answers.interconnect, facts=facts)  # fmt: skip
-        if asking:
-            print_estimate(report)
-        if report.choice is not None:
-            row, reason = report.choice
-            recommended = ROW_TO_STRATEGY[row.name]
-            if row.name in ("tensor parallel", "context parallel"):  # "... (8-way)": the degree the estimate used
-                if keep_default(f"{recommended}_size"):
-                    setattr(answers, f"{recommended}_size", int(row.strategy.split("(")[1].split("-")[0]))
-            estimate_line = (f"Estimated {row.total / GB:.1f} GB per GPU of {report.gpu_memory / GB:.0f} GB; "
-                             f"recommended because {reason}.")  # fmt: skip
-    if asking:
-        choices = [(key, STRATEGIES[key][0] + ("  [recommended]" if key == recommended else "")) for key in offered]
-        answers.strategy = ask.select("Distributed strategy:", choices, recommended)
-    if estimate_line and answers.strategy != recommended:
-        chosen = next((r for r in report.rows if r.name == STRATEGIES[answers.strategy][1]), None)
-        verdict = ("unknown (the estimate has no row for it)" if chosen is None else
-                   f"{chosen.total / GB:.1f} GB per GPU of {report.gpu_memory / GB:.0f} GB, which "
-                   + ("fits" if report.fits(chosen) else "does NOT fit: expect an out-of-memory error"))  # fmt: skip
-        estimate_line = f"Chosen instead of the recommended {STRATEGIES[recommended][0]}; estimated {verdict}."
-    return estimate_line
-
-
 def _strategy_details(answers: Answers, ask: Asker, want: Callable[[str], bool]) -> None:
     """The follow-up questions `accelerate config` asks for DeepSpeed and FSDP, and ours for pipeline."""
     key = answers.strategy
     if key == "zero3_nvme" and want("nvme_path"):
         answers.nvme_path = ask.text("NVMe folder for offload (on every machine):", answers.nvme_path)
     if key.startswith("fsdp"):
-        if key == "fsdp" and want("fsdp_version"):
+        if want("fsdp_version"):
             answers.fsdp_version = int(ask.select("FSDP version:", [("2", "2 (per-parameter sharding, recommended)"),
                                                                     ("1", "1 (flat parameters)")], "2"))  # fmt: skip
         if want("fsdp_auto_wrap_policy"):
@@ -344,37 +305,16 @@ def _strategy_details(answers: Answers, ask: Asker, want: Callable[[str], bool])
                                                    "1f1b")  # fmt: skip
 
 
-ASYNC_FROM_PARAMETERS = 1e9  # a full fine-tune's synchronous save stops every GPU for a while from here on
-
-
-def _offer_async_checkpoint(answers: Answers, ask: Asker, want: Callable[[str], bool], draft) -> None:
-    """Background checkpoints (async_checkpoint), offered for large full fine-tunes where the strategy allows them
-    (not DeepSpeed, FSDP1 or pipelines); yes by default there."""
-    if not want("async_checkpoint") or answers.method != "full":
-        return
-    if (
-        answers.strategy.startswith("zero")
-        or answers.strategy == "pipeline"
-        or (answers.strategy.startswith("fsdp") and answers.fsdp_version == 1)
-    ):
-        return
-    from llmtune.plan.memory.facts import read_model_facts
-
-    facts = read_model_facts(draft.base_model)
-    if facts is None or facts.total_params() < ASYNC_FROM_PARAMETERS:
-        return
-    size = facts.total_params() * 16 / 2**30  # fp32 weights and Adam's two moments: what a checkpoint writes
-    answers.async_checkpoint = ask.confirm(
-        f"Write checkpoints in the background (async_checkpoint)? A synchronous save stops every GPU while about "
-        f"{size:.0f} GB are written; in the background they stop only for the copy to host memory", True)  # fmt: skip
+def _recipe_text(answers: Answers, pref: preference.Preference | None, output: Path, estimate_line: str | None,
+                 ) -> str:  # fmt: skip
+    today = date.today().isoformat()
+    if pref:
+        return preference.recipe_text(answers, pref, str(output), estimate_line, today)
+    return recipe_text(answers, str(output), estimate_line, today)
 
 
 def run_config(given: dict[str, Any], output: Path, yes: bool, force: bool) -> tuple[Path, list[str]]:
-    import yaml
-
-    from llmtune.plan import make_cluster, make_plan
     from llmtune.plan.files import atomic_write
-    from llmtune.recipe.loader import recipe_from_mapping
 
     known = {f.name for f in fields(Answers)}
     interactive = not yes
@@ -385,16 +325,18 @@ def run_config(given: dict[str, Any], output: Path, yes: bool, force: bool) -> t
         if yes or not Asker(True).confirm(f"{output} exists. Overwrite it?", False):
             raise UserError(f"{output} already exists", "pass --force to overwrite it, or choose another --output")
     ask = Asker(interactive)
-    answers, estimate_line, pref = ask_all({k: v for k, v in given.items() if k in known}, ask,
-                                           {k: v for k, v in given.items() if k in preference.FLAGS})  # fmt: skip
-    if pref:
-        text = preference.recipe_text(answers, pref, str(output), estimate_line, date.today().isoformat())
-    else:
-        text = recipe_text(answers, str(output), estimate_line, date.today().isoformat())
-    # The written recipe must validate and plan for the cluster it was written for, before it is written.
-    loaded = recipe_from_mapping(yaml.safe_load(text), output, check_files=True)
-    processes = answers.gpus_per_machine * answers.num_machines
-    make_plan(loaded.recipe, make_cluster(processes, answers.num_machines, 0, answers.main_process_ip,
-                                          answers.main_process_port, "cuda" if answers.gpus_per_machine else "cpu"))  # fmt: skip
-    atomic_write(output, text)
+    answers, fit, pref = ask_all({k: v for k, v in given.items() if k in known}, ask,
+                                 {k: v for k, v in given.items() if k in preference.FLAGS})  # fmt: skip
+    # The written recipe must validate and plan for the cluster it was written for, before it is written; its
+    # header's estimate is of that plan, as `llmtune train`'s memory check will make it.
+    recipe = load_text(_recipe_text(answers, pref, output, None), output, check_files=True)
+    try:
+        plan = plan_of(recipe, answers)
+    except UserError as err:
+        raise UserError(f"these answers make a recipe that doesn't plan on {answers.num_machines} x "
+                        f"{answers.gpus_per_machine} GPUs, so nothing is written: {err.message}", err.hint) from None  # fmt: skip
+    estimate_line, warning = verdict(answers, fit, recipe, plan, str(output))
+    if warning:
+        ask.show(f"note: {estimate_line}")
+    atomic_write(output, _recipe_text(answers, pref, output, estimate_line))
     return output, machine_commands(answers, str(output))

@@ -7,8 +7,8 @@ run's recipe (plan.json "recipe") gives the chat template, tokenizer, sequence l
 `--rl` (or any preference flag) asks for preference training on any base model too.
 
 The questions live here (which type a first row is: wizard_preference_rows.py), the conversation's order in
-wizard.py; the recipe's keys come from `blocks`, which both the estimate's draft and the written file use, so the two
-cannot differ.
+wizard.py; the estimate is of the recipe text written here (wizard.py renders it without a strategy for the
+strategy question), so the two cannot differ.
 """
 
 from __future__ import annotations
@@ -332,16 +332,6 @@ def blocks(answers: Answers, pref: Preference) -> list[tuple[str, dict]]:
     out.append(("Mixed precision.", {"bf16": False} if answers.mixed_precision == "no"
                 else {answers.mixed_precision: True}))  # fmt: skip
     return out
-
-
-def draft_recipe(answers: Answers, pref: Preference):
-    """The recipe without its strategy, for the estimate."""
-    from llmtune.recipe.loader import recipe_from_mapping
-
-    mapping: dict = {}
-    for _, values in blocks(answers, pref):
-        mapping.update(values)
-    return recipe_from_mapping(mapping, Path("llmtune-config.yaml"), check_files=False).recipe
 
 
 def default_output_dir(answers: Answers, pref: Preference) -> str:

@@ -224,6 +224,7 @@ def config_command(
     gpus_per_machine: _ask_option("--gpus-per-machine", "GPUs on each machine.", int) = None,
     gpu_ids: _ask_option("--gpu-ids", "GPU ids to use on each machine, comma separated, or all.") = None,
     gpu_memory: _ask_option("--gpu-memory", "Memory of one GPU, e.g. 80GB.") = None,
+    cpu_memory: _ask_option("--cpu-memory", "CPU memory of one machine, for offload, e.g. 512GB.") = None,
     mixed_precision: _ask_option("--mixed-precision", "bf16, fp16 or no.") = None,
     sequence_len: _ask_option("--sequence-len", "Tokens per row.", int) = None,
     micro_batch_size: _ask_option("--micro-batch-size", "Rows per GPU per step.", int) = None,

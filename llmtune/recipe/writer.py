@@ -53,6 +53,7 @@ class Answers:
     gpus_per_machine: int = 1
     gpu_ids: str = "all"
     gpu_memory: str = "80GB"
+    cpu_memory: str | None = None  # of one machine, for offload; None: not checked
     interconnect: str = "fast"
     strategy: str = "ddp"
     nvme_path: str = "/local_nvme"
@@ -89,17 +90,19 @@ def strategy_keys(answers: Answers) -> dict:
             values["offload_nvme_path"] = answers.nvme_path
         return values
     if key.startswith("fsdp"):
-        hybrid = key == "fsdp_hybrid"
         config = {
             "auto_wrap_policy": answers.fsdp_auto_wrap_policy,
             "state_dict_type": answers.fsdp_state_dict_type,
             "offload_params": answers.fsdp_offload_params,
         }
-        if hybrid:
-            config["sharding_strategy"] = "HYBRID_SHARD"  # an FSDP1 strategy
-        else:
-            config["reshard_after_forward"] = True
-        return {"fsdp_version": 1 if hybrid else answers.fsdp_version, "fsdp_config": config}
+        values = {"fsdp_version": answers.fsdp_version, "fsdp_config": config}
+        if key == "fsdp_hybrid" and answers.fsdp_version == 1:
+            config["sharding_strategy"] = "HYBRID_SHARD"  # FSDP1's hybrid
+            return values
+        config["reshard_after_forward"] = True
+        if key == "fsdp_hybrid":  # FSDP2's (HSDP): shards within a machine, replicas across (the rest of the world)
+            values["dp_shard_size"] = answers.gpus_per_machine
+        return values
     if key == "pipeline":
         return {"pipeline_parallel_size": answers.pipeline_stages, "pipeline_schedule": answers.pipeline_schedule}
     if key == "context_parallel":  # ring attention over whole rows: no packing (see recipe_text)

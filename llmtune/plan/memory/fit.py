@@ -144,6 +144,8 @@ def row_for_plan(plan) -> str:
         if plan.offload == "cpu":
             return f"{name} + CPU offload" if plan.zero_stage in (2, 3) else name
         return f"{name} + NVMe offload" if plan.offload == "nvme" else name
+    if (plan.mesh or {}).get("context_parallel", 1) > 1 and plan.strategy != "tp":
+        return "context parallel"  # FSDP2 over the cp ranks, each holding 1/cp of every row (the Ulysses split: ZeRO)
     if plan.strategy.startswith("fsdp"):
         sharding = str((plan.accelerate_config or {}).get("fsdp_config", {}).get("fsdp_sharding_strategy", ""))
         return {"HYBRID_SHARD": "FSDP hybrid shard", "SHARD_GRAD_OP": "FSDP shard grad op"}.get(
@@ -151,8 +153,6 @@ def row_for_plan(plan) -> str:
         )
     if plan.strategy == "tp":
         return "tensor parallel"
-    if (plan.mesh or {}).get("context_parallel", 1) > 1:
-        return "context parallel"
     return "pipeline" if plan.strategy == "pipeline" else "single / DDP"
 
 
