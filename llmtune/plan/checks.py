@@ -322,3 +322,11 @@ def system_message_notes(recipe) -> list[str]:
         "conversation: chatml or llama3 when chat_template names the same template (as Axolotl applied it); "
         "give chat_template rows a system turn, or write it into the template"
     ]
+
+
+def warmup_notes(recipe) -> list[str]:
+    """A recipe without warmup_steps or warmup_ratio warms up as Axolotl does (objectives/schedule.warmup_steps)."""
+    if recipe.warmup_steps is not None or recipe.warmup_ratio is not None:
+        return []
+    return ["warm-up: the recipe sets neither warmup_steps nor warmup_ratio: Axolotl's default, 3% of the run's steps "
+            "(at most 100; set warmup_steps: 0 for none)"]  # fmt: skip

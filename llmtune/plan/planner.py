@@ -26,6 +26,7 @@ from llmtune.plan.checks import (
     fsdp2_notes,
     gptq_check,
     system_message_notes,
+    warmup_notes,
 )
 from llmtune.plan.cluster import Cluster
 from llmtune.plan.commands import ELASTIC, _command, _environment
@@ -168,7 +169,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
         notes.append(_check_relora(recipe, strategy))
     if recipe.async_checkpoint:
         notes.append(_check_async_checkpoint(recipe, strategy, facts))
-    notes += eval_notes(recipe, facts) + system_message_notes(recipe)
+    notes += eval_notes(recipe, facts) + system_message_notes(recipe) + warmup_notes(recipe)
     if pipeline and (recipe.precision == "fp16" or precision == "fp16"):  # (bf16: auto on a GPU without bf16 too)
         # refused in rehearsal too: the GPU run would refuse it
         raise UserError("pipeline runs take bf16 or fp32: fp16 needs loss scaling, which the pipeline loop does not do",

@@ -29,6 +29,11 @@ SCHEDULE_KEYS = ("learning_rate", "lr_scheduler", "lr_scheduler_kwargs", "warmup
                  "cosine_min_lr_ratio", "cosine_constant_lr_ratio")  # fmt: skip
 
 
+# what the optimizer state a resume loads holds of its own: torch's load_state_dict restores each param group's
+# settings (weight decay, betas, epsilon) and the scheduler state each group's base rate, over the recipe's
+OPTIMIZER_KEYS = ("optimizer", "optim_args", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+                  "loraplus_lr_ratio", "loraplus_lr_embedding", "embedding_lr", "embedding_lr_scale", "lr_groups")  # fmt: skip
+
 MIXING_KEYS = ("shuffle_before_merging_datasets", "dataset_shard_num", "dataset_shard_idx", "dataloader_drop_last")
 
 
@@ -50,7 +55,8 @@ def data_key(recipe) -> str:
 
 def marker_keys(recipe) -> dict:
     """What a checkpoint's marker records of the recipe that trained it, for the checks of a later resume."""
-    return {"schedule": {key: getattr(recipe, key, None) for key in SCHEDULE_KEYS}, "data_key": data_key(recipe),
+    return {"schedule": {key: getattr(recipe, key, None) for key in SCHEDULE_KEYS},
+            "optimizer_settings": optimizer_settings(recipe), "data_key": data_key(recipe),
             "data_seed": _data_seed(recipe), "base_model": _model_key(recipe)}  # fmt: skip
 
 
@@ -180,7 +186,7 @@ def _check_recipe(recipe, checkpoint: Path, marker: dict) -> list[str]:
             f"set them back to resume it; to train the changed recipe from the start: {start_over(recipe)} (its "
             f"weights as a start: llmtune merge {checkpoint}, then base_model: the merged folder)",
         )
-    notes = []
+    notes = _optimizer_changes(recipe, checkpoint, saved.get("optimizer_settings") or {})
     schedule = saved.get("schedule") or {}
     changed = {k: (schedule[k], getattr(recipe, k, None)) for k in SCHEDULE_KEYS
                if k in schedule and schedule[k] != getattr(recipe, k, None)}  # fmt: skip
@@ -194,6 +200,35 @@ def _check_recipe(recipe, checkpoint: Path, marker: dict) -> list[str]:
         notes.append(f"{shown} since {checkpoint.name}: the new schedule takes over at the step the checkpoint "
                      "reached (its rate there, not a continuation of the saved one)")  # fmt: skip
     return notes
+
+
+def optimizer_settings(recipe) -> dict:
+    """The recipe's OPTIMIZER_KEYS as a marker holds them (JSON: lr_groups as mappings)."""
+    return json.loads(json.dumps({key: getattr(recipe, key, None) for key in OPTIMIZER_KEYS},
+                                 default=lambda value: value.model_dump(mode="json")))  # fmt: skip
+
+
+def _optimizer_changes(recipe, checkpoint: Path, saved: dict) -> list[str]:
+    """Another optimizer than the checkpoint's: refused (its state is another optimizer's: the Trainer failed mid-run
+    on a missing key). Its settings changed: a note that the resume keeps the checkpoint's (the loaded state holds
+    them; the log's per-group rates are the recipe's, not what steps)."""
+    if weights_only(checkpoint):
+        return []  # no optimizer state saved (save_only_model): a fresh one takes the recipe's settings
+    now = optimizer_settings(recipe)
+    changed = {k: (saved[k], now[k]) for k in OPTIMIZER_KEYS if k in saved and saved[k] != now[k]}
+    if "optimizer" in changed:
+        before, now = changed["optimizer"]
+        raise UserError(f"{checkpoint.name} holds the state of optimizer {before}, and the recipe now names {now}: "
+                        "the resume would load one optimizer's state into another",
+                        f"set optimizer: {before} to resume it; to train on with {now}: llmtune merge {checkpoint}, "
+                        f"then base_model: the merged folder in a new output_dir; or from the start: "
+                        f"{start_over(recipe)}")  # fmt: skip
+    if not changed:
+        return []
+    shown = "; ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+    return [f"{shown} since {checkpoint.name}: the resume keeps the checkpoint's (the optimizer state it loads holds "
+            f"its own settings and each group's rate); to train with the new values from the start: "
+            f"{start_over(recipe)}"]  # fmt: skip
 
 
 def _saved_keys(checkpoint: Path, marker: dict) -> dict:

@@ -94,9 +94,12 @@ class TrainingKeys(Section):
     warmup_steps: int | None = Field(
         None,
         ge=0,
-        description="Linear warm-up steps (a fraction below 1 is read as warmup_ratio, as transformers does).",
-    )
-    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warm-up as a fraction of all steps.")
+        description="Linear warm-up steps (a fraction below 1 is read as warmup_ratio, as transformers does; 1 "
+        "becomes 2, as in Axolotl). With neither this nor warmup_ratio: Axolotl's default, 3% of the run's steps, at "
+        "most 100 (0 for none).",
+    )  # fmt: skip
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warm-up as a fraction of the run's steps "
+                                       "(num_epochs' steps, capped by max_steps), rounded down, as in Axolotl.")  # fmt: skip
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     adam_beta1: float = Field(0.9, gt=0, lt=1, description="Adam beta1.")
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="Adam beta2.")

@@ -361,6 +361,17 @@ def test_a_damaged_checkpoint_or_one_another_recipe_trained_is_refused_or_explai
     assert any(f"learning_rate {keys['schedule']['learning_rate']} -> 0.01 since checkpoint-4: the resume keeps "
                in n for n in notes)  # fmt: skip
     assert any("lr_scheduler cosine -> linear since checkpoint-4: the new schedule takes over" in n for n in notes)
+    # optimizer keys: the state it loads holds its own settings (they were dropped without a word); another
+    # optimizer's state is refused (adamw_torch's into adafactor: a KeyError mid-run)
+    notes = plan(tmp_path / "b", weight_decay=0.5, adam_beta2=0.95).notes
+    assert any(n.startswith(f"weight_decay {keys['optimizer_settings']['weight_decay']} -> 0.5; adam_beta2 "
+                            f"{keys['optimizer_settings']['adam_beta2']} -> 0.95 since checkpoint-4: the resume keeps the "
+                            "checkpoint's") for n in notes)  # fmt: skip
+    with pytest.raises(UserError, match=r"holds the state of optimizer adamw_torch, and the recipe now names "
+                                        r"adafactor") as refused:  # fmt: skip
+        plan(tmp_path / "b", optimizer="adafactor")
+    assert refused.value.hint.startswith("set optimizer: adamw_torch to resume it; to train on with adafactor: llmtune "
+                                         "merge")  # fmt: skip
     # an adapter of another shape, or none
     lora = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8}
     checkpoint(tmp_path / "c", adapter={"r": 4, "lora_alpha": 8, "use_dora": False, "use_rslora": False},

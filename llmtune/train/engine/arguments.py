@@ -147,7 +147,9 @@ def training_arguments(recipe, plan: dict, train_rows: int, has_eval: bool, conf
     from llmtune.recipe.training import named_schedule
 
     scheduler, scheduler_kwargs = named_schedule(recipe)  # (quadratic warm-up: the trainer builds its own)
-    warmup = recipe.warmup_steps if recipe.warmup_steps is not None else (recipe.warmup_ratio or 0)
+    from llmtune.train.objectives.schedule import run_steps, warmup_steps
+
+    warmup = warmup_steps(recipe, run_steps(recipe, epoch_steps))  # Axolotl's rule, its 3% default included
     kwargs = dict(
         output_dir=recipe.output_dir,
         per_device_train_batch_size=recipe.micro_batch_size,

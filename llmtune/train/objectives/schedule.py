@@ -64,6 +64,37 @@ def _product(step: int, *, inner, scale) -> float:
     return inner(step) * scale(step)
 
 
+# Axolotl's warm-up where a recipe sets neither warmup_steps nor warmup_ratio: 3% of the run's steps, at most 100
+DEFAULT_WARMUP = (0.03, 100)
+
+
+def warmup_steps(recipe, total_steps: int | None) -> int | float:
+    """The warm-up as Axolotl computes it (core/builders/base.py, _configure_warmup_and_logging, v0.4.0 on):
+    warmup_steps as given; warmup_ratio x the run's steps, rounded down; neither, 3% of them, at most 100; one step
+    becomes two. `total_steps`: the optimizer steps of num_epochs, capped by max_steps (Axolotl's total_num_steps);
+    None where unknown: the ratio, for transformers to apply."""
+    ratio = recipe.warmup_ratio if recipe.warmup_ratio is not None else DEFAULT_WARMUP[0]
+    if recipe.warmup_steps is not None:
+        steps = recipe.warmup_steps
+    elif total_steps:
+        steps = int(ratio * total_steps)
+        steps = steps if recipe.warmup_ratio is not None else min(steps, DEFAULT_WARMUP[1])
+    else:
+        return ratio
+    return 2 if steps == 1 else steps
+
+
+def run_steps(recipe, epoch_steps: int | None) -> int | None:
+    """Axolotl's total_num_steps: num_epochs of optimizer steps, capped by max_steps; None where the epoch's length
+    is unknown and max_steps unset."""
+    import math
+
+    total = math.ceil(recipe.num_epochs * epoch_steps) if epoch_steps else None
+    if recipe.max_steps:
+        return min(total, recipe.max_steps) if total else recipe.max_steps
+    return total
+
+
 def make_scheduler(recipe, optimizer, warmup: int, total: int):
     """The scheduler for `total` optimizer steps with `warmup` of them warming up."""
     from torch.optim.lr_scheduler import LambdaLR

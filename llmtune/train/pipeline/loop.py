@@ -60,7 +60,7 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log, checkpoints,
 
     from llmtune.plan.pipeline import split_layers
     from llmtune.train.data.collate import REAL_TOKENS, Collator
-    from llmtune.train.objectives.schedule import make_scheduler
+    from llmtune.train.objectives.schedule import make_scheduler, run_steps, warmup_steps
 
     pipe = plan["pipeline"]
     stages, microbatches = pipe["stages"], pipe["microbatches"]
@@ -122,9 +122,8 @@ def train_pipeline(recipe, plan: dict, model, data, tokenizer, log, checkpoints,
     logging_interval = (
         max(1, round(recipe.logging_steps * total_steps)) if recipe.logging_steps < 1 else int(recipe.logging_steps)
     )
-    warmup = (
-        recipe.warmup_steps if recipe.warmup_steps is not None else math.ceil((recipe.warmup_ratio or 0) * total_steps)
-    )
+    warmup = warmup_steps(recipe, run_steps(recipe, steps_per_epoch))  # Axolotl's rule, as the Trainer's runs
+    warmup = warmup if isinstance(warmup, int) else math.ceil(warmup * total_steps)
     scheduler = make_scheduler(recipe, optimizer, warmup, total_steps)
     # Stages exchange activations in buffers whose shapes are fixed at the first step: pad every row to sequence_len.
     collate = Collator(tokenizer.pad_token_id, recipe.sequence_len)
