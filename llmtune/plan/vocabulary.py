@@ -9,14 +9,9 @@ import json
 from pathlib import Path
 
 from llmtune.errors import UserError
-from llmtune.plan.memory.facts import local_config, model_file
+from llmtune.plan.memory.facts import embedding_modules_of, local_config, model_file
 from llmtune.recipe.adapter import names_module
 from llmtune.recipe.model import ADDITIONAL_SPECIAL_TOKENS
-
-# The input and output embedding modules by config model_type (Axolotl's get_linear_embedding_layers)
-EMBEDDING_MODULES = {"gpt_neox": ("embed_in", "embed_out"), "falcon": ("word_embeddings", "lm_head"),
-                     "nemotron_h": ("embeddings", "lm_head"), "gpt2": ("wte", "lm_head")}  # fmt: skip
-DEFAULT_EMBEDDING_MODULES = ("embed_tokens", "lm_head")
 
 
 def wanted_tokens(recipe) -> list[tuple[str, str]]:
@@ -32,11 +27,6 @@ def new_tokens(recipe, known: set[str]) -> list[tuple[str, str]]:
     """The tokens the vocabulary lacks; a new pad token doesn't count: its row is never read by the loss (labels
     and the attention mask leave it out)."""
     return [(key, token) for key, token in wanted_tokens(recipe) if token not in known and key != "pad_token"]
-
-
-def embedding_modules_of(model_type: str | None) -> tuple[str, str]:
-    """The names of a model type's input and output embedding modules, as lora_modules_to_save wants them."""
-    return EMBEDDING_MODULES.get(model_type or "", DEFAULT_EMBEDDING_MODULES)
 
 
 def check_modules_to_save(recipe, new: list[tuple[str, str]], name: str, modules: tuple[str, str],

@@ -49,7 +49,10 @@ class AdapterKeys(Section):
     lora_target_modules: list[str] | str | None = Field(
         None, description="Module names to adapt (list), or a regex (string). Default: the model family's usual set."
     )
-    lora_target_linear: bool | None = Field(None, description="Adapt every linear layer except the output head.")
+    lora_target_linear: bool | None = Field(
+        None, description="Adapt every linear layer except the output head, and with them the modules "
+        "lora_target_modules lists (e.g. lm_head, embed_tokens), as Axolotl does.",
+    )  # fmt: skip
     lora_modules_to_save: list[str] | None = Field(
         None, description="Modules trained in full and saved with the adapter (e.g. embed_tokens, lm_head)."
     )

@@ -285,7 +285,7 @@ KEYS = {
     'max_packed_sequence_len': ('v0.3.0', 'v0.18.0', 'translated: sample_packing: true at sequence_len: the smaller of its value and sequence_len'),
     'max_prompt_len': ('v0.5.0', 'v0.18.0', 'llmtune'),
     'max_steps': ('v0.3.0', 'v0.18.0', 'llmtune'),
-    'mean_resizing_embeddings': ('v0.5.0', 'v0.18.0', 'no effect'),
+    'mean_resizing_embeddings': ('v0.5.0', 'v0.18.0', 'llmtune'),
     'merge_lora': ('v0.3.0', 'v0.18.0', 'no effect'),
     'merge_method': ('v0.16.0', 'v0.18.0', 'no effect'),
     'metric_for_best_model': ('v0.3.0', 'v0.18.0', 'llmtune'),

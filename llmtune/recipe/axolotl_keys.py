@@ -133,7 +133,6 @@ AXOLOTL_ONLY_KEYS: dict[str, AxolotlKey] = {
         "the weights' dtype follows bf16/fp16 and the adapter (full fine-tunes keep fp32 master weights under mixed precision)",
         "bfloat16 float16 float32 bloat16 torch_dtype",
     ),
-    **_no_effect("new embedding rows get transformers' mean resizing", "mean_resizing_embeddings"),
     **_no_effect(
         "the model's Hugging Face tokenizer is used as it is", "tokenizer_legacy tokenizer_use_mistral_common"
     ),

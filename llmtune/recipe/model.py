@@ -144,6 +144,10 @@ class ModelKeys(Section):
     resize_token_embeddings_to_32x: bool = Field(
         False, description="Round the embedding rows up to a multiple of 32 (faster matmuls on GPUs)."
     )
+    mean_resizing_embeddings: bool = Field(
+        False, description="Start new embedding rows (added tokens) at the mean of the existing rows (transformers' "
+        "mean resizing); false, Axolotl's default: the model's own initialisation of new weights, drawn from seed.",
+    )  # fmt: skip
     overrides_of_model_config: dict | None = Field(
         None, description="Values set in the model's config before loading, e.g. {output_router_logits: true} "
         "(Axolotl also spells it model_config).",

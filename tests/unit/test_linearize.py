@@ -10,7 +10,7 @@ from tiny import load_tokenizer
 
 from llmtune.errors import UserError
 from llmtune.train.model import linearize
-from llmtune.train.model.adapters import target_pattern
+from llmtune.train.model.targets import target_pattern
 
 
 def tiny_llama4(path):

@@ -107,6 +107,17 @@ class ModelFacts:
         return self.embedding_params() + self.layers_params() + self.hidden_size + head
 
 
+# The input and output embedding modules by config model_type (Axolotl's get_linear_embedding_layers)
+EMBEDDING_MODULES = {"gpt_neox": ("embed_in", "embed_out"), "falcon": ("word_embeddings", "lm_head"),
+                     "nemotron_h": ("embeddings", "lm_head"), "gpt2": ("wte", "lm_head")}  # fmt: skip
+DEFAULT_EMBEDDING_MODULES = ("embed_tokens", "lm_head")
+
+
+def embedding_modules_of(model_type: str | None) -> tuple[str, str]:
+    """The names of a model type's input and output embedding modules, as lora_modules_to_save wants them."""
+    return EMBEDDING_MODULES.get(model_type or "", DEFAULT_EMBEDDING_MODULES)
+
+
 # Decoder families whose config class ties the output layer to the embeddings when config.json doesn't say
 # (transformers' own defaults; Gemma 3's text_config leaves it out)
 TIED_BY_DEFAULT = frozenset({

@@ -35,15 +35,27 @@ def state_bytes(optimizer: str, mixed: bool, master: bool | None = None) -> Byte
 
 
 def lora_parameters(
-    facts: ModelFacts, rank: int, targets: list[str] | str | None, parameters: list[str] | None = None
+    facts: ModelFacts,
+    rank: int,
+    targets: list[str] | str | None,
+    parameters: list[str] | None = None,
+    layers: list[int] | None = None,
 ) -> int:
     """Adapter parameters: r·(in + out) per adapted linear layer; a mixture of experts' routed experts as peft adapts
     them (memory/experts.py: fused 3D tensors in transformers 5, reached in some families only; each expert's linear
-    layers in transformers 4); `parameters`: lora_target_parameters."""
+    layers in transformers 4); `parameters`: lora_target_parameters. `targets`: "all-linear", names, or both (a list
+    holding "all-linear": lora_target_linear with modules listed beside it); the input embedding and the output
+    head adapt when named (r·(vocab + hidden) each). `layers`: peft_layers_to_transform, which peft applies to the
+    names it matches by suffix: the decoder layers' and the embedding's (in no layer: left out), not the top-level
+    head's."""
     from llmtune.plan.memory.experts import fused_expert_lora, peft_maps_experts
+    from llmtune.plan.memory.facts import embedding_modules_of
 
     h, kv, q = facts.hidden_size, facts.num_kv_heads * facts.head_dim, facts.num_heads * facts.head_dim
-    chosen = None if targets in (None, "all-linear") or isinstance(targets, str) else set(targets)
+    named = set(targets) if isinstance(targets, list) else set()
+    chosen = None if targets is None or isinstance(targets, str) or "all-linear" in named else named
+    embedding, head = embedding_modules_of(facts.model_type)
+    outside = rank * (facts.vocab_size + h) * ((head in named) + (embedding in named and not layers))
 
     def adapted(shapes: dict, copies: int = 1) -> int:
         return copies * sum(rank * (a + b) for name, (a, b) in shapes.items() if chosen is None or name in chosen)
@@ -65,14 +77,21 @@ def lora_parameters(
     router = adapted({"gate": (h, facts.num_experts)}) if mapped is not False else 0  # where peft maps it too
     shared_gate = adapted({"shared_expert_gate": (h, 1)}) if facts.shared_expert_gate else 0
     moe = experts + router + adapted(mlp(facts.shared_intermediate_size)) + shared_gate
-    return facts.num_layers * attention + dense * adapted(mlp(facts.intermediate_size)) + facts.moe_layers * moe
+    every = facts.num_layers * attention + dense * adapted(mlp(facts.intermediate_size)) + facts.moe_layers * moe
+    if layers:  # a mixture of experts' dense and sparse layers counted at their share
+        every = every * len({i for i in layers if 0 <= i < facts.num_layers}) // facts.num_layers
+    return every + outside
 
 
 def trainable_parameters(recipe, facts: ModelFacts) -> int:
     if not recipe.adapter:
         return facts.total_params()
-    targets = "all-linear" if recipe.lora_target_linear else recipe.lora_target_modules
-    return lora_parameters(facts, recipe.lora_r, targets, recipe.lora_target_parameters)
+    targets, listed = recipe.lora_target_modules, recipe.lora_target_modules
+    if recipe.lora_target_linear:  # with modules listed beside it, Axolotl's union (train/model/targets.py)
+        listed = [listed] if isinstance(listed, str) else list(listed or [])
+        targets = ["all-linear", *listed] if listed else "all-linear"
+    return lora_parameters(facts, recipe.lora_r, targets, recipe.lora_target_parameters,
+                           recipe.peft_layers_to_transform)  # fmt: skip
 
 
 NF4_BLOCK = 64  # bitsandbytes' default blocksize for 4-bit weights: one absmax per 64 weights

@@ -4,37 +4,34 @@ from __future__ import annotations
 
 from llmtune.errors import UserError
 from llmtune.recipe.adapter import names_module
-
-REGEX_CHARS = set("[]()*+?^$|\\")
-
-
-def target_pattern(modules):
-    """peft matches a list of target names by suffix (".q_proj"), and only a single string as a regex. A list with
-    regex entries, as recipes write them (experts.gate_projs.[0-9]+$), becomes one regex that keeps the plain
-    entries' suffix meaning."""
-    if not isinstance(modules, list) or not any(REGEX_CHARS & set(m) for m in modules):
-        return modules
-    import re
-
-    parts = [m.strip("^$") if REGEX_CHARS & set(m) else re.escape(m) for m in modules]
-    return rf"(?:.*\.)?(?:{'|'.join(parts)})"
+from llmtune.train.model.targets import (
+    REGEX_CHARS,
+    all_linear_exclusions,
+    by_layer,
+    layer_of,
+    listed_targets,
+    lora_targets,
+)
 
 
-def lora_config(recipe):
+def lora_config(recipe, model=None):
+    """The recipe's LoraConfig; `model`, the base before peft wraps it, where lora_target_linear has modules listed
+    beside it, or layers picked by index (targets.lora_targets)."""
     from peft import LoraConfig
 
     from llmtune.train.model.load import head_of
 
-    if recipe.lora_target_linear:
-        targets = "all-linear"
-    else:
-        targets = target_pattern(recipe.lora_target_modules)
+    task = head_of(recipe)[1]
+    targets = lora_targets(recipe, model, task)
+    if isinstance(targets, str) and by_layer(recipe):  # peft raises a ValueError of its own
+        raise UserError("peft_layers_to_transform and peft_layers_pattern apply to a list of module names, and "
+                        "lora_target_modules is a regular expression here (one string, or a list with regex entries)",
+                        "list the modules by plain names, e.g. lora_target_modules: [q_proj, v_proj]")  # fmt: skip
     extra = {}
     if recipe.lora_target_parameters:
         extra["target_parameters"] = recipe.lora_target_parameters
         targets = targets or []  # parameters alone: no module targets
-    task = head_of(recipe)[1]
-    if task != "CAUSAL_LM" and targets == "all-linear":
+    if task != "CAUSAL_LM" and recipe.lora_target_linear:
         extra["exclude_modules"] = ["score", "classifier"]  # the new head trains whole (peft's modules_to_save)
     for key, name in (("lora_rank_pattern", "rank_pattern"), ("lora_alpha_pattern", "alpha_pattern"),
                       ("peft_layers_pattern", "layers_pattern"), ("peft_init_lora_weights", "init_lora_weights"),
@@ -98,8 +95,8 @@ def _with_adapter(model, recipe):
     check_module_names(recipe, layout, key="lora_modules_to_save")
     if recipe.peft_trainable_token_indices is not None:
         check_token_rows(model, recipe.peft_trainable_token_indices)
-    config = lora_config(recipe)
-    if config.target_modules == "all-linear":
+    config = lora_config(recipe, model)
+    if recipe.lora_target_linear:  # all-linear, or its layers by name with the listed ones (Axolotl's union)
         left_out = all_linear_exclusions(model)
         if left_out:
             config.exclude_modules = sorted({*(config.exclude_modules or ()), *left_out})
@@ -120,7 +117,7 @@ def _with_adapter(model, recipe):
     # peft maps the per-expert names of transformers 4 (gate_proj, up_proj, down_proj; Mixtral's w1, w3, w2) onto
     # transformers 5's fused expert tensors where it knows the family: what it converted is no unmatched name
     kept = next(iter(adapted.peft_config.values())).target_modules
-    converted = set() if isinstance(kept, str) or kept is None else set(recipe.lora_target_modules or ()) - set(kept)
+    converted = set() if isinstance(kept, str) or kept is None else set(listed_targets(recipe)) - set(kept)
     check_module_names(recipe, layout, key="lora_target_modules", converted=converted)
     return adapted
 
@@ -176,13 +173,20 @@ class ModuleLayout:
 def check_module_names(recipe, layout: ModuleLayout, key: str, converted: set[str] = frozenset()) -> None:
     """Every plain name in `key` (lora_target_modules, lora_modules_to_save) must name a module of the model, or be
     one peft `converted` onto fused expert tensors: peft adapts what matches and says nothing of an entry that
-    matches nothing (a typo, or another family's name, would train without that layer)."""
+    matches nothing (a typo, or another family's name, would train without that layer). Beside lora_target_linear
+    such a name is said, not refused: Axolotl's own recipes list the names of other families there."""
     entries = getattr(recipe, key) or []
-    if key == "lora_target_modules" and (recipe.lora_target_linear or not isinstance(entries, list)):
-        return  # all-linear, or one regex string: peft says when it matches nothing
+    if key == "lora_target_modules":
+        if not recipe.lora_target_linear and not isinstance(entries, list):
+            return  # one regex string: peft says when it matches nothing
+        entries = listed_targets(recipe)
+    unmatched = []
     for entry in entries:
         if (entry in converted or REGEX_CHARS & set(entry)
                 or any(n == entry or n.endswith(f".{entry}") for n in layout.names)):  # fmt: skip
+            continue
+        if key == "lora_target_modules" and recipe.lora_target_linear:
+            unmatched.append(entry)
             continue
         if key == "lora_target_modules" and any(n.endswith(f".{entry}") for n in layout.parameters):
             raise UserError(f"{key}: '{entry}' is a parameter of this model (fused experts' weights), not a "
@@ -198,6 +202,12 @@ def check_module_names(recipe, layout: ModuleLayout, key: str, converted: set[st
                         + ("" if key == "lora_modules_to_save" else "; or set lora_target_linear: true")
                         + (f"; its experts' weights are parameters: lora_target_parameters: [{', '.join(experts)}]"
                            if experts else ""))  # fmt: skip
+    if unmatched:
+        from llmtune.train.runtime.progress import log
+
+        log(f"note: lora_target_modules: {', '.join(unmatched)} name{'s' if len(unmatched) == 1 else ''} no module "
+            f"of this model ({layout.kind}), whose linear layers are named {', '.join(layout.linear[:12])}: "
+            f"lora_target_linear adapts those, and nothing by {'that name' if len(unmatched) == 1 else 'those names'}")  # fmt: skip
 
 
 def _base_name(name: str) -> str:
@@ -216,27 +226,6 @@ def fused_expert_tensors(model) -> list[str]:
     """The lora_target_parameters entries of a mixture of experts' fused expert tensors (3D, one slice per
     expert), e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]; [] for a dense model."""
     return list(dict.fromkeys(_in_layer(name) for name, param in model.named_parameters() if param.ndim == 3))
-
-
-# peft refuses LoRA on these modules of state-space models (its own all-linear selects out_proj there)
-MAMBA_MODULES = {"falcon_h1": ("out_proj", "conv1d"), "mamba": ("out_proj", "conv1d"),
-                 "mamba2": ("out_proj", "conv1d"), "falcon_mamba": ("out_proj", "conv1d"),
-                 "nemotron_h": ("out_proj", "conv1d")}  # fmt: skip
-
-
-def all_linear_exclusions(model) -> list[str]:
-    """What peft's all-linear would select and can't adapt: a state-space model's out_proj/conv1d (peft refuses
-    them), and a MoE router that subclasses nn.Linear but returns a tuple (transformers' PhimoeTopKRouter: the LoRA
-    forward fails on it)."""
-    import torch
-
-    names = list(MAMBA_MODULES.get(getattr(getattr(model, "config", None), "model_type", ""), ()))
-    for name, module in model.named_modules():
-        kind = type(module)
-        if (isinstance(module, torch.nn.Linear) and kind is not torch.nn.Linear and "Router" in kind.__name__
-                and kind.__module__.startswith("transformers.models.")):  # fmt: skip
-            names.append(name)
-    return names
 
 
 def frozen_experts(model) -> str | None:
@@ -276,7 +265,8 @@ def frozen_linears(model, recipe) -> str | None:
 
     if recipe.lora_model_dir:
         return None
-    targets = lora_config(recipe).target_modules  # as the recipe asked, before peft's conversion
+    targets = lora_targets(recipe)  # as the recipe asked, before peft's conversion ("all-linear" with any listed)
+    layers = recipe.peft_layers_to_transform
     if not targets or (isinstance(targets, str) and targets != "all-linear"):
         return None  # a regex: peft's own matching, which says when it matches nothing
     output = getattr(getattr(model, "get_output_embeddings", lambda: None)(), "weight", None)
@@ -295,6 +285,8 @@ def frozen_linears(model, recipe) -> str | None:
         base = _base_name(name)
         leaf = base.rsplit(".", 1)[-1]
         wanted = targets == "all-linear" or any(base == t or base.endswith(f".{t}") for t in targets)
+        if layers and layer_of(base, recipe.peft_layers_pattern) not in layers:
+            continue  # a layer peft_layers_to_transform leaves out
         if wanted and leaf not in left_out and base not in left_out and module.weight is not output:
             frozen.append(base)
     if not frozen:

@@ -72,6 +72,19 @@ def embedding_rows(recipe, tokenizer) -> int:
     return embedding_rows_for(recipe, len(tokenizer))
 
 
+def grow_embeddings(model, rows: int, recipe) -> None:
+    """Resize the embeddings (and an untied output head) to `rows`, as Axolotl does: new rows at the mean of the old
+    ones with mean_resizing_embeddings (transformers draws them around it), else the model's own initialisation;
+    either from a generator seeded with the recipe's seed, so that every load of the model (each rank's, a
+    preference run's frozen reference copy) gets the same rows."""
+    import torch
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):  # the run's own random stream goes on as it was
+        torch.manual_seed(recipe.seed)
+        model.resize_token_embeddings(rows, mean_resizing=recipe.mean_resizing_embeddings)
+
+
 def adapter_tokenizer(recipe) -> str | None:
     """lora_model_dir's own tokenizer, where the run that trained it saved one: the tokens it added keep their ids
     (the adapter's embedding rows are theirs) and its chat template stays, without the recipe repeating them."""
@@ -103,7 +116,7 @@ def add_recipe_tokens(recipe, tokenizer, name: str, source: str) -> None:
 def embedding_modules(recipe, source: str) -> tuple[tuple[str, str], bool]:
     """The names of the model's input and output embedding modules, as lora_modules_to_save wants them, and whether
     the output head is tied to the input embedding."""
-    from llmtune.plan.vocabulary import DEFAULT_EMBEDDING_MODULES, embedding_modules_of
+    from llmtune.plan.memory.facts import DEFAULT_EMBEDDING_MODULES, embedding_modules_of
 
     try:
         import transformers
@@ -344,7 +357,7 @@ def load_model(recipe, source: str, tokenizer, precision: str, device_map=None, 
             raise UserError(f"the tokenizer has {rows} tokens but the model's embeddings {embeddings} rows; a "
                             "tensor-parallel model can't grow its embeddings",
                             "add the tokens in a one-process run first (or without tensor_parallel_size)")  # fmt: skip
-        model.resize_token_embeddings(rows)
+        grow_embeddings(model, rows, recipe)
     keep_present_layer_classes(model)
     # Packed rows leak attention across examples when a KV cache exists (see DESIGN.md).
     model.config.use_cache = False
