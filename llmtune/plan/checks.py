@@ -330,3 +330,26 @@ def warmup_notes(recipe) -> list[str]:
         return []
     return ["warm-up: the recipe sets neither warmup_steps nor warmup_ratio: Axolotl's default, 3% of the run's steps "
             "(at most 100; set warmup_steps: 0 for none)"]  # fmt: skip
+
+
+def check_expert_dropout(recipe, facts: ModelFacts | None) -> None:
+    """LoRA that reaches a mixture of experts' fused expert tensors (transformers 5) goes through peft's
+    ParamWrapper, which takes no dropout: peft refused it after the model had loaded, under a hint about the
+    targets (Axolotl's mixtral example sets lora_dropout 0.05, from before the experts were fused)."""
+    if not recipe.adapter or not recipe.lora_dropout or facts is None or not facts.num_experts:
+        return
+    from llmtune.plan.memory.experts import fused_expert_lora, peft_maps_experts
+
+    mapped = peft_maps_experts(facts.model_type)
+    parameters = recipe.lora_target_parameters or []
+    listed = recipe.lora_target_modules
+    if recipe.lora_target_linear or isinstance(listed, str):
+        chosen = None  # every linear layer (a string: a regex, said by peft if it matches none)
+    else:
+        chosen = set(listed or [])  # (none listed: peft's defaults for the family, attention projections)
+    if mapped is None and not parameters:
+        return  # experts as linear layers: LoRA's own dropout
+    if fused_expert_lora(facts.hidden_size, facts.expert_intermediate_size, 1, chosen, parameters, bool(mapped)):
+        raise UserError(f"lora_dropout: {recipe.lora_dropout} with LoRA on {facts.model_type}'s fused expert weights: "
+                        "peft adapts those through its ParamWrapper, which takes no dropout",
+                        "set lora_dropout: 0 (or leave the experts out of the targets)")  # fmt: skip

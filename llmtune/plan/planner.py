@@ -20,6 +20,7 @@ from llmtune.plan.checks import (
     _check_relora,
     _qat_notes,
     check_chat_templates,
+    check_expert_dropout,
     check_kto_batch,
     check_wrap_class,
     eval_notes,
@@ -237,6 +238,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
     check_chat_templates(recipe)
     check_new_tokens(recipe)
     check_adapter_vocabulary(recipe)
+    check_expert_dropout(recipe, facts)
     check_kto_batch(recipe)
     for key in ("early_stopping_patience", "load_best_model_at_end", "eval_steps", "evals_per_epoch", "eval_strategy"):
         if getattr(recipe, key) not in (None, False, "no") and not (recipe.val_set_size or recipe.test_datasets):

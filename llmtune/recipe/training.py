@@ -312,6 +312,10 @@ class TrainingKeys(Section):
                              "(transformers never reads optim_args for it); remove optim_args")  # fmt: skip
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("warmup_steps and warmup_ratio are both set; use one")
+        if self.lr_scheduler == "warmup_stable_decay" and "num_decay_steps" not in (self.lr_scheduler_kwargs or {}):
+            raise ValueError("lr_scheduler: warmup_stable_decay needs lr_scheduler_kwargs.num_decay_steps (the "
+                             "steps of its final decay; transformers has no default and stopped the run at its "
+                             "start), e.g. lr_scheduler_kwargs: {num_decay_steps: 100}")  # fmt: skip
         if self.embedding_lr is not None and self.embedding_lr_scale is not None:
             raise ValueError("embedding_lr and embedding_lr_scale are both set; use one (Axolotl took the scale and "
                              "dropped embedding_lr without a word)")  # fmt: skip

@@ -345,7 +345,8 @@ def test_eight_bit_optimizers_and_fused_adam_cost_less_at_the_step():
     planned = {row.name: row for row in estimate(recipe(**full, optimizer="adamw_torch"), ONE_B, 4, 4, stages=4)}
     assert all(planned[name].temporaries == 0 for name in ("single / DDP", "ZeRO-1", "ZeRO-3", "FSDP full shard"))
     assert planned["pipeline"].temporaries > 0
-    assert torch_adam.optimizer - eight.optimizer == pytest.approx(6 * psi)  # 8 bytes of moments -> 2
+    # 8 bytes of moments -> 2, but for the input embedding, whose states the Trainer keeps in 32 bits
+    assert torch_adam.optimizer - eight.optimizer == pytest.approx(6 * (psi - ONE_B.embedding_params()))
 
 
 def test_padded_batches_reserve_more_than_packed_ones_without_expandable_segments():

@@ -51,3 +51,35 @@ def test_adapter_size_equals_peft_s(model_type, keys):
     built, config = peft_count(model_type, shape, keys)
     estimated = trainable_parameters(recipe(**keys), facts_from_config(config))
     assert estimated == built, (model_type, keys, estimated, built)
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("mixtral", {"lora_target_linear": True}),  # Axolotl's mixtral example: lora_dropout 0.05
+    ("mixtral", {"lora_target_modules": ["q_proj", "v_proj"]}),  # the experts untouched
+    ("qwen3_moe", {"lora_target_linear": True}),
+    ("qwen2_moe", {"lora_target_linear": True}),  # experts frozen
+    ("qwen2_moe", {"lora_target_linear": True, "lora_target_parameters": QWEN2_MOE_EXPERTS}),
+    ("llama", {"lora_target_linear": True}),
+])  # fmt: skip
+def test_lora_dropout_on_fused_experts_is_refused_at_plan_time_exactly_where_peft_refuses_it(model_type, keys):
+    """peft's ParamWrapper (LoRA on a fused expert tensor) takes no dropout: peft refused it after the model had
+    loaded, under a hint about lora_target_linear."""
+    from llmtune.errors import UserError
+    from llmtune.plan.checks import check_expert_dropout
+
+    shape = {**SHAPE, "shared_expert_intermediate_size": 20} if model_type == "qwen2_moe" else SHAPE
+    keys = {**keys, "lora_dropout": 0.05}
+    try:
+        peft_count(model_type, shape, keys)
+        peft_refuses = False
+    except UserError as err:
+        peft_refuses = "lora_dropout" in err.message
+    _, config = peft_count(model_type, shape, {**keys, "lora_dropout": 0.0})
+    try:
+        check_expert_dropout(recipe(**keys), facts_from_config(config))
+        planned_refusal = False
+    except UserError as err:
+        planned_refusal = err.hint.startswith("set lora_dropout: 0")
+    assert planned_refusal == peft_refuses, (model_type, keys)
+    if model_type == "mixtral" and keys.get("lora_target_linear"):
+        assert peft_refuses  # the case the probe met

@@ -26,6 +26,7 @@ BAD_RECIPES = [
     ("wrong-type", {"sequence_len": "long"}, ["sequence_len", "integer"], []),
     ("deepspeed-and-fsdp", {"deepspeed": "zero2", "fsdp_version": 2}, ["deepspeed", "fsdp"], []),
     ("warmup-both", {"warmup_steps": 10, "warmup_ratio": 0.1}, ["warmup_steps", "warmup_ratio"], []),
+    ("wsd-no-decay", {"lr_scheduler": "warmup_stable_decay"}, ["warmup_stable_decay", "num_decay_steps"], []),
     ("4bit-and-8bit", {"adapter": "lora", "load_in_4bit": True, "load_in_8bit": True}, ["load_in_4bit", "load_in_8bit"], []),
     ("qlora-without-4bit", {"adapter": "qlora"}, ["qlora", "load_in_4bit"], []),
     ("bad-adapter", {"adapter": "dora"}, ["adapter", "lora"], []),

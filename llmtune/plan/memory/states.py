@@ -137,7 +137,12 @@ def _states(recipe, facts: ModelFacts, mixed: bool, deepspeed: bool) -> tuple[fl
     psi = facts.total_params()
     base = state_bytes(recipe.optimizer, mixed, master=True) if deepspeed else state_bytes(recipe.optimizer, False)
     if not recipe.adapter:
-        return base.params * psi, base.grads * psi, base.optimizer * psi
+        # the Trainer keeps an 8-bit bitsandbytes optimizer's states of nn.Embedding weights in 32 bits (its
+        # GlobalOptimManager override, as bitsandbytes advises for embeddings): the input embedding's, tied or not
+        wide = state_bytes("lion_32bit" if "lion" in recipe.optimizer else "adamw_torch", False, master=False)
+        embedding = (wide.optimizer - state_bytes(recipe.optimizer, False, master=False).optimizer
+                     if recipe.optimizer in EIGHT_BIT else 0.0) * facts.embedding_params()  # fmt: skip
+        return base.params * psi, base.grads * psi, base.optimizer * psi + embedding
     trainable = trainable_parameters(recipe, facts)
     width = 2.0 if mixed else 4.0  # the frozen base is kept in the compute dtype
     kbit = recipe.load_in_4bit or recipe.load_in_8bit or recipe.gptq
