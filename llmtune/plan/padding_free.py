@@ -117,6 +117,34 @@ def blocker(config: dict) -> str | None:
     return None
 
 
+MASK_FACTORIES = ("create_causal_mask(", "create_sliding_window_causal_mask(", "create_chunked_causal_mask(")
+
+
+def mask_ignores_positions(source: str) -> bool:
+    """Whether modelling source builds an attention mask without position_ids. transformers' mask factories keep
+    packed examples apart when they get position_ids (they find the restarts there); code that builds its mask
+    without passing them (OPT, BLOOM, MPT, BioGPT, XGLM, gpt-oss in transformers 5) makes one causal mask over the
+    whole packed row."""
+    for factory in MASK_FACTORIES:
+        start = source.find(factory)
+        while start != -1:
+            depth, end = 0, start + len(factory) - 1
+            for end in range(start + len(factory) - 1, len(source)):
+                depth += {"(": 1, ")": -1}.get(source[end], 0)
+                if depth == 0:
+                    break
+            call = source[start:end]
+            if "**" in call:  # the arguments built beforehand (mask_kwargs = {...}): those of the same function
+                call = source[source.rfind("\n    def ", 0, start) : end]
+                passed = '"position_ids":' in call or "position_ids=position_ids" in call
+            else:
+                passed = "position_ids" in call
+            if not passed:
+                return True
+            start = source.find(factory, end)
+    return False
+
+
 def planned_batches(recipe, batches):
     """Padded batches where the model, as read on this machine, can't take padding-free ones: the ranks would fall
     back after loading where the plan had promised them; per-row SDPA instead of torch's varlen_attn where the model
@@ -126,6 +154,11 @@ def planned_batches(recipe, batches):
     from llmtune.recipe.batches import PADDED, Batches, attention_dropout, with_attention_dropout
 
     if not batches.padding_free and batches.kernel != "torch_varlen":
+        if batches.layout == PADDED and recipe.sample_packing:  # asked for (batch_flattening: false), or on CPU
+            config = local_config(recipe.base_model_config or recipe.base_model)
+            free = recipe.batch_flattening is False and blocker(config) is None
+            _check_packing(recipe, config, "remove batch_flattening: false (padding-free batches keep the examples "
+                           "apart in this model), or set sample_packing: false" if free else "set sample_packing: false")  # fmt: skip
         return batches
     config = local_config(recipe.base_model_config or recipe.base_model)
     if batches.padding_free:
@@ -133,6 +166,20 @@ def planned_batches(recipe, batches):
         if why is not None:
             if recipe.batch_flattening is True:
                 raise UserError(f"batch_flattening: true can't run with this model: {why}", "remove batch_flattening")
+            _check_packing(recipe, config)
             return Batches(PADDED, reason=why)
     # overrides_of_model_config is applied to the loaded config (train/model/load.py): its dropout is the one trained
     return with_attention_dropout(batches, attention_dropout({**config, **(recipe.overrides_of_model_config or {})}))
+
+
+def _check_packing(recipe, config: dict, hint: str = "set sample_packing: false") -> None:
+    """Packed rows on the padded path in a model whose mask ignores position_ids: refused when the run is planned,
+    as the ranks refuse it after loading (train/model/kernels.batch_layout)."""
+    from llmtune.errors import UserError
+
+    model_type = str(config.get("model_type") or "")
+    source = modelling_source(model_type) if recipe.sample_packing and not config.get("auto_map") else None
+    if source is not None and mask_ignores_positions(source):
+        raise UserError(f"sample_packing on padded rows can't run with {model_type}: transformers' modelling code "
+                        "builds its attention mask without position_ids, so the examples packed into a row would "
+                        "attend to each other", hint)  # fmt: skip

@@ -141,3 +141,23 @@ def test_a_model_that_drops_attention_weights_is_planned_per_row_as_the_rank_att
     ranked = batch_layout(recipe(base_model=dropped, bf16=True), {"precision": "bf16", "cluster": {"device": "cuda"}},
                           model, said.append)  # fmt: skip
     assert (ranked.kernel, ranked.reason) == ("sdpa_per_row", why) and said == [f"batches: {ranked.describe()}"]
+
+
+def test_packed_rows_a_model_s_mask_would_mix_are_refused_when_planned(tmp_path):
+    """gpt-oss (attention sinks: padded rows) builds its mask without position_ids, so packed examples would attend
+    to each other: the ranks refused that after data and model loading (six of Axolotl's gpt-oss examples pack).
+    The plan reads the same rule from the modelling source: it agrees with the loaded classes' and refuses first."""
+    from llmtune.plan.padding_free import mask_ignores_positions
+
+    leaky = {t for t in FAMILIES if mask_ignores_positions(modelling_source(t))}
+    assert {"opt", "gpt_oss"} <= leaky and not {"llama", "mistral", "qwen2", "gemma2", "mixtral"} & leaky
+    folder = write_config(tmp_path / "oss", model_type="gpt_oss", num_local_experts=4, intermediate_size=64)
+    with pytest.raises(UserError, match="sample_packing on padded rows can't run with gpt_oss") as refused:
+        make_plan(recipe(base_model=folder, sample_packing=True), make_cluster(1, device="cpu"))
+    assert refused.value.hint == "set sample_packing: false"
+    make_plan(recipe(base_model=folder), make_cluster(1, device="cpu"))  # unpacked rows: planned padded
+    opt = write_config(tmp_path / "opt", model_type="opt", ffn_dim=64)  # padding-free keeps OPT's examples apart
+    make_plan(recipe(base_model=opt, sample_packing=True), make_cluster(1, device="cpu"))
+    with pytest.raises(UserError, match="can't run with opt") as refused:
+        make_plan(recipe(base_model=opt, sample_packing=True, batch_flattening=False), make_cluster(1, device="cpu"))
+    assert refused.value.hint.startswith("remove batch_flattening: false")

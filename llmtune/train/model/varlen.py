@@ -175,40 +175,22 @@ def unsupported(model) -> str | None:
     return None
 
 
-MASK_FACTORIES = ("create_causal_mask(", "create_sliding_window_causal_mask(", "create_chunked_causal_mask(")
-
-
 def packing_leaks(model) -> str | None:
-    """Why packed rows on the padded path would attend to each other in this model, or None. transformers' mask
-    factories keep packed examples apart when they get position_ids (they find the restarts there); modelling code
-    that builds its mask without passing them (OPT, BLOOM, MPT, BioGPT, XGLM in transformers 5) makes one causal
-    mask over the whole packed row."""
+    """Why packed rows on the padded path would attend to each other in this model, or None (the modelling code's
+    mask factories without position_ids: plan/padding_free.mask_ignores_positions)."""
     import inspect
     import sys
+
+    from llmtune.plan.padding_free import mask_ignores_positions
 
     base = _base(model)
     try:
         source = inspect.getsource(sys.modules[type(base).__module__])
     except (OSError, TypeError, KeyError):
         return None  # no source to read (compiled or remote code not on disk): not known to leak
-    for factory in MASK_FACTORIES:
-        start = source.find(factory)
-        while start != -1:
-            depth, end = 0, start + len(factory) - 1
-            for end in range(start + len(factory) - 1, len(source)):
-                depth += {"(": 1, ")": -1}.get(source[end], 0)
-                if depth == 0:
-                    break
-            call = source[start:end]
-            if "**" in call:  # the arguments built beforehand (mask_kwargs = {...}): those of the same function
-                call = source[source.rfind("\n    def ", 0, start) : end]
-                passed = '"position_ids":' in call or "position_ids=position_ids" in call
-            else:
-                passed = "position_ids" in call
-            if not passed:
-                return (f"{type(base).__name__}'s modelling code builds its attention mask without position_ids, "
-                        "so the examples packed into a row would attend to each other")  # fmt: skip
-            start = source.find(factory, end)
+    if mask_ignores_positions(source):
+        return (f"{type(base).__name__}'s modelling code builds its attention mask without position_ids, "
+                "so the examples packed into a row would attend to each other")  # fmt: skip
     return None
 
 
