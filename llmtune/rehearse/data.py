@@ -90,7 +90,7 @@ def _sample(spec, label: str, limit: int, folder: Path, stand_in: str | None) ->
                                        "revision": None, "split": "train"})  # fmt: skip
     rows = [row for row, _ in islice(read_rows(spec, label), limit + 1)]  # the train room's reader and its errors
     total = _count_rows(spec, label, len(rows), limit)
-    entry = spec.model_dump(mode="json", exclude_defaults=True)
+    entry = spec.model_dump(mode="json", exclude_unset=True)  # set-ness is read (sharegpt's field_messages)
     if Path(spec.path).exists() and len(rows) <= limit:  # small and local: the ranks read the file itself
         return Source(label, original.path, entry, total, len(rows), stand_in)
     file = folder / f"{label.replace('[', '-').rstrip(']')}.jsonl"
@@ -152,8 +152,10 @@ def check_data(recipe, tokenizer, sources: list[Source], limit: int, cache: Path
         specs = getattr(recipe, group) or []
         if any(f"{group}[{i}]" in stand_ins for i in range(len(specs))):
             changes[group] = [stand_ins[f"{group}[{i}]"].spec if f"{group}[{i}]" in stand_ins
-                              else spec.model_dump(mode="json") for i, spec in enumerate(specs)]  # fmt: skip
-    checked = Recipe.model_validate({**recipe.model_dump(mode="json"), **changes})
+                              else spec.model_dump(mode="json", exclude_unset=True)
+                              for i, spec in enumerate(specs)]  # fmt: skip
+    # what the recipe set, no more: the train room's checks read which keys a recipe sets
+    checked = Recipe.model_validate({**recipe.model_dump(mode="json", exclude_unset=True), **changes})
     prepared = prepare_data(checked, tokenizer, _first(limit))
     notes = [f"{s.label}: {s.path} could not be loaded here; STAND-IN data {s.stand_in} was used in its place "
              "(same format: the real rows were not checked)" for s in sources if s.stand_in]  # fmt: skip

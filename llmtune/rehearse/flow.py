@@ -69,9 +69,22 @@ def _prepare_output(output: Path) -> None:
     make_folder(output)
 
 
+def cpu_swaps(recipe) -> tuple[dict, list[str]]:
+    """GPU-only settings the plan doesn't already turn off on CPU, and what the rehearsal runs in their place (the
+    recipe's keys to change, the notes that say so): the rest of the recipe is still rehearsed."""
+    changes: dict = {}
+    notes: list[str] = []
+    if recipe.attn_implementation == "flex_attention":  # torch's FlexAttention has no backward on CPU
+        changes.update(attn_implementation="sdpa", flex_attention=False)
+        notes.append("attn_implementation: flex_attention runs as sdpa in the CPU rehearsal (FlexAttention has no "
+                     "backward on CPU); the GPUs run flex_attention")  # fmt: skip
+    return changes, notes
+
+
 def rehearsal_mapping(recipe, model_dir: Path, tokenizer: str, sources, output: Path, sequence_len: int) -> dict:
     """The recipe the ranks run: the original with the shrunken model, the sampled data, a short run."""
-    data = recipe.model_dump(mode="json")
+    # what the recipe set, no more: the plan's notes and checks read which keys a recipe sets (FSDP1 keys, bf16)
+    data = recipe.model_dump(mode="json", exclude_unset=True)
     groups: dict[str, list] = {"datasets": [], "test_datasets": []}
     for source in sources:
         groups[source.label.split("[")[0]].append(source.spec)
@@ -79,10 +92,12 @@ def rehearsal_mapping(recipe, model_dir: Path, tokenizer: str, sources, output: 
     data.update(
         base_model=str(model_dir), base_model_config=None, revision_of_model=None, tokenizer_config=tokenizer,
         datasets=groups["datasets"], test_datasets=groups["test_datasets"] or None, sequence_len=sequence_len,
-        excess_length_strategy="truncate" if shorter else recipe.excess_length_strategy, max_steps=STEPS,
-        output_dir=str(output / "run"), dataset_prepared_path=str(output / "prepared"), resume_from_checkpoint=None,
-        auto_resume_from_checkpoints=True, streaming=False,
+        max_steps=STEPS, output_dir=str(output / "run"), dataset_prepared_path=str(output / "prepared"),
+        resume_from_checkpoint=None, auto_resume_from_checkpoints=True, streaming=False,
     )  # fmt: skip
+    if shorter:
+        data["excess_length_strategy"] = "truncate"
+    data.update(cpu_swaps(recipe)[0])
     if recipe.trackers:  # nothing of the rehearsal reaches a tracking server
         data.update(wandb_mode="offline", mlflow_tracking_uri=None)
     return {key: value for key, value in data.items() if key in type(recipe).model_fields}
@@ -157,10 +172,11 @@ class _Model:
     tokenizer_choice: object  # rehearse.model.TokenizerChoice
     tokenizer: object
     folder: Path
+    notes: list[str]  # sizes the recipe's keys raised (lisa_n_layers, qat's groups)
 
 
 def _shrunken_model(recipe, gpu_plan, options: RehearsalOptions, online: bool, echo) -> _Model:
-    from llmtune.plan.shrink import KBIT_CPU_BLOCK, layers_needed, shrink_config
+    from llmtune.plan.shrink import KBIT_CPU_BLOCK, layers_needed
     from llmtune.rehearse import model as rehearsal_model
 
     full, gguf_tokenizer = rehearsal_model.full_config(recipe, online)
@@ -170,12 +186,13 @@ def _shrunken_model(recipe, gpu_plan, options: RehearsalOptions, online: bool, e
     evaluates = recipe.val_set_size or recipe.test_datasets
     multiple = KBIT_CPU_BLOCK if (recipe.load_in_4bit or recipe.load_in_8bit) and evaluates else 1
     split = (gpu_plan.mesh or {}).get("context_parallel", 1) if recipe.deepspeed is not None else 1  # Ulysses
-    shrunk = shrink_config(full.config, needed, options.hidden_size, options.layers, multiple, split)
+    shrunk, notes = rehearsal_model.shrink_for(recipe, full.config, needed, options.hidden_size, options.layers,
+                                               multiple, split)  # fmt: skip
     choice = rehearsal_model.choose_tokenizer(recipe, gguf_tokenizer, options.stand_in_tokenizer, online)
     tokenizer = rehearsal_model.load_rehearsal_tokenizer(recipe, choice)
     echo(f"[llmtune] rehearsal: {recipe.base_model} shrunk ({', '.join(shrunk.changes)}); {choice.note}")
     folder = rehearsal_model.materialise(shrunk.config, recipe.base_model, tokenizer)
-    return _Model(full, shrunk, choice, tokenizer, folder)
+    return _Model(full, shrunk, choice, tokenizer, folder, notes)
 
 
 def _stop_then_resume(plans: list, rehearsal, extra: list[str], timings: dict, echo) -> tuple[int, Path | None]:
@@ -231,7 +248,9 @@ def rehearse_recipe(recipe_path: Path, flags: ClusterFlags, options: RehearsalOp
     if not online:
         os.environ["HF_HUB_OFFLINE"] = "1"  # the libraries would retry the Hub for a minute per file
         notes.append("offline: the Hub is unreachable, so only local files and the HF cache were used")
+    notes += cpu_swaps(recipe)[1]
     model = _shrunken_model(recipe, gpu_plan, options, online, echo)
+    notes += model.notes
     timings["model_and_tokenizer_s"] = time.monotonic() - started
 
     mark = time.monotonic()

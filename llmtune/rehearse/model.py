@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -77,16 +78,76 @@ def full_config(recipe, online: bool) -> tuple[FullConfig, str | None]:
     return found, None
 
 
+def _input_widths(shrunk) -> set[int]:
+    """The input widths of the shrunken model's linear layers: hidden, attention output, the MLPs' (experts too)."""
+    from llmtune.plan.shrink import text_config
+
+    facts = shrunk.shrunk
+    widths = {facts.hidden_size, facts.num_heads * facts.head_dim, facts.intermediate_size,
+              facts.expert_intermediate_size, facts.shared_intermediate_size}  # fmt: skip
+    text = text_config(shrunk.config)
+    widths |= {value for key, value in text.items() if key.endswith("intermediate_size") and isinstance(value, int)}
+    return widths - {0}
+
+
+def shrink_for(recipe, config: dict, needed: int, hidden: int | None, layers: int | None, multiple: int = 1,
+               split: int = 1) -> tuple[object, list[str]]:  # fmt: skip
+    """The shrink (plan.shrink.shrink_config) with the sizes the recipe's own keys need, so that no refusal is the
+    shrink's: layers for lisa_n_layers to choose from, widths in whole groups of qat.group_size. Returns (the
+    shrunken config, notes saying what was raised and why)."""
+    from llmtune.plan.shrink import shrink_config
+
+    notes = []
+    lisa = recipe.lisa_n_layers or 0
+    if lisa >= max(needed, layers or 0):  # one more than LISA trains: it still chooses, as among the real layers
+        notes.append(f"lisa_n_layers: {lisa}: the shrunken model keeps {lisa + 1} layers (LISA chooses {lisa} of "
+                     "them each interval, as it does among the real layers)")  # fmt: skip
+        layers = lisa + 1
+    block = recipe.qat.block if recipe.qat else 0
+    shrunk = shrink_config(config, needed, hidden, layers, multiple, split)
+    if block <= 1 or all(width % block == 0 for width in _input_widths(shrunk)):
+        return shrunk, notes
+    # the smallest hidden size, from the asked one up, whose every input width splits into whole groups
+    start = max(hidden or shrunk.shrunk.hidden_size, block)
+    for candidate in range(-(-start // block) * block, 64 * block + 1, block):
+        trial = shrink_config(config, needed, candidate, layers, multiple, split)
+        if all(width % block == 0 for width in _input_widths(trial)):
+            shrunk = trial
+            break
+    else:  # every projection's width in whole groups: always possible, sometimes wider
+        shrunk = shrink_config(config, needed, hidden, layers, math.lcm(multiple, block), split)
+    notes.append(f"qat: groups of {block}: the shrunken model's hidden size is {shrunk.shrunk.hidden_size} (every "
+                 f"layer's input width a multiple of {block}, as the real model's are)")  # fmt: skip
+    return shrunk, notes
+
+
 def _cached_locally(repo_id: str) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
     return isinstance(try_to_load_from_cache(repo_id, "tokenizer_config.json"), str)
 
 
+# a folder holding none of these has no tokenizer (e.g. a config.json-only folder kept for the shapes)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt", "merges.txt", "sentencepiece.bpe.model", "tiktoken.model")  # fmt: skip
+
+
+def holds_tokenizer(folder: Path) -> bool:
+    """Whether a local folder holds tokenizer files (a file, e.g. a .gguf, is taken at its word)."""
+    return not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
 def choose_tokenizer(recipe, gguf_tokenizer: str | None, stand_in: str | None, online: bool) -> TokenizerChoice:
     """The recipe's own tokenizer when it can be had (local, cached, or online), else the stand-in asked for."""
     name = recipe.tokenizer_config or gguf_tokenizer or recipe.base_model
     local = Path(name).expanduser()
+    if local.exists() and not holds_tokenizer(local):
+        if stand_in is None:
+            raise UserError(f"{name} is a local folder without tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, "
+                            "...): no tokenizer to rehearse with", "point tokenizer_config at the real tokenizer, or "
+                            "pass --stand-in-tokenizer DIR to rehearse with another (labelled a stand-in in the "
+                            "report)")  # fmt: skip
+        return _stand_in(stand_in, f"the recipe's {name} holds no tokenizer files")
     if local.exists() or online or _cached_locally(name):
         where = "local" if local.exists() else "HF cache" if not online else "the Hub"
         if name == gguf_tokenizer:
@@ -97,11 +158,15 @@ def choose_tokenizer(recipe, gguf_tokenizer: str | None, stand_in: str | None, o
                         "is unreachable)", f"fetch it once with network (`hf download {name} --include 'tokenizer*' "
                         "--include '*.json'`), or pass --stand-in-tokenizer DIR to rehearse with another tokenizer "
                         "(labelled a stand-in in the report)")  # fmt: skip
+    return _stand_in(stand_in, f"the recipe's {name} is not available offline")
+
+
+def _stand_in(stand_in: str, why: str) -> TokenizerChoice:
     if not Path(stand_in).is_dir():
         raise UserError(f"--stand-in-tokenizer {stand_in} is not a folder", "pass a folder saved by save_pretrained")
     return TokenizerChoice(str(Path(stand_in).resolve()), False,
-                           f"STAND-IN tokenizer {stand_in}: the recipe's {name} is not available offline; token "
-                           "counts, chat template and special tokens are the stand-in's, not the real run's")  # fmt: skip
+                           f"STAND-IN tokenizer {stand_in}: {why}; token counts, chat template and special tokens "
+                           "are the stand-in's, not the real run's")  # fmt: skip
 
 
 def load_rehearsal_tokenizer(recipe, choice: TokenizerChoice):

@@ -54,7 +54,8 @@ def full_scale_data(recipe, plan, data) -> dict:
     per_thousand = round(1000 * rows / sampled / rows_per_step, 2) if sampled else None
     total_steps = recipe.max_steps or (math.ceil(per_epoch * recipe.num_epochs) if per_epoch else None)
     fixed = recipe.sample_packing or recipe.pad_to_sequence_len
-    mean_tokens = stats.get("train_tokens", 0) / rows if rows else 0
+    # preference and GRPO rows are tokenized by TRL's trainer, after this check: their tokens are not counted here
+    mean_tokens = stats["train_tokens"] / rows if rows and "train_tokens" in stats else None
     return {
         "sources": [
             {
@@ -74,7 +75,7 @@ def full_scale_data(recipe, plan, data) -> dict:
         "total_steps": total_steps,
         "steps_per_1000_source_rows": per_thousand,
         "token_slots_per_step": plan.global_batch_size * recipe.sequence_len if fixed else None,
-        "real_tokens_per_step": round(plan.global_batch_size * mean_tokens),
+        "real_tokens_per_step": None if mean_tokens is None else round(plan.global_batch_size * mean_tokens),
         "stand_in": any(s.stand_in for s in data.sources),
     }
 
@@ -94,6 +95,7 @@ def distinct_data(metrics: dict, mesh: dict | None = None) -> dict:
 
 def memory(recipe, rehearsal, plan, shrunk, gpu_memory: float, metrics: dict) -> dict:
     """Measured model states per rank vs the estimate for the shrunken shape (fp32), and the full-scale figures."""
+    from llmtune.plan.memory.buffers import FIT_FRACTION
     from llmtune.plan.memory.fit import estimate_recipe, row_for_plan
 
     cluster = plan.cluster
@@ -110,7 +112,7 @@ def memory(recipe, rehearsal, plan, shrunk, gpu_memory: float, metrics: dict) ->
               "full_model_states_per_rank_bytes": full_same.model_states + full_same.step_copy,
               "full_gpu_total_per_rank_bytes": full_row.total, "full_gpu_allocated_per_rank_bytes": full_row.allocated,
               "full_cpu_offload_per_machine_bytes": full_row.cpu, "full_nvme_per_machine_bytes": full_row.nvme,
-              "gpu_memory_bytes": gpu_memory, "fits": full.fits(full_row),
+              "gpu_memory_bytes": gpu_memory, "fits": full.fits(full_row), "fit_fraction": FIT_FRACTION,
               "recommended": full.choice[0].strategy if full.choice else None}  # fmt: skip
     if not measured:
         result.update(checked=False, why="this strategy's loop does not measure model states (pipeline)")
@@ -165,6 +167,20 @@ def checkpoint(recipe, plan, shrunk, folder: Path, trainable: int, total: int) -
             "scaling": {k: round(v, 2) for k, v in scale.items()}}  # fmt: skip
 
 
+def kept_checkpoint(recipe, plan, shrunk, stopped_at: Path, run_dir: Path, metrics: dict) -> dict:
+    """The checkpoint the rehearsal stopped at, or, where save_total_limit rotated it away during the resumed run,
+    the last one kept (said in `rotated`)."""
+    from llmtune.plan.checkpoint_layout import last_complete
+
+    folder = stopped_at if stopped_at.is_dir() else last_complete(run_dir)
+    sizes = (metrics["trainable_parameters"], metrics["total_parameters"])
+    found = checkpoint(recipe, plan, shrunk, folder, *sizes) if folder is not None else \
+        {"folder": None, "layout": {}, "rehearsal_bytes": 0, "full_scale_bytes": 0}  # fmt: skip
+    if folder != stopped_at:
+        found["rotated"] = stopped_at.name
+    return found
+
+
 def differences(recipe, rehearsal, plan, gpu_plan, shrunk, tokenizer, data) -> tuple[list[str], list[str]]:
     """(what the GPU run does differently, what the rehearsal could not check)."""
     different = [
@@ -201,7 +217,9 @@ def build_report(*, recipe, rehearsal, plan, gpu_plan, shrunk, full, tokenizer, 
     from llmtune.plan.memory.table import parse_size_option
 
     gpu_memory = parse_size_option("--gpu-memory", options.gpu_memory)
-    losses = [e["loss"] for e in metrics.get("log_history", []) if "loss" in e]
+    logged = [e for e in metrics.get("log_history", []) if "loss" in e]  # the steps logging_steps logged
+    losses, loss_steps = [e["loss"] for e in logged], [e.get("step") for e in logged]
+    run_dir = Path(rehearsal.output_dir)
     different, unchecked = differences(recipe, rehearsal, plan, gpu_plan, shrunk, tokenizer, data)
     return {
         "recipe": recipe.base_model,
@@ -219,15 +237,18 @@ def build_report(*, recipe, rehearsal, plan, gpu_plan, shrunk, full, tokenizer, 
         "data": full_scale_data(recipe, gpu_plan, data),
         "ranks": distinct_data(metrics, plan.mesh),
         "memory": memory(recipe, rehearsal, plan, shrunk, gpu_memory, metrics),
-        "checkpoint": checkpoint(
-            recipe, plan, shrunk, checkpoint_dir, metrics["trainable_parameters"], metrics["total_parameters"]
-        ),  # fmt: skip
+        "checkpoint": kept_checkpoint(recipe, plan, shrunk, checkpoint_dir, run_dir, metrics),
         "run": {
             "steps": metrics.get("steps"),
             "stopped_after_step": int(checkpoint_dir.name.rsplit("-", 1)[-1]),
             "resumed_from": metrics.get("resumed_from"),
             "losses": losses,
-            "final_loss": metrics.get("final_loss"),
+            "loss_steps": loss_steps,
+            "logging_steps": recipe.logging_steps,
+            "final_loss": losses[-1] if losses else metrics.get("final_loss"),
+            "final_loss_step": loss_steps[-1] if losses else None,
+            "train_loss": metrics.get("train_loss"),
+            "train_loss_steps": metrics.get("train_loss_steps"),
             "merged": str(merged.output),
             "merged_bytes": merged.total_bytes,
             "merged_shards": len(merged.shards),
@@ -247,6 +268,30 @@ def _other_drops(stats: dict) -> str:
     return "".join(f", {phrase}" for phrase in shown)
 
 
+def _fit(mem: dict) -> str:
+    """Fits or not, against the limit `llmtune train`'s check applies (a fraction of the GPU's memory)."""
+    fraction = mem.get("fit_fraction", 1.0)
+    limit = f"{fraction:.0%} of that, {_gb(fraction * mem['gpu_memory_bytes'])}"
+    if mem["fits"]:
+        return f"fits {_gb(mem['gpu_memory_bytes'])} GPUs (under {limit}, as llmtune train checks)"
+    return f"does NOT fit {_gb(mem['gpu_memory_bytes'])} GPUs (llmtune train refuses above {limit})"
+
+
+def _losses(run: dict) -> str:
+    """The losses logged, at their steps (logging_steps may skip some), and the train loss the run printed."""
+    steps = [s for s in run.get("loss_steps") or [] if s is not None]
+    at = f" at step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}" if steps else ""
+    logged = ", ".join(f"{x:.3f}" for x in run["losses"])
+    text = f"losses {logged}{at}" if logged else "no loss logged"
+    if run.get("logging_steps", 1) > 1:
+        text += f" (logging_steps {run['logging_steps']:g})"
+    span = run.get("train_loss_steps")
+    if run.get("train_loss") is not None and span:
+        where = f"step {span[0]}" if span[0] == span[-1] else f"steps {span[0]}-{span[-1]}"
+        text += f"; train loss {run['train_loss']:.3f} over {where} (the resumed run)"
+    return text
+
+
 def report_lines(report: dict) -> list[tuple[str, str]]:
     par, data, ranks, mem, ckpt, run = (report[k] for k in ("parallel", "data", "ranks", "memory", "checkpoint", "run"))
     lines = [("world", f"{par['world_size']} = {par['num_machines']} machine(s) x {par['processes_per_machine']}; "
@@ -258,7 +303,9 @@ def report_lines(report: dict) -> list[tuple[str, str]]:
                               f"{'' if per_epoch else unknown}; {data['steps_per_1000_source_rows']} steps per 1,000 "
                               "rows of data"))  # fmt: skip
     slots = f"{data['token_slots_per_step']:,} token slots, " if data["token_slots_per_step"] else ""
-    lines.append(("tokens/step", f"{slots}~{data['real_tokens_per_step']:,} real tokens"))
+    real = data["real_tokens_per_step"]
+    lines.append(("tokens/step", f"{slots}~{real:,} real tokens" if real is not None else
+                                 f"{slots}real tokens unknown (TRL's trainer tokenizes these rows itself)"))  # fmt: skip
     stats = data["checked_at_real_sequence_len"]
     sample = "a sample: the first rows of each source" if data["sampled"] else "every row"
     packing = f", packing efficiency {stats['packing_efficiency']:.1%}" if stats.get("packing_efficiency") else ""
@@ -281,13 +328,15 @@ def report_lines(report: dict) -> list[tuple[str, str]]:
     lines.append(("full scale", f"{mem['estimate_row']}: model states {_gb(mem['full_model_states_per_rank_bytes'])} "
                                 f"per rank{where}; estimated GPU total {_gb(mem['full_gpu_total_per_rank_bytes'])} per GPU"
                                 + (f", CPU offload {_gb(offload)} per machine" if offload else "")
-                                + f"; {'fits' if mem['fits'] else 'does NOT fit'} {_gb(mem['gpu_memory_bytes'])} GPUs"))  # fmt: skip
+                                + f"; {_fit(mem)}"))  # fmt: skip
     layout = ", ".join(f"{name}{' x' + str(g['files']) if g['files'] > 1 else ''}"
                        for name, g in ckpt["layout"].items() if g["kind"] != "other")  # fmt: skip
-    lines.append(("checkpoint", f"{ckpt['folder']}: {layout}; {_gb(ckpt['rehearsal_bytes'])} here, "
-                                f"~{_gb(ckpt['full_scale_bytes'])} at full scale"))  # fmt: skip
+    rotated = f"{ckpt['rotated']} rotated away (save_total_limit); " if ckpt.get("rotated") else ""
+    lines.append(("checkpoint", f"{rotated}{ckpt['folder']} kept: {layout}; {_gb(ckpt['rehearsal_bytes'])} here, "
+                                f"~{_gb(ckpt['full_scale_bytes'])} at full scale" if ckpt["folder"] else
+                                f"{rotated}none kept"))  # fmt: skip
     lines.append(("run", f"{run['steps']} steps, stopped after step {run['stopped_after_step']} and resumed; "
-                         f"losses {', '.join(f'{x:.3f}' for x in run['losses'])}; merged {_gb(run['merged_bytes'])}"))  # fmt: skip
+                         f"{_losses(run)}; merged {_gb(run['merged_bytes'])}"))  # fmt: skip
     lines += [("gpu differs", text) for text in report["gpu_run_differs"]]
     lines += [("not checked", text) for text in report["not_checked"]]
     lines.append(("time", ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in report["timings_s"].items())))
