@@ -45,6 +45,8 @@ def peft_count(model_type: str, shape: dict, keys: dict) -> tuple[int, dict]:
     ("qwen2_moe", {"lora_target_linear": True, "lora_target_parameters": QWEN2_MOE_EXPERTS}),  # now at rank r
     ("phimoe", {"lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
     ("llama", {"lora_target_linear": True}),  # dense: unchanged
+    ("llama", {"lora_target_linear": True, "lora_modules_to_save": ["embed_tokens", "lm_head"]}),  # whole copies
+    ("mixtral", {"lora_target_modules": ["q_proj"], "lora_modules_to_save": ["lm_head"]}),
 ])  # fmt: skip
 def test_adapter_size_equals_peft_s(model_type, keys):
     shape = {**SHAPE, "shared_expert_intermediate_size": 20} if model_type == "qwen2_moe" else SHAPE

@@ -90,8 +90,13 @@ def trainable_parameters(recipe, facts: ModelFacts) -> int:
     if recipe.lora_target_linear:  # with modules listed beside it, Axolotl's union (train/model/targets.py)
         listed = [listed] if isinstance(listed, str) else list(listed or [])
         targets = ["all-linear", *listed] if listed else "all-linear"
-    return lora_parameters(facts, recipe.lora_r, targets, recipe.lora_target_parameters,
-                           recipe.peft_layers_to_transform)  # fmt: skip
+    from llmtune.plan.memory.facts import embedding_modules_of
+
+    # lora_modules_to_save: peft trains a whole copy of each (the input embedding and the output head, in practice)
+    saved = set(recipe.lora_modules_to_save or [])
+    whole = facts.embedding_params() * len(saved & set(embedding_modules_of(facts.model_type)))
+    return whole + lora_parameters(facts, recipe.lora_r, targets, recipe.lora_target_parameters,
+                                   recipe.peft_layers_to_transform)  # fmt: skip
 
 
 NF4_BLOCK = 64  # bitsandbytes' default blocksize for 4-bit weights: one absmax per 64 weights
