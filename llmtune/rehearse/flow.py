@@ -81,6 +81,28 @@ def cpu_swaps(recipe) -> tuple[dict, list[str]]:
     return changes, notes
 
 
+def stand_in_tokens(recipe, choice, model_type: str | None) -> tuple[dict, list[str]]:
+    """A stand-in tokenizer that lacks tokens the recipe adds (Llama 3's <|eot_id|> in the fixture's): under an
+    adapter that would be refused as rows left frozen, which the real tokenizer (that has them) never meets. The
+    rehearsal trains the input embedding and the head whole for them, and says so."""
+    from llmtune.plan.memory.facts import embedding_modules_of
+    from llmtune.plan.vocabulary import new_tokens, wanted_tokens
+
+    if choice.real or not recipe.adapter or not wanted_tokens(recipe):
+        return {}, []
+    from transformers import AutoTokenizer
+
+    new = new_tokens(recipe, set(AutoTokenizer.from_pretrained(choice.location).get_vocab()))
+    modules = list(embedding_modules_of(model_type))
+    saved = list(recipe.lora_modules_to_save or [])
+    if not new or all(module in saved for module in modules):
+        return {}, []
+    tokens = ", ".join(dict.fromkeys(token for _, token in new))
+    return {"lora_modules_to_save": list(dict.fromkeys([*saved, *modules]))}, [
+        f"the stand-in tokenizer lacks {tokens}, which the recipe adds: the rehearsal trains {' and '.join(modules)} "
+        "whole for them (the real run checks its own tokenizer, which may hold them)"]  # fmt: skip
+
+
 def rehearsal_mapping(recipe, model_dir: Path, tokenizer: str, sources, output: Path, sequence_len: int) -> dict:
     """The recipe the ranks run: the original with the shrunken model, the sampled data, a short run."""
     # what the recipe set, no more: the plan's notes and checks read which keys a recipe sets (FSDP1 keys, bf16)
@@ -172,7 +194,8 @@ class _Model:
     tokenizer_choice: object  # rehearse.model.TokenizerChoice
     tokenizer: object
     folder: Path
-    notes: list[str]  # sizes the recipe's keys raised (lisa_n_layers, qat's groups)
+    notes: list[str]  # sizes the recipe's keys raised (lisa_n_layers, qat's groups), the stand-in's tokens
+    recipe_changes: dict  # what the rehearsal's recipe changes for the stand-in tokenizer (stand_in_tokens)
 
 
 def _shrunken_model(recipe, gpu_plan, options: RehearsalOptions, online: bool, echo) -> _Model:
@@ -189,10 +212,12 @@ def _shrunken_model(recipe, gpu_plan, options: RehearsalOptions, online: bool, e
     shrunk, notes = rehearsal_model.shrink_for(recipe, full.config, needed, options.hidden_size, options.layers,
                                                multiple, split)  # fmt: skip
     choice = rehearsal_model.choose_tokenizer(recipe, gguf_tokenizer, options.stand_in_tokenizer, online)
-    tokenizer = rehearsal_model.load_rehearsal_tokenizer(recipe, choice)
+    changes, said = stand_in_tokens(recipe, choice, full.config.get("model_type"))
+    notes = [*notes, *said]
+    tokenizer = rehearsal_model.load_rehearsal_tokenizer(recipe.model_copy(update=changes), choice)
     echo(f"[llmtune] rehearsal: {recipe.base_model} shrunk ({', '.join(shrunk.changes)}); {choice.note}")
     folder = rehearsal_model.materialise(shrunk.config, recipe.base_model, tokenizer)
-    return _Model(full, shrunk, choice, tokenizer, folder, notes)
+    return _Model(full, shrunk, choice, tokenizer, folder, notes, changes)
 
 
 def _stop_then_resume(plans: list, rehearsal, extra: list[str], timings: dict, echo) -> tuple[int, Path | None]:
@@ -259,6 +284,7 @@ def rehearse_recipe(recipe_path: Path, flags: ClusterFlags, options: RehearsalOp
     timings["data_check_s"] = time.monotonic() - mark
     sequence_len = options.sequence_len or min(recipe.sequence_len, DEFAULT_SEQUENCE_LEN)
     mapping = rehearsal_mapping(recipe, model.folder, model.tokenizer_choice.location, sources, output, sequence_len)
+    mapping.update(model.recipe_changes)
     (output / "recipe.yaml").write_text(yaml.safe_dump(mapping, sort_keys=False))
     rehearsal = Recipe.model_validate(mapping)
     check_trackers(rehearsal)

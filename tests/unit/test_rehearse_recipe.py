@@ -169,3 +169,30 @@ def test_a_checkpoint_rotated_away_by_save_total_limit_is_reported_as_the_one_ke
                             metrics)  # fmt: skip
     assert (found["folder"], found["rotated"], found["rehearsal_bytes"]) == ("checkpoint-2", "checkpoint-1", 402)
     assert "rotated" not in kept_checkpoint(recipe, SimpleNamespace(strategy="ddp"), shrunk, kept, tmp_path, metrics)
+
+
+def test_a_stand_in_tokenizer_lacking_the_recipe_s_tokens_trains_their_rows_instead_of_refusing():
+    """Axolotl's llama-3 DPO example adds <|eot_id|>, which Llama 3's tokenizer has and the fixture's stand-in
+    doesn't: the rehearsal stopped on 'rows would train frozen ... set lora_modules_to_save', advice the real run
+    doesn't need."""
+    TOKENIZER_DIR = FIXTURE_TOKENIZER  # noqa: N806
+    from llmtune.recipe.loader import recipe_from_mapping
+    from llmtune.rehearse.flow import stand_in_tokens
+    from llmtune.rehearse.model import TokenizerChoice
+
+    def recipe(**keys):
+        mapping = {"base_model": "m", "datasets": [{"path": "d", "type": "alpaca"}], **keys}
+        return recipe_from_mapping({k: v for k, v in mapping.items() if v is not None}, Path("r.yaml"),
+                                   check_files=False).recipe  # fmt: skip
+
+    keys = {"adapter": "lora", "lora_target_linear": True, "special_tokens": {"eos_token": "<|eot_id|>"}}
+    stand_in = TokenizerChoice(str(TOKENIZER_DIR), False, "")
+    changes, notes = stand_in_tokens(recipe(**keys), stand_in, "llama")
+    assert changes == {"lora_modules_to_save": ["embed_tokens", "lm_head"]}
+    assert notes == ["the stand-in tokenizer lacks <|eot_id|>, which the recipe adds: the rehearsal trains "
+                     "embed_tokens and lm_head whole for them (the real run checks its own tokenizer, which may hold "
+                     "them)"]  # fmt: skip
+    assert stand_in_tokens(recipe(**keys), TokenizerChoice(str(TOKENIZER_DIR), True, ""), "llama") == ({}, [])
+    assert stand_in_tokens(recipe(**{**keys, "special_tokens": {"eos_token": "<|im_end|>"}}), stand_in,
+                           "llama") == ({}, [])  # the stand-in has it  # fmt: skip
+    assert stand_in_tokens(recipe(**{**keys, "adapter": None}), stand_in, "llama") == ({}, [])
