@@ -69,9 +69,10 @@ def rehearse(
 ) -> None:
     """Rehearse a recipe at its real world size on CPU, on a shrunken model: a checkpoint, a resume, the merge,
     and what the GPUs will see."""
+    from llmtune.launch.flags import long_options
     from llmtune.launch.runner import check_launcher_flags
 
-    ours = sorted({opt for param in ctx.command.params for opt in getattr(param, "opts", []) if opt.startswith("--")})
+    ours = long_options(ctx.command)
     check_launcher_flags(list(ctx.args), ours, name="llmtune rehearse")  # before the shrunken model is built
     run_rehearsal(recipe, num_processes, num_machines, machine_rank, main_process_ip, main_process_port, launcher,
                   output, hidden_size, keep_head_dim, layers, sequence_len, sample_rows, stand_in_tokenizer,

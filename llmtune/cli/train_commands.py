@@ -102,7 +102,7 @@ def train(
     from llmtune.train.runtime.progress import mark
 
     mark("start")  # the command has parsed its flags (Python and the CLI's imports before this are not counted)
-    from llmtune.launch.flags import check_cuda_usable, check_inherited_environment
+    from llmtune.launch.flags import check_cuda_usable, check_inherited_environment, long_options
     from llmtune.launch.net import free_port
     from llmtune.launch.preflight import (
         check_deepspeed_schema,
@@ -134,7 +134,7 @@ def train(
         loaded.recipe = loaded.recipe.model_copy(update=overrides)
     check_trackers(loaded.recipe)
     check_local_splits(loaded.recipe)
-    ours = sorted({opt for param in ctx.command.params for opt in getattr(param, "opts", []) if opt.startswith("--")})
+    ours = long_options(ctx.command)
     check_launcher_flags(list(ctx.args), ours)
     check_inherited_environment()
     if main_process_port is None and num_machines == 1 and hostfile is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 
 from llmtune.errors import UserError
-from llmtune.launch.flags import THEIRS
+from llmtune.launch.flags import THEIRS, long_options
 
 PER_MACHINE = ("num_processes", "nproc_per_node", "num_gpus", "gpus")  # estimate asks the GPUs of one machine
 
@@ -15,15 +15,14 @@ PER_MACHINE = ("num_processes", "nproc_per_node", "num_gpus", "gpus")  # estimat
 def usage_error(err) -> UserError:
     """The one line for click's UsageError `err`."""
     ctx = getattr(err, "ctx", None)
-    names = []
-    while ctx is not None and ctx.parent is not None:  # the root's name is the program's (python -m, a wrapper)
-        names.append(ctx.info_name)
-        ctx = ctx.parent
+    names, level = [], ctx
+    while level is not None and level.parent is not None:  # the root's name is the program's (python -m, a wrapper)
+        names.append(level.info_name)
+        level = level.parent
     command = " ".join(["llmtune", *reversed(names)])
-    ctx = getattr(err, "ctx", None)
     if type(err).__name__ != "NoSuchOption" or ctx is None:
         return UserError(err.format_message().rstrip("."), f"see {command} --help")
-    ours = sorted({opt for param in ctx.command.params for opt in getattr(param, "opts", []) if opt.startswith("--")})
+    ours = long_options(ctx.command)
     flag = err.option_name
     twin = "--" + flag.lstrip("-").replace("_", "-")
     if twin != flag and twin in ours:

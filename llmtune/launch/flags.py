@@ -64,6 +64,11 @@ THEIRS = {"nproc_per_node": "--num-processes (all processes: nproc_per_node x nn
           "num_gpus": "--num-processes", "num_nodes": "--num-machines"}  # fmt: skip
 
 
+def long_options(command) -> list[str]:
+    """A click command's own --options: what a launcher spelling or a misspelling is checked against."""
+    return sorted({opt for param in command.params for opt in getattr(param, "opts", []) if opt.startswith("--")})
+
+
 def planned_flag(flag: str) -> UserError | None:
     """The refusal of an accelerate flag whose setting the plan makes from the recipe, or a torchrun spelling."""
     name = SHORT.get(flag) or flag.lstrip("-").replace("-", "_")
