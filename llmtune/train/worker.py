@@ -379,6 +379,7 @@ def main(argv: list[str]) -> int:
     plan = payload["plan"]
     try:
         libraries.hide_unused(recipe, plan)
+        libraries.ask_cpu_info_once(plan)
         rank = distributed.setup(plan, recipe.ddp_timeout)
         mark("process_group")  # torch imported, the rank's device and process group set
         train(recipe, plan, rank)

@@ -75,6 +75,8 @@ class SlurmCluster:
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "SchedulerType=sched/builtin",
+            # the main scheduling pass (default every 60 s) is what starts a requeued job once its hold ends
+            "SchedulerParameters=sched_interval=2",
             "MpiDefault=none",
             "ReturnToService=2",
             "JobCompType=jobcomp/none",

@@ -107,3 +107,26 @@ def test_scipy_and_boto3_are_hidden_unless_the_recipe_runs_the_users_own_python(
             "import transformers.modeling_utils; print(sorted(m for m in ('scipy', 'boto3') if sys.modules.get(m)))")  # fmt: skip
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert shown.stdout.split() == ["[]"]  # both libraries' importers take their not-installed path, and start
+
+
+def test_trackers_are_hidden_unless_the_recipe_logs_to_them(local_model, local_data):
+    """DeepSpeed imports mlflow whenever it is installed (its autotuner); a run that logs to no tracker doesn't load
+    it (`sys.modules` entries DeepSpeed's import takes as not installed: tests/unit/test_private_api.py). A recipe that
+    asks for a tracker, in either spelling, or runs the user's own Python keeps it."""
+    assert not set(libraries.TRACKERS) & needed(local_model, local_data, 2, deepspeed="zero2")
+    assert "mlflow" in needed(local_model, local_data, 2, deepspeed="zero2", use_mlflow=True)
+    assert {"wandb", "tensorboard"} <= needed(local_model, local_data, report_to=["tensorboard"], wandb_project="p")
+    assert "wandb" not in needed(local_model, local_data, wandb_project="p", wandb_mode="disabled")
+
+
+def test_an_offload_rank_asks_py_cpuinfo_once_and_each_caller_gets_its_own_copy(monkeypatch):
+    import cpuinfo
+
+    calls = []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: calls.append(1) or {"arch": "X86_64", "flags": ["avx2"]})
+    assert not libraries.ask_cpu_info_once({"strategy": "zero3", "deepspeed_config": {"zero_optimization": {}}})
+    offload = {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}
+    assert libraries.ask_cpu_info_once({"strategy": "zero3", "deepspeed_config": offload})
+    first = cpuinfo.get_cpu_info()
+    first["flags"].append("changed by a caller")
+    assert cpuinfo.get_cpu_info() == {"arch": "X86_64", "flags": ["avx2"]} and len(calls) == 1

@@ -29,10 +29,14 @@ TORCHAO_OPTIMIZERS = frozenset({"adamw_torch_4bit", "adamw_torch_8bit"})
 # Checkpoints saved quantized name their library in config.json's quantization_config.quant_method.
 QUANT_METHODS = {"bitsandbytes": "bitsandbytes", "torchao": "torchao"}
 
-OPTIONAL = ("deepspeed", "torchao", "bitsandbytes", "liger_kernel", "datasets", "scipy", "boto3")
+# The trackers: DeepSpeed imports mlflow whenever it is installed (its autotuner, at `import deepspeed`), 1.4 s of
+# every ZeRO rank's start-up measured on the 2-core CPU machine, for a run that doesn't log to it
+TRACKERS = ("mlflow", "wandb", "tensorboard")
+OPTIONAL = ("deepspeed", "torchao", "bitsandbytes", "liger_kernel", "datasets", "scipy", "boto3", *TRACKERS)
 # imported by transformers for object-detection losses (scipy) and by accelerate for SageMaker (boto3), never by a
-# language model's training; kept where the recipe runs the user's own Python (GRPO rewards, dataset transforms)
-USER_CODE_LIBRARIES = ("scipy", "boto3")
+# language model's training; kept where the recipe runs the user's own Python (GRPO rewards, dataset transforms),
+# as the trackers are (a reward function may log to one)
+USER_CODE_LIBRARIES = ("scipy", "boto3", *TRACKERS)
 
 
 def _checkpoint_quant_method(base_model: str, revision: str | None = None) -> str | None:
@@ -67,6 +71,7 @@ def needed(recipe, plan: dict) -> set[str]:
         uses.add("torchao")
     if recipe.load_in_4bit or recipe.load_in_8bit or recipe.optimizer in BITSANDBYTES_OPTIMIZERS:
         uses.add("bitsandbytes")
+    uses.update(recipe.trackers)
     if (plan.get("kernels") or {}).get("liger"):
         uses.add("liger_kernel")
     from llmtune.train.data.sources import reads_with_datasets
@@ -110,3 +115,20 @@ def imported() -> dict[str, str]:
             except metadata.PackageNotFoundError:
                 found[name] = "?"
     return found
+
+
+def ask_cpu_info_once(plan: dict) -> bool:
+    """DeepSpeed's CPU optimizer (ZeRO's optimizer offload, to CPU or NVMe) asks py-cpuinfo three times as it starts,
+    and each answer is a fresh Python process (1.2 s measured on the 2-core CPU machine); the CPU doesn't change
+    within a rank, so the rank keeps the first answer. Returns whether it applies to this plan."""
+    zero = (plan.get("deepspeed_config") or {}).get("zero_optimization") or {}
+    if (zero.get("offload_optimizer") or {}).get("device") not in ("cpu", "nvme"):
+        return False
+    import copy
+    import functools
+
+    import cpuinfo
+
+    first = functools.cache(cpuinfo.get_cpu_info)
+    cpuinfo.get_cpu_info = functools.wraps(first)(lambda: copy.deepcopy(first()))  # callers read it: each a copy
+    return True
