@@ -353,3 +353,23 @@ def check_expert_dropout(recipe, facts: ModelFacts | None) -> None:
         raise UserError(f"lora_dropout: {recipe.lora_dropout} with LoRA on {facts.model_type}'s fused expert weights: "
                         "peft adapts those through its ParamWrapper, which takes no dropout",
                         "set lora_dropout: 0 (or leave the experts out of the targets)")  # fmt: skip
+
+
+def check_unfrozen_patterns(recipe) -> None:
+    """Every unfrozen_parameters entry of a full fine-tune must match a parameter of the model, read from its
+    config.json on the meta device where it is on this machine. One that matches nothing trains nothing: Axolotl's
+    Mixtral recipes name `block_sparse_moe`, which transformers 5 calls `mlp`, so their experts would stay frozen
+    while the embeddings trained, without a word."""
+    from llmtune.plan.memory.unfrozen import unmatched_patterns
+
+    unmatched, names = unmatched_patterns(recipe)
+    if not unmatched:
+        return
+    import difflib
+
+    shown = difflib.get_close_matches(unmatched[0].strip("^$"), names, n=2, cutoff=0.3) or names[:2]
+    raise UserError(f"unfrozen_parameters: {', '.join(repr(p) for p in unmatched)} "
+                    f"match{'es' if len(unmatched) == 1 else ''} no parameter of {recipe.base_model}, so "
+                    f"{'it trains' if len(unmatched) == 1 else 'they train'} nothing (its names look like "
+                    f"{', '.join(shown)})", "patterns are regexes matched from the start of the name ('.' is a "
+                    "literal dot): write them against the names above")  # fmt: skip

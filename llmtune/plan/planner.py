@@ -22,6 +22,7 @@ from llmtune.plan.checks import (
     check_chat_templates,
     check_expert_dropout,
     check_kto_batch,
+    check_unfrozen_patterns,
     check_wrap_class,
     eval_notes,
     fsdp2_notes,
@@ -239,6 +240,7 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
     check_new_tokens(recipe)
     check_adapter_vocabulary(recipe)
     check_expert_dropout(recipe, facts)
+    check_unfrozen_patterns(recipe)
     check_kto_batch(recipe)
     for key in ("early_stopping_patience", "load_best_model_at_end", "eval_steps", "evals_per_epoch", "eval_strategy"):
         if getattr(recipe, key) not in (None, False, "no") and not (recipe.val_set_size or recipe.test_datasets):

@@ -102,7 +102,9 @@ class AdapterKeys(Section):
     unfrozen_parameters: list[str] | None = Field(
         None,
         description="Only parameters matching one of these regexes train (from the name's start; '.' is a literal "
-        "dot; a trailing [start:end] trains only those rows). With an adapter, they choose among its parameters.",
+        "dot; a trailing [start:end] trains only those rows). With an adapter, they choose among its parameters. "
+        "A full fine-tune's plan refuses an entry that matches no parameter of the model (its config read on the "
+        "meta device), and the estimate counts grads and optimizer states of what they match only.",
     )
     load_in_4bit: bool = Field(False, description="Load the base weights in 4-bit NF4 (bitsandbytes); for qlora.")
     load_in_8bit: bool = Field(False, description="Load the base weights in 8-bit (bitsandbytes); with lora.")

@@ -220,6 +220,29 @@ def _shrunken_model(recipe, gpu_plan, options: RehearsalOptions, online: bool, e
     return _Model(full, shrunk, choice, tokenizer, folder, notes, changes)
 
 
+def _unfrozen_in_shrunk(mapping: dict, shrunk) -> tuple[dict, list[str]]:
+    """unfrozen_parameters entries that name layers the shrunken model doesn't have (Spectrum's and Axolotl's
+    lists name layers by number) are left out of the rehearsal, said; the real plan checked them on the real model."""
+    from llmtune.plan.memory.unfrozen import unmatched_patterns
+    from llmtune.recipe import Recipe
+
+    if not mapping.get("unfrozen_parameters") or mapping.get("adapter"):
+        return mapping, []
+    unmatched, _ = unmatched_patterns(Recipe.model_validate(mapping))
+    if not unmatched:
+        return mapping, []
+    kept = [p for p in mapping["unfrozen_parameters"] if p not in unmatched]
+    layers = shrunk.shrunk.num_layers
+    if not kept:
+        raise UserError(f"unfrozen_parameters: none of its entries matches a parameter of the {layers}-layer model "
+                        "the rehearsal trains (they name layers by number)", "rehearse with --layers covering the "
+                        "layers they name, or add an entry the small model has (^lm_head.weight$)")  # fmt: skip
+    return {**mapping, "unfrozen_parameters": kept}, [
+        f"unfrozen_parameters: {', '.join(unmatched)} match no parameter of the {layers}-layer rehearsal model (they "
+        "name layers it doesn't have): left out of the rehearsal; the GPU run trains them"
+    ]
+
+
 def _stop_then_resume(plans: list, rehearsal, extra: list[str], timings: dict, echo) -> tuple[int, Path | None]:
     """Run 1 stops after its first step (a checkpoint); run 2, the same command, resumes from it and finishes."""
     from llmtune.train.checkpoint.folders import last_complete
@@ -253,7 +276,7 @@ def rehearse_recipe(recipe_path: Path, flags: ClusterFlags, options: RehearsalOp
     from llmtune.recipe import Recipe, load_recipe
     from llmtune.rehearse import data as rehearsal_data
     from llmtune.rehearse.model import hub_reachable
-    from llmtune.rehearse.report import build_report, print_report
+    from llmtune.rehearse.report import build_report, failed_checks, print_report
     from llmtune.train.runtime.progress import track
 
     started = time.monotonic()
@@ -285,6 +308,8 @@ def rehearse_recipe(recipe_path: Path, flags: ClusterFlags, options: RehearsalOp
     sequence_len = options.sequence_len or min(recipe.sequence_len, DEFAULT_SEQUENCE_LEN)
     mapping = rehearsal_mapping(recipe, model.folder, model.tokenizer_choice.location, sources, output, sequence_len)
     mapping.update(model.recipe_changes)
+    mapping, said = _unfrozen_in_shrunk(mapping, model.shrunk)
+    notes += said
     (output / "recipe.yaml").write_text(yaml.safe_dump(mapping, sort_keys=False))
     rehearsal = Recipe.model_validate(mapping)
     check_trackers(rehearsal)
@@ -307,7 +332,10 @@ def rehearse_recipe(recipe_path: Path, flags: ClusterFlags, options: RehearsalOp
     report = build_report(recipe=recipe, rehearsal=rehearsal, plan=plans[0], gpu_plan=gpu_plan, shrunk=model.shrunk,
                           full=model.full, tokenizer=model.tokenizer_choice, data=checked, metrics=metrics,
                           checkpoint_dir=checkpoint, merged=merged, timings=timings, notes=notes, options=options)  # fmt: skip
+    report["failed_checks"] = failed = failed_checks(report)
     (output / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
     print_report(report, echo)
     echo(f"[llmtune] rehearsal report: {output / REPORT}")
-    return 0, report
+    for line in failed:
+        echo(f"error: rehearsal check failed: {line}")
+    return (1 if failed else 0), report

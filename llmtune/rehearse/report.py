@@ -347,3 +347,29 @@ def print_report(report: dict, echo: Callable[[str], None]) -> None:
     echo("rehearsal report")
     for key, value in report_lines(report):
         echo(f"{key:>14}  {value}")
+
+
+def failed_checks(report: dict) -> list[str]:
+    """What the rehearsal checked and found wrong, one line each; the rehearsal exits 1 when there is any."""
+    failed = []
+    ranks, mem = report["ranks"], report["memory"]
+    if ranks.get("checked") and not ranks["ok"]:
+        failed.append(
+            f"{ranks['ranks']} ranks saw {ranks['distinct_first_batches']} distinct first batches: some "
+            "ranks trained on the same rows, so data parallelism would repeat work instead of splitting it"
+        )
+    if mem.get("checked") and not mem["ok"]:
+        scaled = _gb(mem["full_scaled_measurement_bytes"])
+        if mem["ratio"] > 1:
+            failed.append(
+                f"the ranks held {mem['ratio']:.2f}x the model states the estimate gives this recipe: its "
+                f"full-scale figures are low (scaled by the measurement, {scaled} per rank of model "
+                "states), so a GPU run it says fits may run out of memory; plan with the scaled figure"
+            )
+        else:
+            failed.append(
+                f"the ranks held {mem['ratio']:.2f}x the model states the estimate gives this recipe: its "
+                f"full-scale figures are high (scaled by the measurement, {scaled} per rank of model "
+                "states), so it may recommend more GPUs or offload than the run needs"
+            )
+    return failed

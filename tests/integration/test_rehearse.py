@@ -124,6 +124,7 @@ def check_report(report: dict, flags: list[str]) -> None:
     unmeasured = pipelined or "ZeRO-1" in parallel["strategy"]  # ZeRO-1's gradients live only inside backward
     assert memory["checked"] == (not unmeasured), memory
     assert unmeasured or memory["ok"], memory  # measured model states = the estimate, within 10%
+    assert report["failed_checks"] == []  # what makes the rehearsal exit 1
     assert memory["full_model_states_per_rank_bytes"] > memory["shrunk_estimate_bytes"]
     checkpoint = report["checkpoint"]
     assert checkpoint["full_scale_bytes"] > checkpoint["rehearsal_bytes"] > 0

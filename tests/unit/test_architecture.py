@@ -57,6 +57,7 @@ FLOORS = {
     ],
     "llmtune.plan.memory": [
         ["__init__", "facts", "compute", "experts"],
+        ["unfrozen"],
         ["states", "activations", "buffers"],
         ["parallel", "preference"],
         ["peak", "basis", "table"],

@@ -162,7 +162,7 @@ def test_a_checkpoint_rotated_away_by_save_total_limit_is_reported_as_the_one_ke
     kept.mkdir()
     (kept / MARKER).write_text("{}")
     (kept / "model.safetensors").write_bytes(b"x" * 400)
-    recipe = SimpleNamespace(adapter=None, precision="fp32", bf16=False, fp16=False, optimizer="adamw_torch")
+    recipe = SimpleNamespace(adapter=None, unfrozen_parameters=None, precision="fp32", bf16=False, fp16=False, optimizer="adamw_torch")
     shrunk = shrink_config(known_config("meta-llama/Llama-3.2-1B-Instruct"), hidden=64)
     metrics = {"trainable_parameters": shrunk.shrunk.total_params(), "total_parameters": shrunk.shrunk.total_params()}
     found = kept_checkpoint(recipe, SimpleNamespace(strategy="ddp"), shrunk, tmp_path / "checkpoint-1", tmp_path,
@@ -196,3 +196,18 @@ def test_a_stand_in_tokenizer_lacking_the_recipe_s_tokens_trains_their_rows_inst
     assert stand_in_tokens(recipe(**{**keys, "special_tokens": {"eos_token": "<|im_end|>"}}), stand_in,
                            "llama") == ({}, [])  # the stand-in has it  # fmt: skip
     assert stand_in_tokens(recipe(**{**keys, "adapter": None}), stand_in, "llama") == ({}, [])
+
+
+def test_a_check_the_rehearsal_fails_is_an_error_line_and_exit_1_in_either_direction():
+    from llmtune.rehearse.report import failed_checks
+
+    ranks = {"checked": True, "ok": True, "ranks": 4, "distinct_first_batches": 4}
+    memory = {"checked": True, "ok": True, "ratio": 1.02, "full_scaled_measurement_bytes": 20e9}
+    assert failed_checks({"ranks": ranks, "memory": memory}) == []
+    assert failed_checks({"ranks": {"checked": False}, "memory": {"checked": False}}) == []  # unchecked: not failed
+    same = failed_checks({"ranks": {**ranks, "ok": False, "distinct_first_batches": 2}, "memory": memory})
+    assert len(same) == 1 and "4 ranks saw 2 distinct first batches" in same[0]
+    low = failed_checks({"ranks": ranks, "memory": {**memory, "ok": False, "ratio": 1.39}})
+    assert "1.39x" in low[0] and "may run out of memory" in low[0] and "20.00 GB" in low[0]
+    high = failed_checks({"ranks": ranks, "memory": {**memory, "ok": False, "ratio": 0.72}})
+    assert "0.72x" in high[0] and "more GPUs or offload than the run needs" in high[0]

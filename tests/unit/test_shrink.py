@@ -156,7 +156,7 @@ def test_checkpoint_layout_folds_ranks_and_scales_by_what_files_hold(tmp_path):
         (folder / "global_step1" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"x" * 1200)
         (folder / f"rng_state_{rank}.pth").write_bytes(b"x" * 10)
     (folder / "model.safetensors").write_bytes(b"x" * 400)
-    recipe = SimpleNamespace(adapter=None, precision="bf16", bf16=True, optimizer="adamw_torch")
+    recipe = SimpleNamespace(adapter=None, unfrozen_parameters=None, precision="bf16", bf16=True, optimizer="adamw_torch")
     shrunk = shrink_config(LLAMA_8B, hidden=64)
     total = shrunk.shrunk.total_params()
     found = checkpoint(recipe, SimpleNamespace(strategy="zero3"), shrunk, folder, total, total)

@@ -102,6 +102,13 @@ def assumptions(recipe) -> str:
     """The recipe's settings every row is computed for."""
     packed = ", packed" if recipe.sample_packing else ""
     method = {"lora": f"LoRA r={recipe.lora_r}", "qlora": f"QLoRA r={recipe.lora_r}"}.get(recipe.adapter, "full")
+    if recipe.unfrozen_parameters and not recipe.adapter:
+        from llmtune.plan.memory.unfrozen import unfrozen_share
+
+        share = unfrozen_share(recipe)
+        method += (f", training the {share:.1%} of parameters unfrozen_parameters matches" if share is not None else
+                   " (unfrozen_parameters not counted: the model's config isn't on this machine, so every "
+                   "parameter is counted as trained)")  # fmt: skip
     return (f"for: {method}, sequence_len {recipe.sequence_len}{packed}, micro_batch_size {recipe.micro_batch_size}, "
             f"gradient checkpointing {'on' if recipe.gradient_checkpointing else 'off'}, optimizer {recipe.optimizer}, "
             f"precision {recipe.precision or 'auto'}")  # fmt: skip

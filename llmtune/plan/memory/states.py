@@ -85,7 +85,10 @@ def lora_parameters(
 
 def trainable_parameters(recipe, facts: ModelFacts) -> int:
     if not recipe.adapter:
-        return facts.total_params()
+        from llmtune.plan.memory.unfrozen import unfrozen_share
+
+        share = unfrozen_share(recipe)  # a full fine-tune's unfrozen_parameters: the rest is frozen
+        return facts.total_params() if share is None else round(share * facts.total_params())
     targets, listed = recipe.lora_target_modules, recipe.lora_target_modules
     if recipe.lora_target_linear:  # with modules listed beside it, Axolotl's union (train/model/targets.py)
         listed = [listed] if isinstance(listed, str) else list(listed or [])
@@ -147,7 +150,10 @@ def _states(recipe, facts: ModelFacts, mixed: bool, deepspeed: bool) -> tuple[fl
         wide = state_bytes("lion_32bit" if "lion" in recipe.optimizer else "adamw_torch", False, master=False)
         embedding = (wide.optimizer - state_bytes(recipe.optimizer, False, master=False).optimizer
                      if recipe.optimizer in EIGHT_BIT else 0.0) * facts.embedding_params()  # fmt: skip
-        return base.params * psi, base.grads * psi, base.optimizer * psi + embedding
+        trained = trainable_parameters(recipe, facts)  # fewer under unfrozen_parameters: grads and states only
+        if trained < psi:
+            embedding = 0.0  # whether the embedding is among them isn't counted: its wider states are left out
+        return base.params * psi, base.grads * trained, base.optimizer * trained + embedding
     trainable = trainable_parameters(recipe, facts)
     width = 2.0 if mixed else 4.0  # the frozen base is kept in the compute dtype
     kbit = recipe.load_in_4bit or recipe.load_in_8bit or recipe.gptq

@@ -1,0 +1,79 @@
+"""How many parameters a full fine-tune's unfrozen_parameters leaves trainable: the patterns matched, as the rank
+matches them (llmtune/train/model/adapters.py: freeze_except), against the model's own parameter names, read from
+the model built on the meta device (shapes only: no weights, no memory, a second or two for an 8B config).
+
+Only gradients and optimizer states shrink with it: every weight is still held. Patterns are regexes, so no
+arithmetic on the config can answer them; where the config isn't on this machine, or transformers can't build the
+architecture without running the model's own code, the estimate counts every parameter as trainable and says so.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+# recipe key -> the auto class the rank builds (train/model/load.py: HEADS holds the same choice)
+HEAD_CLASSES = {"reward_model": "AutoModelForSequenceClassification",
+                "process_reward_model": "AutoModelForTokenClassification"}  # fmt: skip
+
+
+def parameter_names(recipe) -> tuple[tuple[str, int], ...] | None:
+    """(name, element count) of each parameter of the recipe's model, as the rank names them; None where the
+    config isn't on this machine or transformers can't build the architecture here."""
+    from llmtune.plan.memory.facts import find_config_json
+
+    found = find_config_json(recipe.base_model_config or recipe.base_model)
+    if found is None:
+        return None
+    auto = next((name for key, name in HEAD_CLASSES.items() if getattr(recipe, key, False)), "AutoModelForCausalLM")
+    return _parameters(str(found), found.stat().st_mtime_ns, auto, bool(recipe.trust_remote_code),
+                       getattr(recipe, "num_labels", None))  # fmt: skip
+
+
+def unmatched_patterns(recipe) -> tuple[list[str], list[str]]:
+    """(the unfrozen_parameters entries that match no parameter name, the first names) where the names can be
+    read here; ([], []) otherwise."""
+    from llmtune.recipe.adapter import unfrozen_pattern
+
+    named = parameter_names(recipe) if recipe.unfrozen_parameters and not recipe.adapter else None
+    if not named:
+        return [], []
+    names = [name for name, _ in named]
+    unmatched = [p for p in recipe.unfrozen_parameters if not any(unfrozen_pattern(p)[0].match(n) for n in names)]
+    return unmatched, names
+
+
+def unfrozen_share(recipe) -> float | None:
+    """The share of the model's parameters that unfrozen_parameters leaves trainable in a full fine-tune; None
+    where it doesn't apply (an adapter, no patterns) or the names can't be read here."""
+    from llmtune.recipe.adapter import unfrozen_pattern
+
+    if recipe.adapter or not recipe.unfrozen_parameters:
+        return None
+    named = parameter_names(recipe)
+    if not named:
+        return None
+    compiled = [unfrozen_pattern(p)[0] for p in recipe.unfrozen_parameters]
+    matched = sum(count for name, count in named if any(regex.match(name) for regex in compiled))
+    return matched / sum(count for _, count in named)
+
+
+@cache
+def _parameters(config_path: str, _mtime: int, auto: str, remote_code: bool,
+                num_labels: int | None) -> tuple[tuple[str, int], ...] | None:  # fmt: skip
+    import logging
+
+    import torch
+    import transformers
+
+    quiet = logging.getLogger("transformers").level
+    transformers.logging.set_verbosity_error()
+    try:
+        kwargs = {"num_labels": num_labels} if num_labels else {}
+        config = transformers.AutoConfig.from_pretrained(config_path, trust_remote_code=remote_code, **kwargs)
+        with torch.device("meta"):
+            model = getattr(transformers, auto).from_config(config, trust_remote_code=remote_code)
+    except Exception:  # an architecture this transformers can't build: the estimate counts every parameter
+        return None
+    finally:
+        logging.getLogger("transformers").setLevel(quiet)
+    return tuple((name, param.numel()) for name, param in model.named_parameters())
