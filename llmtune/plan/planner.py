@@ -326,12 +326,8 @@ def make_plan(recipe: Recipe, cluster: Cluster, config_dir: str | None = None, r
                             "use --num-processes 1 (LISA is for fitting a full fine-tune on one GPU)")  # fmt: skip
         notes.append(f"LISA: {recipe.lisa_n_layers} of the layers at {recipe.lisa_layers_attribute}, drawn again every "
                      f"{recipe.lisa_step_interval} steps (seeded), train at a time; embeddings, norms and head always")  # fmt: skip
-    if recipe.lr_quadratic_warmup:
-        from llmtune.recipe.training import quadratic_warmup
-
-        notes.append("lr_quadratic_warmup: the warm-up rises as (step / warmup)^2, then cosine decay"
-                     if quadratic_warmup(recipe) else f"lr_quadratic_warmup: no effect with lr_scheduler "
-                     f"{recipe.lr_scheduler} (Axolotl applies it to cosine only)")  # fmt: skip
+    if recipe.lr_quadratic_warmup:  # with lr_scheduler: cosine only (the recipe refuses it elsewhere)
+        notes.append("lr_quadratic_warmup: the warm-up rises as (step / warmup)^2, then cosine decay to 0")
     if recipe.use_eaft:
         notes.append(f"EAFT loss: each trained token's cross-entropy weighted by the entropy of its top-{recipe.eaft_k} "
                      f"next-token probabilities (power {recipe.eaft_alpha})")  # fmt: skip

@@ -68,16 +68,16 @@ class TrainingKeys(Section):
         "as under Axolotl.",
     )  # fmt: skip
     lr_scheduler: Literal[LR_SCHEDULERS] = Field("cosine", description="Learning-rate schedule.")  # type: ignore[valid-type]
-    lr_scheduler_kwargs: dict | None = Field(None, description="Extra scheduler arguments.")
-    cosine_min_lr_ratio: float | None = Field(
-        None, ge=0, le=1, description="cosine: floor the LR at this fraction of the peak (cosine_with_min_lr)."
-    )
-    cosine_constant_lr_ratio: float | None = Field(
-        None, ge=0, le=1, description="cosine with cosine_min_lr_ratio: the decay reaches the floor at this fraction "
-        "of the steps and the LR stays there (Axolotl's warm-up/decay/constant schedule; 0 has no effect, as there).",
-    )  # fmt: skip
-    lr_quadratic_warmup: bool = Field(False, description="cosine: warm up quadratically, (step / warmup)^2, not "
-                                      "linearly (Axolotl's; no effect with other schedules).")  # fmt: skip
+    lr_scheduler_kwargs: dict | None = Field(None, description="Extra arguments of transformers' schedule (refused "
+                                             "with lr_quadratic_warmup or a cosine floor, which Axolotl ignores).")  # fmt: skip
+    cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1, description="cosine (or cosine_with_min_lr): floor "
+                                              "the LR at this fraction of the peak; the floor of jagged restarts too "
+                                              "(refused elsewhere, and beside lr_quadratic_warmup, as Axolotl ignores it).")  # fmt: skip
+    cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1, description="cosine with cosine_min_lr_ratio: "
+        "the decay reaches the floor at this fraction of the steps and the LR stays there (Axolotl's warm-up/decay/"
+        "constant schedule; 0 has no effect, as there; refused without that floor or schedule).")  # fmt: skip
+    lr_quadratic_warmup: bool = Field(False, description="cosine: warm up as (step / warmup)^2, not linearly, then "
+                                      "decay to 0 (Axolotl's; refused with other schedules or a floor).")  # fmt: skip
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
     embedding_lr: float | None = Field(
         None, gt=0, description="The trainable input and output embeddings' peak learning rate (their weight decay "
@@ -91,13 +91,9 @@ class TrainingKeys(Section):
         "group listed whose module a parameter's name contains sets its rate (every parameter of the group, biases "
         "and norms too); a group that matches no trainable parameter is refused when the optimizer is built.",
     )  # fmt: skip
-    warmup_steps: int | None = Field(
-        None,
-        ge=0,
-        description="Linear warm-up steps (a fraction below 1 is read as warmup_ratio, as transformers does; 1 "
-        "becomes 2, as in Axolotl). With neither this nor warmup_ratio: Axolotl's default, 3% of the run's steps, at "
-        "most 100 (0 for none).",
-    )  # fmt: skip
+    warmup_steps: int | None = Field(None, ge=0, description="Linear warm-up steps (a fraction below 1 is read as "
+        "warmup_ratio, as transformers does; 1 becomes 2, as in Axolotl). With neither this nor warmup_ratio: "
+        "Axolotl's default, 3% of the run's steps, at most 100 (0 for none).")  # fmt: skip
     warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warm-up as a fraction of the run's steps "
                                        "(num_epochs' steps, capped by max_steps), rounded down, as in Axolotl.")  # fmt: skip
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
@@ -312,6 +308,8 @@ class TrainingKeys(Section):
                              "(transformers never reads optim_args for it); remove optim_args")  # fmt: skip
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("warmup_steps and warmup_ratio are both set; use one")
+        if said := schedule_conflict(self):
+            raise ValueError(said)
         if self.lr_scheduler == "warmup_stable_decay" and "num_decay_steps" not in (self.lr_scheduler_kwargs or {}):
             raise ValueError("lr_scheduler: warmup_stable_decay needs lr_scheduler_kwargs.num_decay_steps (the "
                              "steps of its final decay; transformers has no default and stopped the run at its "
@@ -360,20 +358,43 @@ class TrainingKeys(Section):
 
 
 def named_schedule(recipe) -> tuple[str, dict]:
-    """transformers' scheduler name and kwargs for the recipe (cosine with a floor is cosine_with_min_lr)."""
-    name, kwargs = recipe.lr_scheduler, dict(recipe.lr_scheduler_kwargs or {})
-    if recipe.cosine_min_lr_ratio is not None and name in ("cosine", "cosine_with_min_lr"):
-        name, kwargs["min_lr_rate"] = "cosine_with_min_lr", recipe.cosine_min_lr_ratio
+    """transformers' name and kwargs for the schedule: cosine with a non-zero floor is cosine_with_min_lr (Axolotl's
+    floored cosine, the same formula); cosine_with_min_lr takes its floor from cosine_min_lr_ratio."""
+    name, kwargs, floor = recipe.lr_scheduler, dict(recipe.lr_scheduler_kwargs or {}), recipe.cosine_min_lr_ratio
+    if (name == "cosine" and floor) or (name == "cosine_with_min_lr" and floor is not None):
+        name, kwargs["min_lr_rate"] = "cosine_with_min_lr", floor
     return name, kwargs
 
 
 def quadratic_warmup(recipe) -> bool:
-    """Axolotl applies lr_quadratic_warmup to the cosine schedule only (with or without a floor)."""
-    return bool(recipe.lr_quadratic_warmup) and recipe.lr_scheduler in ("cosine", "cosine_with_min_lr")
+    """Axolotl applies lr_quadratic_warmup to lr_scheduler: cosine only (its lr_scheduler_type == "cosine")."""
+    return bool(recipe.lr_quadratic_warmup) and recipe.lr_scheduler == "cosine"
 
 
 def constant_phase(recipe) -> bool:
-    """Axolotl's cosine_constant_lr_ratio: on the cosine schedule, with a floor and a ratio both non-zero (Axolotl
+    """Axolotl's cosine_constant_lr_ratio: on lr_scheduler: cosine, with a floor and a ratio both non-zero (Axolotl
     tests their truth), and not beside the quadratic warm-up, which Axolotl takes first."""
     return bool(getattr(recipe, "cosine_constant_lr_ratio", None) and recipe.cosine_min_lr_ratio) and \
-        recipe.lr_scheduler in ("cosine", "cosine_with_min_lr") and not quadratic_warmup(recipe)  # fmt: skip
+        recipe.lr_scheduler == "cosine" and not quadratic_warmup(recipe)  # fmt: skip
+
+
+def schedule_conflict(recipe) -> str | None:
+    """The line refusing a schedule key that Axolotl v0.18.0's create_scheduler ignores in the recipe, else None."""
+    name, floor, kwargs = recipe.lr_scheduler, recipe.cosine_min_lr_ratio, recipe.lr_scheduler_kwargs or {}
+    quadratic, jagged = recipe.lr_quadratic_warmup, getattr(recipe, "jagged_restart_steps", None)
+    own = "quadratic warm-up" if quadratic else "floored cosine" if name == "cosine" and floor else ""
+    return next((said for wrong, said in (
+        (quadratic and name != "cosine", f"lr_quadratic_warmup applies to lr_scheduler: cosine only (Axolotl ignores "
+                                         f"it with {name}); remove it, or use lr_scheduler: cosine"),
+        (quadratic and floor, "lr_quadratic_warmup and cosine_min_lr_ratio are both set: Axolotl's quadratic warm-up "
+                              "decays to 0 and drops the floor; remove one"),
+        (floor is not None and name not in ("cosine", "cosine_with_min_lr") and not jagged,
+         f"cosine_min_lr_ratio floors a cosine schedule (or jagged restarts), and lr_scheduler is {name}; remove it, "
+         "or use lr_scheduler: cosine"),
+        (recipe.cosine_constant_lr_ratio and not (name == "cosine" and floor), "cosine_constant_lr_ratio holds the "
+         "floor of lr_scheduler: cosine with cosine_min_lr_ratio (Axolotl ignores it otherwise); set both, or remove it"),
+        (floor is not None and {"min_lr", "min_lr_rate"} & set(kwargs),
+         "cosine_min_lr_ratio and lr_scheduler_kwargs' min_lr/min_lr_rate both set the floor; keep one"),
+        (kwargs and own, f"lr_scheduler_kwargs ({', '.join(map(str, kwargs))}) with Axolotl's own {own} schedule, "
+                         "which takes none (Axolotl ignores them); remove lr_scheduler_kwargs"),
+    ) if wrong), None)  # fmt: skip

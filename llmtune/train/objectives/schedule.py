@@ -12,7 +12,8 @@ from llmtune.recipe.training import constant_phase, named_schedule, quadratic_wa
 
 
 def quadratic_warmup_cosine(step: int, *, warmup: int, total: int, floor: float) -> float:
-    """The LR multiplier: (step / warmup)^2 while warming up, then a half cosine from 1 down to `floor`."""
+    """The LR multiplier: (step / warmup)^2 while warming up, then a half cosine from 1 down to `floor` (Axolotl's
+    get_cosine_schedule_with_quadratic_warmup where `floor` is 0, as every recipe's is)."""
     if step < warmup:
         return (step / max(1, warmup)) ** 2
     progress = (step - warmup) / max(1, total - warmup)
@@ -100,7 +101,9 @@ def make_scheduler(recipe, optimizer, warmup: int, total: int):
     from torch.optim.lr_scheduler import LambdaLR
 
     if quadratic_warmup(recipe):
-        floor = recipe.cosine_min_lr_ratio or float((recipe.lr_scheduler_kwargs or {}).get("min_lr_rate", 0.0))
+        # 0 for every recipe that loads: Axolotl drops the floor (and lr_scheduler_kwargs) beside the quadratic
+        # warm-up, so a recipe setting one with it is refused (recipe/training.py, schedule_conflict)
+        floor = recipe.cosine_min_lr_ratio or 0.0
         scheduler = LambdaLR(optimizer, partial(quadratic_warmup_cosine, warmup=warmup, total=total, floor=floor))
     elif constant_phase(recipe):
         scheduler = LambdaLR(optimizer, partial(cosine_to_constant, warmup=warmup, total=total,
