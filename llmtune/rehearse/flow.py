@@ -220,10 +220,11 @@ def _shrunken_model(recipe, gpu_plan, options: RehearsalOptions, online: bool, e
     return _Model(full, shrunk, choice, tokenizer, folder, notes, changes)
 
 
-def _unfrozen_in_shrunk(mapping: dict, shrunk) -> tuple[dict, list[str]]:
+def _unfrozen_in_shrunk(mapping: dict, shrunk, recipe) -> tuple[dict, list[str]]:
     """unfrozen_parameters entries that name layers the shrunken model doesn't have (Spectrum's and Axolotl's
-    lists name layers by number) are left out of the rehearsal, said; the real plan checked them on the real model."""
-    from llmtune.plan.memory.unfrozen import unmatched_patterns
+    lists name layers by number) are left out of the rehearsal, said; the real plan checked them on the real model
+    where its names could be read (an entry matching nothing there was refused)."""
+    from llmtune.plan.memory.unfrozen import parameter_names, unmatched_patterns
     from llmtune.recipe import Recipe
 
     if not mapping.get("unfrozen_parameters") or mapping.get("adapter"):
@@ -237,10 +238,11 @@ def _unfrozen_in_shrunk(mapping: dict, shrunk) -> tuple[dict, list[str]]:
         raise UserError(f"unfrozen_parameters: none of its entries matches a parameter of the {layers}-layer model "
                         "the rehearsal trains (they name layers by number)", "rehearse with --layers covering the "
                         "layers they name, or add an entry the small model has (^lm_head.weight$)")  # fmt: skip
+    real = ("the GPU run trains them" if parameter_names(recipe) else "the real model's names couldn't be read here, "
+            "so whether they match there is not checked")  # fmt: skip
     return {**mapping, "unfrozen_parameters": kept}, [
         f"unfrozen_parameters: {', '.join(unmatched)} match no parameter of the {layers}-layer rehearsal model (they "
-        "name layers it doesn't have): left out of the rehearsal; the GPU run trains them"
-    ]
+        f"name layers it doesn't have): left out of the rehearsal; {real}"]  # fmt: skip
 
 
 def _stop_then_resume(plans: list, rehearsal, extra: list[str], timings: dict, echo) -> tuple[int, Path | None]:
@@ -308,7 +310,7 @@ def rehearse_recipe(recipe_path: Path, flags: ClusterFlags, options: RehearsalOp
     sequence_len = options.sequence_len or min(recipe.sequence_len, DEFAULT_SEQUENCE_LEN)
     mapping = rehearsal_mapping(recipe, model.folder, model.tokenizer_choice.location, sources, output, sequence_len)
     mapping.update(model.recipe_changes)
-    mapping, said = _unfrozen_in_shrunk(mapping, model.shrunk)
+    mapping, said = _unfrozen_in_shrunk(mapping, model.shrunk, recipe)
     notes += said
     (output / "recipe.yaml").write_text(yaml.safe_dump(mapping, sort_keys=False))
     rehearsal = Recipe.model_validate(mapping)

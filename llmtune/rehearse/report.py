@@ -354,10 +354,12 @@ def failed_checks(report: dict) -> list[str]:
     failed = []
     ranks, mem = report["ranks"], report["memory"]
     if ranks.get("checked") and not ranks["ok"]:
-        failed.append(
-            f"{ranks['ranks']} ranks saw {ranks['distinct_first_batches']} distinct first batches: some "
-            "ranks trained on the same rows, so data parallelism would repeat work instead of splitting it"
-        )
+        split, distinct = ranks.get("ranks_per_batch", 1), ranks["distinct_first_batches"]
+        expected = ranks["ranks"] // split
+        failed.append(f"{ranks['ranks']} ranks saw {distinct} distinct first batches where {expected} were expected"
+                      + (f" (one per group of {split} ranks that split a batch)" if split > 1 else "") + ": "
+                      + ("some data-parallel ranks trained on the same rows, so they would repeat work instead of "
+                         "splitting it" if distinct < expected else "ranks that share one batch read different rows"))  # fmt: skip
     if mem.get("checked") and not mem["ok"]:
         scaled = _gb(mem["full_scaled_measurement_bytes"])
         if mem["ratio"] > 1:

@@ -76,6 +76,10 @@ def _save_model(trainer, folder: Path, relora, main: bool) -> None:
 
 def train(recipe: Recipe, plan: dict, rank: distributed.RankInfo) -> dict:
     library_bars_off()
+    if plan["cluster"]["device"] == "cuda" and recipe.unfrozen_parameters and not recipe.adapter:
+        from llmtune.plan.memory.unfrozen import unfrozen_share
+
+        unfrozen_share(recipe)  # the names, on the meta device, before ZeRO-3's context exists (planned_memory)
     from accelerate import PartialState
     from transformers import set_seed
 

@@ -117,6 +117,12 @@ def test_trackers_are_hidden_unless_the_recipe_logs_to_them(local_model, local_d
     assert "mlflow" in needed(local_model, local_data, 2, deepspeed="zero2", use_mlflow=True)
     assert {"wandb", "tensorboard"} <= needed(local_model, local_data, report_to=["tensorboard"], wandb_project="p")
     assert "wandb" not in needed(local_model, local_data, wandb_project="p", wandb_mode="disabled")
+    # DeepSpeed's own monitors, turned on in the recipe's DeepSpeed JSON, import theirs in every rank
+    config = local_data.parent / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "tensorboard": {"enabled": True},
+                                  "wandb": {"enabled": False}}))  # fmt: skip
+    kept = needed(local_model, local_data, 2, deepspeed=str(config))
+    assert "tensorboard" in kept and "wandb" not in kept
 
 
 def test_an_offload_rank_asks_py_cpuinfo_once_and_each_caller_gets_its_own_copy(monkeypatch):

@@ -206,7 +206,11 @@ def test_a_check_the_rehearsal_fails_is_an_error_line_and_exit_1_in_either_direc
     assert failed_checks({"ranks": ranks, "memory": memory}) == []
     assert failed_checks({"ranks": {"checked": False}, "memory": {"checked": False}}) == []  # unchecked: not failed
     same = failed_checks({"ranks": {**ranks, "ok": False, "distinct_first_batches": 2}, "memory": memory})
-    assert len(same) == 1 and "4 ranks saw 2 distinct first batches" in same[0]
+    assert len(same) == 1 and "4 ranks saw 2 distinct first batches where 4 were expected" in same[0]
+    assert "trained on the same rows" in same[0]
+    grouped = {**ranks, "ok": False, "distinct_first_batches": 4, "ranks_per_batch": 2}  # context parallel pairs
+    split = failed_checks({"ranks": grouped, "memory": memory})[0]
+    assert "where 2 were expected (one per group of 2 ranks" in split and "share one batch read different" in split
     low = failed_checks({"ranks": ranks, "memory": {**memory, "ok": False, "ratio": 1.39}})
     assert "1.39x" in low[0] and "may run out of memory" in low[0] and "20.00 GB" in low[0]
     high = failed_checks({"ranks": ranks, "memory": {**memory, "ok": False, "ratio": 0.72}})

@@ -152,7 +152,10 @@ def _states(recipe, facts: ModelFacts, mixed: bool, deepspeed: bool) -> tuple[fl
                      if recipe.optimizer in EIGHT_BIT else 0.0) * facts.embedding_params()  # fmt: skip
         trained = trainable_parameters(recipe, facts)  # fewer under unfrozen_parameters: grads and states only
         if trained < psi:
-            embedding = 0.0  # whether the embedding is among them isn't counted: its wider states are left out
+            from llmtune.plan.memory.facts import embedding_modules_of
+            from llmtune.plan.memory.unfrozen import trains_module
+
+            embedding *= trains_module(recipe, embedding_modules_of(facts.model_type)[0])  # frozen: no states
         return base.params * psi, base.grads * trained, base.optimizer * trained + embedding
     trainable = trainable_parameters(recipe, facts)
     width = 2.0 if mixed else 4.0  # the frozen base is kept in the compute dtype

@@ -18,15 +18,24 @@ HEAD_CLASSES = {"reward_model": "AutoModelForSequenceClassification",
 
 def parameter_names(recipe) -> tuple[tuple[str, int], ...] | None:
     """(name, element count) of each parameter of the recipe's model, as the rank names them; None where the
-    config isn't on this machine or transformers can't build the architecture here."""
-    from llmtune.plan.memory.facts import find_config_json
+    config can't be read here (not local, not cached, Hub unreachable), transformers can't build the architecture,
+    or the rank renames parameters after loading (llama4_linearized_experts)."""
+    from pathlib import Path
 
-    found = find_config_json(recipe.base_model_config or recipe.base_model)
+    from llmtune.plan.memory.facts import fetch_hub_config, find_config_json
+
+    if getattr(recipe, "llama4_linearized_experts", False):
+        return None
+    name = recipe.base_model_config or recipe.base_model
+    found = find_config_json(name)
+    if found is None and not Path(name).expanduser().exists():
+        found = fetch_hub_config(name)  # where the estimate reads it from too
     if found is None:
         return None
     auto = next((name for key, name in HEAD_CLASSES.items() if getattr(recipe, key, False)), "AutoModelForCausalLM")
+    overrides = tuple(sorted((recipe.overrides_of_model_config or {}).items(), key=lambda item: item[0]))
     return _parameters(str(found), found.stat().st_mtime_ns, auto, bool(recipe.trust_remote_code),
-                       getattr(recipe, "num_labels", None))  # fmt: skip
+                       getattr(recipe, "num_labels", None), recipe.cls_model_config, repr(overrides))  # fmt: skip
 
 
 def unmatched_patterns(recipe) -> tuple[list[str], list[str]]:
@@ -40,6 +49,18 @@ def unmatched_patterns(recipe) -> tuple[list[str], list[str]]:
     names = [name for name, _ in named]
     unmatched = [p for p in recipe.unfrozen_parameters if not any(unfrozen_pattern(p)[0].match(n) for n in names)]
     return unmatched, names
+
+
+def trains_module(recipe, module: str) -> bool:
+    """Whether unfrozen_parameters leaves a weight of this module name (embed_tokens) trainable; True where the
+    names can't be read here (every parameter counts as trained then)."""
+    from llmtune.recipe.adapter import unfrozen_pattern
+
+    named = parameter_names(recipe)
+    if not named:
+        return True
+    compiled = [unfrozen_pattern(p)[0] for p in recipe.unfrozen_parameters]
+    return any(f".{module}." in f".{name}" and any(r.match(name) for r in compiled) for name, _ in named)
 
 
 def unfrozen_share(recipe) -> float | None:
@@ -58,18 +79,26 @@ def unfrozen_share(recipe) -> float | None:
 
 
 @cache
-def _parameters(config_path: str, _mtime: int, auto: str, remote_code: bool,
-                num_labels: int | None) -> tuple[tuple[str, int], ...] | None:  # fmt: skip
+def _parameters(config_path: str, _mtime: int, auto: str, remote_code: bool, num_labels: int | None,
+                config_class: str | None, overrides: str) -> tuple[tuple[str, int], ...] | None:  # fmt: skip
+    """The names, from the config as the rank reads it (cls_model_config, overrides_of_model_config)."""
+    import ast
     import logging
 
     import torch
     import transformers
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
+    if is_deepspeed_zero3_enabled():  # in a ZeRO-3 rank, from_config would build it for real, partitioned
+        return None
     quiet = logging.getLogger("transformers").level
     transformers.logging.set_verbosity_error()
     try:
         kwargs = {"num_labels": num_labels} if num_labels else {}
-        config = transformers.AutoConfig.from_pretrained(config_path, trust_remote_code=remote_code, **kwargs)
+        reader = getattr(transformers, config_class) if config_class else transformers.AutoConfig
+        config = reader.from_pretrained(config_path, trust_remote_code=remote_code, **kwargs)
+        for key, value in ast.literal_eval(overrides):
+            setattr(config, key, value)  # as the rank applies them (names don't depend on its rope folding)
         with torch.device("meta"):
             model = getattr(transformers, auto).from_config(config, trust_remote_code=remote_code)
     except Exception:  # an architecture this transformers can't build: the estimate counts every parameter

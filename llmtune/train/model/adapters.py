@@ -324,10 +324,11 @@ def freeze_except(model, patterns: list[str], adapter: bool, checkpointing: bool
     from llmtune.recipe.adapter import unfrozen_pattern
 
     compiled = [unfrozen_pattern(p) for p in patterns]
-    trainable = 0
+    trainable, used = 0, set()
     for name, param in model.named_parameters():
         shown = name.removeprefix(PEFT_PREFIX) if adapter else name
         matches = [rows for regex, rows in compiled if regex.match(shown)]
+        used.update(i for i, (regex, _) in enumerate(compiled) if regex.match(shown))
         if adapter and not param.requires_grad:
             continue  # the frozen base stays frozen
         param.requires_grad = bool(matches)
@@ -341,6 +342,12 @@ def freeze_except(model, patterns: list[str], adapter: bool, checkpointing: bool
         names = [n.removeprefix(PEFT_PREFIX) if adapter else n for n, _ in list(model.named_parameters())[:3]]
         raise UserError(f"unfrozen_parameters matches no {'adapter ' if adapter else ''}parameter, so nothing would "
                         f"train (names look like: {', '.join(names)})",
+                        "patterns match from the start of the name ('.' is a literal dot); check them against "
+                        "the model's parameter names")  # fmt: skip
+    unused = [patterns[i] for i in range(len(patterns)) if i not in used]
+    if unused and not adapter:  # (an adapter's entries may name base weights, left frozen, as Axolotl's do)
+        raise UserError(f"unfrozen_parameters: {', '.join(repr(p) for p in unused)} match no parameter of the model, "
+                        f"so they train nothing (names look like: {next(iter(dict(model.named_parameters())))})",
                         "patterns match from the start of the name ('.' is a literal dot); check them against "
                         "the model's parameter names")  # fmt: skip
     embeddings = model.get_input_embeddings()

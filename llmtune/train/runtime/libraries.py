@@ -72,6 +72,8 @@ def needed(recipe, plan: dict) -> set[str]:
     if recipe.load_in_4bit or recipe.load_in_8bit or recipe.optimizer in BITSANDBYTES_OPTIMIZERS:
         uses.add("bitsandbytes")
     uses.update(recipe.trackers)
+    monitors = plan.get("deepspeed_config") or {}  # DeepSpeed's own monitors, from the recipe's DeepSpeed JSON
+    uses.update(name for name in ("tensorboard", "wandb") if (monitors.get(name) or {}).get("enabled"))
     if (plan.get("kernels") or {}).get("liger"):
         uses.add("liger_kernel")
     from llmtune.train.data.sources import reads_with_datasets
