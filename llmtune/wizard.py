@@ -141,7 +141,7 @@ CHOICES = {
     "interconnect": ["fast", "slow"], "strategy": list(STRATEGIES), "fsdp_version": [1, 2],
     "fsdp_auto_wrap_policy": ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"],
     "fsdp_state_dict_type": ["FULL_STATE_DICT", "SHARDED_STATE_DICT"],
-    "pipeline_schedule": ["gpipe", "1f1b", "interleaved_1f1b"],
+    "pipeline_schedule": ["gpipe", "1f1b", "interleaved_1f1b"], "rdzv_backend": ["static", "c10d", "etcd"],
 }  # fmt: skip
 
 
@@ -200,6 +200,7 @@ def ask_all(given: dict[str, Any], ask: Asker, given_preference: dict[str, Any] 
         if want("interconnect"):
             answers.interconnect = ask.select("Network between the machines:", [
                 ("fast", "fast (InfiniBand, RoCE, NVLink across nodes)"), ("slow", "slow (Ethernet)")], "fast")  # fmt: skip
+        _ask_rendezvous(answers, ask, want)
     if want("gpus_per_machine"):
         answers.gpus_per_machine = int(ask.text("How many GPUs per machine?", str(gpus or 1), _positive_int))
     if want("gpu_ids"):
@@ -212,6 +213,8 @@ def ask_all(given: dict[str, Any], ask: Asker, given_preference: dict[str, Any] 
         answers.mixed_precision = ask.select("Mixed precision:", [("bf16", "bf16 (Ampere and newer)"),
                                              ("fp16", "fp16 (older GPUs)"), ("no", "no (fp32)")],
                                              answers.mixed_precision)  # fmt: skip
+    if want("torch_compile"):  # accelerate config's dynamo question, as the recipe's key
+        answers.torch_compile = ask.confirm("Compile the model with torch.compile (inductor)?", False)
     from llmtune.plan.memory.facts import model_positions
 
     longest = model_positions(answers.base_model)
@@ -239,6 +242,26 @@ def ask_all(given: dict[str, Any], ask: Asker, given_preference: dict[str, Any] 
                    else f"./outputs/{answers.base_model.rstrip('/').split('/')[-1].lower()}-{answers.method}")  # fmt: skip
         answers.output_dir = ask.text("Output folder:", default)
     return answers, fit, pref
+
+
+def _ask_rendezvous(answers: Answers, ask: Asker, want: Callable[[str], bool]) -> None:
+    """accelerate config's "same local network?" and, where not, its rendezvous backend; then how that one meets."""
+    if want("same_network") and want("rdzv_backend"):
+        answers.same_network = ask.confirm("Are all the machines on the same local network? (no: cloud nodes, or "
+                                           "machines that may start late or restart)", True)  # fmt: skip
+    if want("rdzv_backend"):
+        answers.rdzv_backend = "static" if answers.same_network else ask.select("Rendezvous backend:", [
+            ("c10d", "c10d: torchrun's elastic rendezvous on rank 0 (machines join in any order, and may restart)"),
+            ("etcd", "etcd: an etcd server outside the job holds the rendezvous"),
+            ("static", "static: each machine starts with its fixed rank")], "c10d")  # fmt: skip
+    if answers.rdzv_backend == "etcd" and want("rdzv_endpoint"):
+        answers.rdzv_endpoint = ask.text("etcd server (host:port, its v2 API on):", answers.rdzv_endpoint or "",
+                                         lambda v: None if ":" in v else "host:port")  # fmt: skip
+    if answers.rdzv_backend == "etcd" and not answers.rdzv_endpoint:
+        raise UserError("--rdzv-backend etcd needs --rdzv-endpoint", "give the etcd server as host:port")
+    if answers.rdzv_backend == "c10d" and want("min_machines"):
+        answers.min_machines = int(ask.text("Start once how many machines have joined?", str(answers.num_machines),
+                                            _positive_int))  # fmt: skip
 
 
 def _ask_dataset(answers: Answers, ask: Asker, want: Callable[[str], bool]) -> None:

@@ -70,6 +70,7 @@ def sft_problem(name: str) -> str | None:
 # flag -> (the least it takes, what it is): a flag below it is one line naming the flag, before any estimate
 LEAST = {
     "num_machines": (1, "the machines in the job, e.g. 1"),
+    "min_machines": (1, "the machines that must join before training starts, e.g. 2"),
     "gpus_per_machine": (1, "the GPUs each machine trains on, e.g. 8"),
     "main_process_port": (1, "a TCP port on machine rank 0, e.g. 29500"),
     "sequence_len": (1, "tokens per row, e.g. 2048"),

@@ -221,6 +221,23 @@ def config_command(
     main_process_ip: _ask_option("--main-process-ip", "Address of machine rank 0.") = None,
     main_process_port: _ask_option("--main-process-port", "Rendezvous port on machine rank 0.", int) = None,
     interconnect: _ask_option("--interconnect", "Between machines: fast or slow.") = None,
+    same_network: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--same-network/--no-same-network",
+            show_default=False,
+            help="All machines on one local network (no: asks the rendezvous backend).",
+        ),
+    ] = None,  # fmt: skip
+    rdzv_backend: _ask_option("--rdzv-backend", "How the machines meet: static, c10d (elastic) or etcd.") = None,
+    rdzv_endpoint: _ask_option("--rdzv-endpoint", "etcd: host:port of the etcd server.") = None,
+    min_machines: _ask_option("--min-machines", "c10d: start once this many machines have joined.", int) = None,
+    torch_compile: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--torch-compile/--no-torch-compile", show_default=False, help="Compile the model with torch.compile."
+        ),
+    ] = None,  # fmt: skip
     gpus_per_machine: _ask_option("--gpus-per-machine", "GPUs on each machine.", int) = None,
     gpu_ids: _ask_option("--gpu-ids", "GPU ids to use on each machine, comma separated, or all.") = None,
     gpu_memory: _ask_option("--gpu-memory", "Memory of one GPU, e.g. 80GB.") = None,

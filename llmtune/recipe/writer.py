@@ -55,6 +55,11 @@ class Answers:
     gpu_memory: str = "80GB"
     cpu_memory: str | None = None  # of one machine, for offload; None: not checked
     interconnect: str = "fast"
+    same_network: bool = True  # accelerate config's "same local network?": no asks how the machines meet
+    rdzv_backend: str = "static"  # static | c10d | etcd
+    rdzv_endpoint: str | None = None  # etcd's host:port
+    min_machines: int | None = None  # c10d: start once this many have joined
+    torch_compile: bool = False  # accelerate config's dynamo question
     strategy: str = "ddp"
     nvme_path: str = "/local_nvme"
     fsdp_version: int = 2
@@ -111,6 +116,16 @@ def strategy_keys(answers: Answers) -> dict:
         # transformers can't checkpoint the optimizer of a model sharded at load: weight snapshots only
         return {"tensor_parallel_size": answers.tensor_parallel_size, "fsdp_version": 2}
     raise ValueError(f"unknown strategy {key}")
+
+
+def rendezvous_keys(answers: Answers) -> dict:
+    """How machines not on one network meet: torchrun's elastic c10d rendezvous on rank 0, or an etcd server."""
+    if answers.rdzv_backend == "etcd":
+        return {"rdzv_backend": "etcd", "rdzv_endpoint": answers.rdzv_endpoint}
+    keys: dict = {"rdzv_backend": "c10d"}
+    if answers.min_machines and answers.min_machines < answers.num_machines:
+        keys["min_machines"] = answers.min_machines
+    return keys
 
 
 def total_processes(answers: Answers) -> int:
@@ -171,11 +186,15 @@ def header_block(header: list[str], answers: Answers, recipe_path: str, estimate
 def closing_blocks(answers: Answers, label: str) -> list[str]:
     """The strategy's keys (when it has any) and where the outputs go."""
     keys = strategy_keys(answers)
+    if answers.num_machines > 1 and answers.rdzv_backend != "static":
+        keys = {**keys, **rendezvous_keys(answers)}
     blocks = (
         [block(f"Distributed: {label}. llmtune writes the DeepSpeed/accelerate configs from this.", keys)]
         if keys
         else []
     )
+    if answers.torch_compile:
+        blocks.append(block("Compile the model with torch.compile (inductor).", {"torch_compile": True}))
     saving = {"output_dir": answers.output_dir, "save_strategy": "steps", "save_steps": 200, "save_total_limit": 2}
     if answers.async_checkpoint:  # written by a background thread while training goes on
         saving["async_checkpoint"] = True

@@ -65,6 +65,8 @@ def test_interactive_session_in_a_terminal(tmp_path, chat_file, model_dir):
         child.send("80GB" + enter)
         child.expect("Mixed precision")
         child.send(enter)
+        child.expect(re.escape("torch.compile"))
+        child.send(enter)  # no
         child.expect(re.escape("Sequence length (tokens) [2048]:"))
         child.send(enter)
         child.expect(re.escape("Micro-batch size per GPU [2]:"))
@@ -85,6 +87,7 @@ def test_interactive_session_in_a_terminal(tmp_path, chat_file, model_dir):
     assert raw["base_model"] == str(model_dir) and raw["datasets"][0]["path"] == str(chat_file)  # exactly as typed
     assert raw["micro_batch_size"] == 1 and raw["sequence_len"] == 2048  # typed; Enter alone
     assert raw["output_dir"] == "./outputs/llama8b-full"  # Enter alone: the default shown
+    assert "torch_compile" not in raw  # Enter alone: no, as accelerate config's dynamo question
     recipe = load_recipe(output).recipe
     assert recipe.deepspeed == "zero1" and recipe.adapter is None and recipe.bf16 is True
     assert recipe.datasets[0].type == "chat_template" and recipe.datasets[0].field_messages == "conversations"
@@ -256,3 +259,30 @@ def test_the_default_sequence_len_stays_within_the_models_positions(run_cli, tmp
     longer = run_cli("config", "--yes", "-o", tmp_path / "l.yaml", "--base-model", model_dir, "--dataset", chat_file,
                      "--sequence-len", "4096")  # fmt: skip
     assert longer.code == 0 and "sequence_len 4096 is beyond the 1024 positions" in longer.err
+
+
+def test_machines_not_on_one_network_meet_by_the_rendezvous_asked_and_compile_is_asked(run_cli, tmp_path):
+    """What `accelerate config` asks beside the machines: the same local network (no: the rendezvous backend, and
+    how it meets) and torch dynamo, as the recipe's keys; each with a flag."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"instruction": "hi", "input": "", "output": "hello"}) + "\n")
+    base = ["config", "--yes", "--base-model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--dataset", str(data),
+            "--num-machines", "2", "--main-process-ip", "10.0.0.1", "--gpus-per-machine", "2"]  # fmt: skip
+
+    def written(*flags) -> dict:
+        output = tmp_path / "r.yaml"
+        result = run_cli(*base, "-o", output, "--force", *flags)
+        assert result.code == 0, result.err
+        return yaml.safe_load(output.read_text())
+
+    same = written()
+    assert "rdzv_backend" not in same and "torch_compile" not in same  # static, as accelerate's defaults
+    elastic = written("--no-same-network", "--min-machines", "1", "--torch-compile")
+    assert (elastic["rdzv_backend"], elastic["min_machines"], elastic["torch_compile"]) == ("c10d", 1, True)
+    etcd = written("--rdzv-backend", "etcd", "--rdzv-endpoint", "10.0.0.9:2379")
+    assert (etcd["rdzv_backend"], etcd["rdzv_endpoint"]) == ("etcd", "10.0.0.9:2379")
+    refused = run_cli(*base, "-o", tmp_path / "x.yaml", "--rdzv-backend", "etcd")
+    assert refused.code == 2 and "--rdzv-backend etcd needs --rdzv-endpoint" in refused.err
+    assert not (tmp_path / "x.yaml").exists()
+    wrong = run_cli(*base, "-o", tmp_path / "x.yaml", "--rdzv-backend", "tcp")
+    assert wrong.code == 2 and "--rdzv-backend 'tcp' is not one of static, c10d, etcd" in wrong.err

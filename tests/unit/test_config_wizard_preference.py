@@ -243,6 +243,8 @@ def test_interactive_preference_session(tmp_path, base, monkeypatch):
             child.send(enter)
         child.expect("Mixed precision")
         child.send(enter)  # bf16, as the SFT run had
+        child.expect(re.escape("torch.compile"))
+        child.send(enter)  # no
         child.expect(re.escape("Sequence length (tokens) [512]:"))  # the SFT run's
         child.send(enter)
         child.expect(re.escape("Micro-batch size per GPU [2]:"))
