@@ -248,6 +248,10 @@ class DatasetSpec(Section):
             if base not in known:
                 raise ValueError(f"unknown dataset type '{value}'; use one of {', '.join(DATASET_TYPES)}, or one "
                                  "of Axolotl's older formats (sharegpt, alpaca_chat, oasst, ...)")  # fmt: skip
+            dotted = TYPE_ALIASES.get(f"{base}.{style}", f"{base}.{style}")
+            if style and dotted in known:  # Axolotl names its loader functions with a dot
+                raise ValueError(f"type '{value}': did you mean {dotted}? (a loader function follows a dot; a colon "
+                                 "gives an alpaca-style type its prompt style)")  # fmt: skip
             if base in STYLED and style and style not in PROMPT_STYLES:
                 raise ValueError(f"type '{value}': the prompt style is one of {', '.join(PROMPT_STYLES)}")
             if style and base not in STYLED and value != "sharegpt:chat":  # (Axolotl read that one as sharegpt; it

@@ -43,7 +43,7 @@ def expected(name: str, bos: str, eos: str) -> str:
         "mistral": f"{bos}[INST] Be brief.\n\nHi[/INST] Hello!{eos}[INST] What is 2+2?[/INST] 4{eos}",
         "gemma": f"{bos}<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
         "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>\n",
-        "phi_3": "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nHello!<|end|>\n"
+        "phi_3": f"{bos}<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nHello!<|end|>\n"
         "<|user|>\nWhat is 2+2?<|end|>\n<|assistant|>\n4<|end|>\n",
         "alpaca": f"{bos}Be brief.\n\n### Instruction:\nHi\n\n### Response:\nHello!{eos}"
         f"\n\n### Instruction:\nWhat is 2+2?\n\n### Response:\n4{eos}",
@@ -100,8 +100,7 @@ def test_defaults_without_a_system_message(tok):
     assert qwen == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
                     "<|im_start|>user\nHi<|im_end|>\n")
     alpaca = render(NAMED_TEMPLATES["alpaca"], CHAT[:1], tok)
-    assert alpaca == (f"{tok.bos_token}Below is an instruction that describes a task. Write a response that "
-                      "appropriately completes the request.\n\n### Instruction:\nHi")
+    assert alpaca == f"{tok.bos_token}### Instruction:\nHi"  # Axolotl's alpaca template: no preamble of its own
     assert render(NAMED_TEMPLATES["mistral"], CHAT[:2], tok) == f"{tok.bos_token}[INST] Hi[/INST] Hello!{tok.eos_token}"
     assert render(NAMED_TEMPLATES["gemma"], CHAT[:1], tok) == f"{tok.bos_token}<start_of_turn>user\nHi<end_of_turn>\n"
 

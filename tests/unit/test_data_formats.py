@@ -850,3 +850,49 @@ def test_a_number_where_text_is_read_is_its_digits_and_a_csv_s_empty_cell_is_mis
     assert "### Input" not in tok.decode(ids) and tok.decode(ids).endswith("4.5" + tok.eos_token)
     with pytest.raises(RowError, match="should be str, not bool"):
         run(tok, {"instruction": "2+2?", "output": True}, type="alpaca")
+
+
+def test_an_empty_answer_trains_nothing_and_an_answer_ending_in_eos_gets_no_second(tok):
+    """As Axolotl tokenizes an answer: empty, nothing (the row is dropped: it had trained the EOS alone, teaching
+    the model to answer with nothing); already ending in the EOS, no second one."""
+    [(_, labels)] = run(tok, {"instruction": "Say nothing", "output": ""}, type="alpaca")
+    assert set(labels) == {IGNORE}
+    [(ids, labels)] = run(tok, {"instruction": "Greet", "output": f"Hello{tok.eos_token}"}, type="alpaca")
+    assert ids[-1] == tok.eos_token_id and ids[-2] != tok.eos_token_id
+    assert trained_text(tok, ids, labels) == f"Hello{tok.eos_token}"
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t | tojson }}{% endfor %}\n{% endif %}{% for m in messages %}"
+    "<|im_start|>{{ m['role'] }}\n{% if m.tool_calls %}{% for tc in m.tool_calls %}<tool_call>{\"name\": "
+    "\"{{ tc.function.name }}\", \"arguments\": {{ tc.function.arguments | tojson }}}</tool_call>{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tool_calls_tools_and_messages_stored_as_json_text_reach_the_template_as_objects(tok):
+    """OpenAI-style rows keep a call's arguments (and often the tools, or the whole conversation) as JSON text: a
+    template's `tojson` wrote them as an escaped string, and the model trained to produce that. Parsed, as Axolotl
+    parses them."""
+    import json
+
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_w", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "get_w", "parameters": '{"type": "object"}'}}]
+    for row in ({"messages": messages, "tools": tools}, {"messages": json.dumps(messages), "tools": json.dumps(tools)}):
+        [(ids, labels)] = run(tok, row, template=TOOL_TEMPLATE, sequence_len=256, type="chat_template")
+        text = tok.decode(ids)
+        assert '"parameters": {"type": "object"}' in text
+        assert '<tool_call>{"name": "get_w", "arguments": {"city": "Paris"}}</tool_call>' in trained_text(tok, ids, labels)
+    with pytest.raises(RowError, match=r"messages\[1\].tool_calls\[0\].function.arguments is text but not JSON"):
+        bad = [messages[0], {**messages[1], "tool_calls": [{"function": {"name": "f", "arguments": "{city"}}]}]
+        run(tok, {"messages": bad}, template=TOOL_TEMPLATE, sequence_len=256, type="chat_template")
+
+
+def test_a_loader_function_written_after_a_colon_is_pointed_to_its_dot():
+    with pytest.raises(ValueError, match="did you mean alpaca_chat.load_qa"):
+        DatasetSpec(path="x", type="alpaca_chat:load_qa")
+    assert DatasetSpec(path="x", type="alpaca:chatml").type == "alpaca:chatml"  # a prompt style keeps its colon

@@ -71,7 +71,7 @@ def test_preprocess_counts_each_dataset_and_warns_of_an_empty_one(run_cli, write
 def test_preprocess_names_what_each_dataset_lost_and_a_custom_answer_field_no_row_has(run_cli, write_recipe, tmp_path):
     """Deduplication and min_sample_len drops are counted in all and against the dataset each dropped example came
     from (preprocess listed neither); a custom format whose field_output no row holds is refused (each example
-    trained its EOS alone)."""
+    would train nothing: Axolotl trains nothing for an empty answer)."""
     same = {"text": "one two three four five"}
     first = write_jsonl(tmp_path / "a.jsonl", [same, same, {"text": "hi"}, {"text": "six seven eight nine ten"}])
     second = write_jsonl(tmp_path / "b.jsonl", [same, {"text": "eleven twelve thirteen fourteen"}])

@@ -122,8 +122,12 @@ def _eos(tokenizer) -> list[int]:
 
 
 def _prompt_answer(ctx: FormatContext, prompt: str, answer: str) -> list[Example]:
+    """The prompt, then the answer and the EOS, as Axolotl tokenizes them: an empty answer adds nothing (no EOS
+    trained alone, which would teach answering with nothing), an answer already ending in the EOS no second one."""
     prompt_ids = _ids(ctx.tokenizer, prompt, special=True)
-    answer_ids = _ids(ctx.tokenizer, answer) + _eos(ctx.tokenizer)
+    answer_ids, eos = _ids(ctx.tokenizer, answer), _eos(ctx.tokenizer)
+    if answer and not (eos and answer_ids[-1:] == eos):
+        answer_ids += eos
     labels = (prompt_ids if ctx.train_on_inputs else [IGNORE] * len(prompt_ids)) + answer_ids
     return [(prompt_ids + answer_ids, labels)]
 

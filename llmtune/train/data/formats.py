@@ -23,6 +23,7 @@ from llmtune.train.data.instruct import INSTRUCT_FORMATS, custom
 from llmtune.train.data.model_formats import MODEL_FORMATS
 from llmtune.train.data.parts import check_thinking, detailed_spans, joined_parts, split_thinking, training_detail
 from llmtune.train.data.sharegpt import SHAREGPT_FORMATS
+from llmtune.train.data.tool_fields import json_text, parsed_calls, tools_of
 from llmtune.train.data.turns import turns_by_prefix, turns_in_full
 
 ALPACA_WITH_INPUT = (
@@ -124,7 +125,8 @@ def _messages(row: dict, spec) -> list[dict]:
     carries (tool_calls, name, tool_call_id, reasoning_content, ...: Axolotl passes them to the template), the keys
     message_property_mappings renames, and the row's system field first where the conversation has no system
     message."""
-    raw = _field(row, spec.field_messages, list)
+    raw = _field(row, spec.field_messages, list) if not isinstance(row.get(spec.field_messages), str) else \
+        json_text(row[spec.field_messages], f"'{spec.field_messages}'", list)  # fmt: skip
     mappings = spec.message_property_mappings
     role_key, content_key = mappings["role"], mappings["content"]
     renamed = {source: key for key, source in mappings.items() if key not in ("role", "content")}
@@ -165,7 +167,7 @@ def _messages(row: dict, spec) -> list[dict]:
             if value is not None and key not in (role_key, content_key, spec.message_field_training, thinking_from,
                                                  spec.message_field_training_detail) \
                     and name not in entry and name not in OWN_KEYS:  # fmt: skip
-                entry[name] = value
+                entry[name] = parsed_calls(value, f"{where}.{key}") if name == "tool_calls" else value
         training = message.get(spec.message_field_training) if spec.message_field_training else None
         if training is not None:  # Axolotl's truth value: 0/1 as well as false/true
             entry["training"] = bool(training)
@@ -203,23 +205,6 @@ def _unmapped(where: str, message, role_key: str, content_key: str, aliases: dic
     elif isinstance(value, str) and value not in ("system", "user", "assistant", "tool"):
         hint += f", and roles: {{user: [...], assistant: [...]}} to say what '{value}' is"
     return RowError(f"{where} needs '{role_key}' and '{content_key}' (it has: {keys})", hint)
-
-
-def _tools(row: dict, spec) -> list | None:
-    """The row's tool definitions for the chat template (a list, or its JSON text), or None."""
-    import json
-
-    tools = row.get(spec.field_tools)
-    if isinstance(tools, str) and tools.strip():
-        try:
-            tools = json.loads(tools)
-        except ValueError as err:
-            raise RowError(f"'{spec.field_tools}' is text but not JSON ({err})") from None
-    if tools in (None, "", []):
-        return None
-    if not isinstance(tools, list):
-        raise RowError(f"'{spec.field_tools}' must be a list of tool definitions")
-    return tools
 
 
 def _turn_ends(ids: list[int], offsets, content_end: int, end: int, markers) -> tuple[int, int] | None:
@@ -303,7 +288,7 @@ def chat_template(row: dict, ctx: FormatContext) -> list[Example]:
     from llmtune.train.data.templates import render
 
     spec, tokenizer, template = ctx.spec, ctx.tokenizer, ctx.template
-    messages, tools = _messages(row, spec), _tools(row, spec)
+    messages, tools = _messages(row, spec), tools_of(row, spec)
     _check_tools(messages, tools, ctx)
     if any(message.get("has_thinking") for message in messages):
         check_thinking(ctx)

@@ -138,8 +138,8 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
                             system, template_name=_template_name(spec, recipe))  # fmt: skip
         to_examples = converter(spec)
         taken, rows_before, kept_before, before = 0, stats["rows"], len(examples), snapshot(stats)
-        # a custom format's answer field in no row: every example would train its EOS alone (Axolotl reads a
-        # missing field_output as an empty answer, row by row); with train_on_inputs the prompt trains as well
+        # a custom format's answer field in no row: no example would train anything (Axolotl reads a missing
+        # field_output as an empty answer, row by row, which trains nothing); with train_on_inputs the prompt trains
         asks = isinstance(spec.type, CustomFormat) and not recipe.train_on_inputs
         answer, answered, fields = (spec.type.field_output, False, "") if asks else (None, True, "")
         for row, where in progress(read_rows(spec, label, recipe.streaming, recipe.seed), f"tokenizing {label}"):
@@ -179,8 +179,8 @@ def tokenize_group(specs, group: str, recipe, tokenizer, stats: dict, progress) 
                 taken += len(ids) if recipe.sample_packing else 1
         read = stats["rows"] - rows_before
         if read and not answered:
-            raise UserError(f"{label} ({spec.path}): field_output '{answer}' is in none of its {read} rows, so each "
-                            "example would train only its end-of-sequence token", f"set {label}.type.field_output "
+            raise UserError(f"{label} ({spec.path}): field_output '{answer}' is in none of its {read} rows, so no "
+                            "example would train anything", f"set {label}.type.field_output "
                             f"to the field that holds the answers (its rows have: {fields})")  # fmt: skip
         stats.setdefault("per_dataset", {})[label] = dataset_counts(stats, before, read, len(examples) - kept_before)
         shuffle_each(examples, kept_before, recipe, len(specs))

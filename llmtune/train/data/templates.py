@@ -97,8 +97,9 @@ _GEMMA = (
 
 # Phi-3 / 3.5 mini. The original appends eos_token after the last turn when there is no
 # generation prompt; that trailing token vanishes once another turn is added, so it is left out
-# (every turn already ends in <|end|>, which is what Phi-3 stops on). Like the original, no BOS.
-_PHI_3 = (
+# (every turn already ends in <|end|>, which is what Phi-3 stops on). Phi-3's starts with the BOS, Phi-3.5's
+# doesn't, as in Axolotl's two files.
+_PHI_35 = (
     r"{% for message in messages %}"
     r"{% if message['role'] in ['system', 'user', 'assistant'] %}"
     r"{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
@@ -106,6 +107,7 @@ _PHI_3 = (
     r"{% endfor %}"
     r"{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+_PHI_3 = r"{% if messages %}{{ bos_token }}{% endif %}" + _PHI_35
 
 # Qwen2.5: ChatML with a default system message when the conversation has none (no tool calls).
 _QWEN_25 = (
@@ -114,20 +116,17 @@ _QWEN_25 = (
     r"{% endif %}" + _CHATML
 )
 
-# Alpaca as a chat: the system message (or the classic Alpaca preamble) then
-# "### Instruction:" / "### Response:" blocks separated by blank lines; answers end in eos_token.
+# Alpaca as a chat, as Axolotl's alpaca template: the BOS, a leading system message as it is (no preamble of
+# its own), then "### Instruction:" / "### Response:" blocks separated by blank lines; answers end in eos_token.
 # The blank line before each block belongs to that block, so earlier turns never change.
 _ALPACA = (
-    r"{% if messages %}{{ bos_token }}"
-    r"{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
-    r"{% else %}{{ 'Below is an instruction that describes a task. "
-    r"Write a response that appropriately completes the request.' }}{% endif %}"
-    r"{% endif %}"
+    r"{% if messages %}{{ bos_token }}{% endif %}"
     r"{% for message in messages %}"
-    r"{% if message['role'] == 'user' %}{{ '\n\n### Instruction:\n' + message['content'] }}"
-    r"{% elif message['role'] == 'assistant' %}{{ '\n\n### Response:\n' + message['content'] + eos_token }}"
-    r"{% elif message['role'] != 'system' or not loop.first %}"
-    r"{{ raise_exception('alpaca: only user and assistant roles, with one leading system message') }}"
+    r"{% if not loop.first %}{{ '\n\n' }}{% endif %}"
+    r"{% if message['role'] == 'system' and loop.first %}{{ message['content'] }}"
+    r"{% elif message['role'] == 'user' %}{{ '### Instruction:\n' + message['content'] }}"
+    r"{% elif message['role'] == 'assistant' %}{{ '### Response:\n' + message['content'] + eos_token }}"
+    r"{% else %}{{ raise_exception('alpaca: only user and assistant roles, with one leading system message') }}"
     r"{% endif %}"
     r"{% endfor %}"
     r"{% if add_generation_prompt %}{{ '\n\n### Response:\n' }}{% endif %}"
@@ -244,7 +243,7 @@ FAMILY_TEMPLATES: dict[str, str] = {
     "llama3_2_vision": _LLAMA3,
     "llama4": turns_template("llama4", _headers("<|header_start|>", "<|header_end|>\n\n", "<|eot|>"),
                              start="{bos}", trim=True),
-    "phi_35": _PHI_3,
+    "phi_35": _PHI_35,
     "deepseek_v2": turns_template("deepseek_v2", {"system": ("", "\n\n"), "user": ("<｜User｜>", ""),
                                   "assistant": ("<｜Assistant｜>", "{eos}")}, start="{bos}"),
     "deepseek_v3": turns_template("deepseek_v3", {"system": ("", ""), "user": ("<｜User｜>", ""),
