@@ -214,17 +214,21 @@ def test_cache_hit_does_no_tokenization(tmp_path, tok, monkeypatch):
 
 
 def test_jeopardy_prompts_as_axolotl_does_and_trains_what_is_the_answer(tok):
-    from llmtune.train.data.formats import JEOPARDY
+    """Alpaca's prompt with the category as input: the Jeopardy preamble Axolotl's prompter declares is read by
+    nothing in any release."""
+    from llmtune.train.data.formats import ALPACA_WITH_INPUT
 
     row = {"question": "This river flows through Cairo", "category": "GEOGRAPHY", "answer": "the Nile"}
     [(ids, labels)] = run(tok, row, type="jeopardy")
-    prompt = JEOPARDY.format(instruction=row["question"], input=row["category"])
-    assert tok.decode(ids).startswith(prompt.split("\n")[0]) and "### Input:\nGEOGRAPHY" in tok.decode(ids)
+    prompt = ALPACA_WITH_INPUT.format(instruction=row["question"], input=row["category"])
+    assert tok.decode(ids).startswith(prompt) and "Jeopardy" not in tok.decode(ids)
     assert trained_text(tok, ids, labels).startswith("what is the Nile")
     [(ids, _)] = run(tok, {**row, "category": ""}, type="jeopardy")  # no category: Alpaca's prompt without input
     assert "### Input:" not in tok.decode(ids) and "describes a task" in tok.decode(ids)
     with pytest.raises(RowError, match="missing field 'answer'"):
         run(tok, {"question": "q", "category": "c"}, type="jeopardy")
+    with pytest.raises(RowError, match="missing field 'category'"):
+        run(tok, {"question": "q", "answer": "a"}, type="jeopardy")
 
 
 # --- Axolotl's older formats: every era's dataset types, checked by decoding exactly what is labelled ---

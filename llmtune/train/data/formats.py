@@ -36,10 +36,6 @@ ALPACA_NO_INPUT = (
     "### Instruction:\n{instruction}\n\n### Response:\n"
 )
 # Axolotl's Jeopardy prompt, word for word ("tbe" included): a model trained on it is prompted with this text
-JEOPARDY = (
-    "Below is a Jeopardy clue paired with input providing the category of the clue. Write a concise response that "
-    "best answers tbe clue given the category.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-)
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant"}
 
 
@@ -52,9 +48,11 @@ def alpaca(row: dict, ctx: FormatContext) -> list[Example]:
 
 
 def jeopardy(row: dict, ctx: FormatContext) -> list[Example]:
-    """Axolotl's `type: jeopardy`: the clue is the instruction, its category the input, "what is <answer>" trained."""
-    question, category = _field(row, "question"), _field(row, "category", required=False)
-    prompt = (JEOPARDY if category.strip() else ALPACA_NO_INPUT).format(instruction=question, input=category)
+    """Axolotl's `type: jeopardy`: the clue is the instruction, its category the input, "what is <answer>" trained.
+    The prompt is Alpaca's: Axolotl's JeopardyPrompter declares a Jeopardy preamble that nothing reads (every
+    release), and its rows must have a category (a KeyError there)."""
+    question, category = _field(row, "question"), _field(row, "category")
+    prompt = (ALPACA_WITH_INPUT if category else ALPACA_NO_INPUT).format(instruction=question, input=category)
     return _prompt_answer(ctx, prompt, "what is " + _field(row, "answer"))
 
 
