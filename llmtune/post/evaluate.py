@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmtune.errors import UserError
+from llmtune.errors import UserError, reading
 from llmtune.train.data.formats import IGNORE
 
 
@@ -169,8 +169,9 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
     from llmtune.train.model import linearize
 
     try:
-        model = linearize.from_pretrained(AutoModelForCausalLM, info.model_dir, recipe if info.adapter_dir else None,
-                                          dtype=dtype, trust_remote_code=recipe.trust_remote_code)  # fmt: skip
+        with reading(info.model_dir):
+            model = linearize.from_pretrained(AutoModelForCausalLM, info.model_dir, recipe if info.adapter_dir
+                                              else None, dtype=dtype, trust_remote_code=recipe.trust_remote_code)  # fmt: skip
     except (OSError, ValueError) as err:
         raise UserError(f"could not load the model '{info.model_dir}' ({str(err).splitlines()[0][:160]})",
                         "check the path or hub id, your network or HF_TOKEN") from None  # fmt: skip
@@ -182,7 +183,8 @@ def evaluate(target: Path, data: Path | None = None, batch_size: int = 8, max_ne
         from llmtune.post.generate import fit_embeddings
 
         fit_embeddings(model, tokenizer, recipe)
-        model = PeftModel.from_pretrained(model, info.adapter_dir)
+        with reading(info.adapter_dir):
+            model = PeftModel.from_pretrained(model, info.adapter_dir)
     model.to(device).eval()
     from llmtune.recipe.preference import ONLINE_METHODS
 

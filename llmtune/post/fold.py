@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmtune.errors import UserError
+from llmtune.errors import UserError, reading
 from llmtune.recipe.adapter import names_module
 from llmtune.train.model.shards import ShardWriter, iter_tensors, read_tensor
 
@@ -41,11 +41,13 @@ def read_adapter(folder: Path) -> tuple[dict[str, LoraPair], dict[str, object], 
 
     from safetensors.torch import load_file
 
-    config = json.loads((folder / "adapter_config.json").read_text())
+    with reading(folder / "adapter_config.json"):
+        config = json.loads((folder / "adapter_config.json").read_text())
     weights = folder / "adapter_model.safetensors"
     if not weights.exists():
         raise UserError(f"{folder} has adapter_config.json but no adapter_model.safetensors", "rerun the training save")
-    state = load_file(str(weights))
+    with reading(weights):
+        state = load_file(str(weights))
     if not state:  # folding it would write the base model unchanged under the merged name
         raise UserError(f"{weights} holds no tensors: the adapter lost its training when it was saved",
                         "retrain with this llmtune (it checks each saved adapter), or merge a checkpoint-N folder whose "

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmtune.errors import UserError
+from llmtune.errors import UserError, reading
 from llmtune.post.consolidate import plan_recipe
 from llmtune.post.prompts import (  # (trained_prompt_format and untrained_prompt_note are imported from here too)
     NO_SYSTEM_SLOT,
@@ -117,7 +117,8 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
 
                 model_dir = model_source(recipe)[0]
             else:
-                model_dir = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+                with reading(path / "adapter_config.json"):
+                    model_dir = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
             label = f"{label} (adapter on {model_dir})"
         elif not (path / "config.json").exists():
             raise UserError(f"{target} has no model (config.json) or adapter (adapter_config.json)",
@@ -133,8 +134,9 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
         from llmtune.train.model import linearize
 
-        model = linearize.from_pretrained(AutoModelForCausalLM, model_dir, recipe if adapter else None, dtype=dtype,
-                                          trust_remote_code=trust_remote_code)  # fmt: skip
+        with reading(model_dir):
+            model = linearize.from_pretrained(AutoModelForCausalLM, model_dir, recipe if adapter else None,
+                                              dtype=dtype, trust_remote_code=trust_remote_code)  # fmt: skip
     except (OSError, ValueError) as err:
         failed = tokenizer_dir if "tokenizer" not in locals() else model_dir  # which of the two failed
         raise UserError(f"could not load '{failed}' ({str(err).splitlines()[0][:160]})",
@@ -143,7 +145,8 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
         from peft import PeftModel
 
         fit_embeddings(model, tokenizer, recipe)
-        model = PeftModel.from_pretrained(model, adapter)
+        with reading(adapter):
+            model = PeftModel.from_pretrained(model, adapter)
     model.to(device).eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -250,38 +253,65 @@ def render(tokenizer, prompt, raw: bool) -> str:
 
 
 def read_prompts(path: Path) -> list[tuple[dict, object]]:
-    """(row, prompt) from a .jsonl file (fields prompt / instruction(+input) / messages) or a text file, one per line."""
+    """(row, prompt) from a .jsonl file (fields prompt / instruction(+input) / messages), a .json array of such rows,
+    or a text file, one prompt per line."""
     if not path.exists():
         raise UserError(f"--file {path} does not exist")
+    suffix = path.suffix.lower()
+    with reading(path):
+        text = path.read_text()
+    if suffix == ".json":
+        try:
+            listed = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}: not valid JSON ({err})", "a .json file holds one array of prompt rows; "
+                            "for one row per line, name it .jsonl") from None  # fmt: skip
+        if not isinstance(listed, list):
+            raise UserError(f"{path}: a .json prompts file holds an array of rows", 'write [{"prompt": "..."}, ...]')
+        lines = [(number, row) for number, row in enumerate(listed, 1)]
+        where = "row"
+    else:
+        lines = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+        where = "line"
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        if path.suffix != ".jsonl":
+    for number, line in lines:
+        if suffix not in (".jsonl", ".json"):
             rows.append(({"prompt": line}, line))
             continue
         try:
-            row = json.loads(line)
+            row = line if suffix == ".json" else json.loads(line)  # (an array's rows are parsed already)
         except json.JSONDecodeError:
             raise UserError(f"{path} line {number}: not valid JSON", "one JSON object per line") from None
-        if isinstance(row, str):
-            row = {"prompt": row}
-        if not isinstance(row, dict):
-            raise UserError(f"{path} line {number}: expected an object with a 'prompt' field")
-        if isinstance(row.get("prompt"), str):
-            prompt = row["prompt"]
-        elif isinstance(row.get("messages"), list):
-            messages = row["messages"]  # a trailing assistant turn is the reference answer: the model writes its own
-            prompt = messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
-        elif isinstance(row.get("instruction"), str):
-            prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-        else:
-            raise UserError(f"{path} line {number}: no 'prompt', 'messages' or 'instruction' field",
-                            "write {\"prompt\": \"...\"} per line")  # fmt: skip
-        rows.append((row, prompt))
+        rows.append(_prompt_row(row, f"{path} {where} {number}"))
     if not rows:
         raise UserError(f"--file {path} has no prompts")
     return rows
+
+
+def _prompt_row(row, where: str) -> tuple[dict, object]:
+    """One prompt row: a string, or an object with prompt, messages (each a role and a text content) or instruction."""
+    if isinstance(row, str):
+        row = {"prompt": row}
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected an object with a 'prompt' field")
+    if isinstance(row.get("prompt"), str):
+        return row, row["prompt"]
+    if isinstance(row.get("messages"), list):
+        messages = row["messages"]
+        bad = next((i for i, m in enumerate(messages) if not isinstance(m, dict) or not isinstance(m.get("role"), str)
+                    or not isinstance(m.get("content"), str)), None)  # fmt: skip
+        if bad is not None:
+            raise UserError(f"{where}: messages[{bad}] should be an object with a 'role' and a text 'content'",
+                            "write {\"messages\": [{\"role\": \"user\", \"content\": \"...\"}]}")  # fmt: skip
+        # a trailing assistant turn is the reference answer: the model writes its own
+        prompt = messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
+        if not prompt:
+            raise UserError(f"{where}: messages holds no turn before the answer, so there is nothing to answer",
+                            "give at least one user message")  # fmt: skip
+        return row, prompt
+    if isinstance(row.get("instruction"), str):
+        return row, row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+    raise UserError(f"{where}: no 'prompt', 'messages' or 'instruction' field", 'write {"prompt": "..."} per line')
 
 
 def infer(target: str, prompts: list[str], file: Path | None, output: Path | None, sampling: Sampling,

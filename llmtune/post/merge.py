@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmtune.errors import UserError
+from llmtune.errors import UserError, reading
 from llmtune.post.consolidate import PLAN, RunWeights, find_weights, run_of, run_recipe, write_full_weights
 from llmtune.post.fold import fold_adapter, merge_through_peft
 from llmtune.train.model.shards import ShardWriter, base_folder
@@ -143,8 +143,11 @@ def _check_output(run: Path, output: Path, force: bool) -> None:
     foreign = sorted(entry.name for entry in where.iterdir()
                      if (entry.is_dir() and entry.name != "llmtune") or entry.name in ("metrics.json",)
                      or entry.name.startswith("checkpoint-"))  # fmt: skip
-    if foreign or not (where / "config.json").is_file():
-        what = ", ".join(foreign[:3]) if foreign else "no config.json"
+    if foreign or not (where / "config.json").is_file() or not is_merged(where) or where.name.startswith("checkpoint-"):
+        # a plain model folder (the run's own base model, a full run's checkpoint) is never replaced
+        what = (", ".join(foreign[:3]) if foreign else "no config.json" if not (where / "config.json").is_file()
+                else "a checkpoint" if where.name.startswith("checkpoint-") else f"no {MERGED}: a model llmtune "
+                "merge didn't write, perhaps a base model")  # fmt: skip
         raise UserError(f"--force replaces only an earlier merged model, and {output} is not one ({what})",
                         "pick a new folder for the merge")  # fmt: skip
 
@@ -165,7 +168,8 @@ def _write_weights(recipe, weights: RunWeights, writer: ShardWriter, target, pro
             fused.check()
         return weights.folder, {"modules": 0, "config_changes": {}}, weights.note
     folder = base_folder_of(recipe)
-    on_parameters = json.loads((weights.folder / "adapter_config.json").read_text()).get("target_parameters")
+    with reading(weights.folder / "adapter_config.json"):
+        on_parameters = json.loads((weights.folder / "adapter_config.json").read_text()).get("target_parameters")
     if on_parameters:  # LoRA on fused expert tensors: peft merges it, transformers writes its own on-disk layout
         done, changes = merge_through_peft(weights.folder, folder, writer, target, progress)
     else:

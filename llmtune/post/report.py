@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmtune.errors import UserError
+from llmtune.errors import UserError, reading
 from llmtune.post.report_preference import plot_preference, preference_curves, preference_section
 from llmtune.train.runtime.report import launch_steps, loss_since_start, span_text
 
@@ -191,7 +191,8 @@ def write_report(run: Path, metrics: dict | None = None) -> Path:
                             "pass the output_dir of a finished run")  # fmt: skip
         if not metrics_file.exists():
             raise UserError(f"{run} has no metrics.json", "pass the output_dir of a finished run")
-        metrics = json.loads(metrics_file.read_text())
+        with reading(metrics_file):
+            metrics = json.loads(metrics_file.read_text())
     payload = json.loads(plan_file.read_text()) if plan_file.exists() else {}
     from llmtune.plan.files import writing
 

@@ -128,12 +128,16 @@ def test_force_replaces_an_earlier_merge_only_never_the_run_or_what_holds_it(tmp
     run, _ = fake_run(tmp_path, base, r=4, lora_alpha=8, target_modules="all-linear")
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "other_run" / "checkpoint-100").mkdir(parents=True)
+    full_checkpoint = make_tiny_model(tmp_path / "full_run" / "checkpoint-4")  # a plain model folder: config.json
     before = sorted(p.name for p in tmp_path.iterdir())
     for output, said in ((run, "holds the run being merged"), (tmp_path, "holds the run being merged"),
-                         (tmp_path / "other_run", r"not one \(checkpoint-100\)"), (tmp_path / "notes.txt", "is a file")):
+                         (tmp_path / "other_run", r"not one \(checkpoint-100\)"), (tmp_path / "notes.txt", "is a file"),
+                         (base, "a model llmtune merge didn't write, perhaps a base model"),
+                         (full_checkpoint, r"not one \(a checkpoint\)")):  # fmt: skip
         with pytest.raises(UserError, match=said):
             merge_run(run, output, force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == before and (run / "adapter_model.safetensors").is_file()
+    assert (base / "model.safetensors").is_file() and (full_checkpoint / "model.safetensors").is_file()
     merge_run(run, tmp_path / "merged")
     merge_run(run, tmp_path / "merged", force=True)  # an earlier merge is what --force replaces
     assert (tmp_path / "merged" / "config.json").is_file()
@@ -329,3 +333,25 @@ def test_a_merge_the_disk_cant_take_is_one_line_and_keeps_nothing(tmp_path, monk
     with pytest.raises(UserError, match=r"writing the merged model to .*merged failed \(Error while serializing") as err:
         merge_run(run)
     assert "nothing was kept" in err.value.one_line() and not [p for p in run.iterdir() if "merg" in p.name]
+
+
+def test_a_damaged_adapter_or_base_is_one_line_naming_the_file(tmp_path):
+    """A truncated safetensors file or an empty adapter_config.json (a copy cut short, a full disk) was a
+    traceback from safetensors or json in merge, infer and eval."""
+    from llmtune.errors import reading
+    from llmtune.post.merge import merge_run
+
+    base = make_tiny_model(tmp_path / "base")
+    run, _ = fake_run(tmp_path, base, r=4, lora_alpha=8, target_modules="all-linear")
+    weights = run / "adapter_model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:1000])
+    with pytest.raises(UserError, match=rf"{weights} can't be read \(.*header.*\): it is damaged or incompletely"):
+        merge_run(run, tmp_path / "m1")
+    weights.write_bytes(whole)
+    (run / "adapter_config.json").write_text("")
+    with pytest.raises(UserError, match="adapter_config.json can't be read"):
+        merge_run(run, tmp_path / "m2")
+    assert not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
+    with pytest.raises(KeyError), reading(weights):  # other errors pass through as they are
+        raise KeyError("x")

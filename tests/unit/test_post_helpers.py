@@ -21,6 +21,12 @@ def test_prompt_files_in_every_accepted_shape(tmp_path):
     text = tmp_path / "p.txt"
     text.write_text("one\n\ntwo\n")
     assert [p for _, p in read_prompts(text)] == ["one", "two"]
+    array = tmp_path / "p.json"  # a JSON array of the same rows (it was read line by line, as text prompts)
+    array.write_text(json.dumps(rows, indent=2))
+    assert [p for _, p in read_prompts(array)] == prompts
+    upper = tmp_path / "P.JSONL"
+    upper.write_text(path.read_text())
+    assert [p for _, p in read_prompts(upper)] == prompts
 
 
 @pytest.mark.parametrize(("body", "message"), [
@@ -28,6 +34,10 @@ def test_prompt_files_in_every_accepted_shape(tmp_path):
     ('{"prompt": "ok"}\nnot json\n', "p.jsonl line 2: not valid JSON"),
     ("\n\n", "has no prompts"),
     ("[1, 2]\n", "p.jsonl line 1: expected an object"),
+    ('{"messages": ["hi"]}\n', r"p.jsonl line 1: messages\[0\] should be an object with a 'role' and a text"),
+    ('{"messages": [{"role": "user"}]}\n', r"line 1: messages\[0\] should be an object"),
+    ('{"messages": []}\n', "line 1: messages holds no turn before the answer"),
+    ('{"messages": [{"role": "assistant", "content": "a"}]}\n', "line 1: messages holds no turn before the answer"),
 ])  # fmt: skip
 def test_bad_prompt_files_name_the_line(tmp_path, body, message):
     path = tmp_path / "p.jsonl"

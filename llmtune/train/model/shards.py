@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmtune.errors import UserError
+from llmtune.errors import UserError, reading
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -35,7 +35,7 @@ def iter_tensors(folder: Path) -> Iterator[tuple[str, object]]:
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
-            with safe_open(str(path), framework="pt") as handle:
+            with reading(path), safe_open(str(path), framework="pt") as handle:  # damaged: named, one line
                 for name in handle.keys():
                     yield name, handle.get_tensor(name)
         else:  # legacy pickles: weights only, memory-mapped
