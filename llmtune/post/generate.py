@@ -319,9 +319,15 @@ def infer(target: str, prompts: list[str], file: Path | None, output: Path | Non
     rows = read_prompts(file) if file is not None else [({"prompt": p}, p) for p in prompts]
     if not rows:
         raise UserError("no prompt given", "pass --prompt TEXT (repeatable) or --file prompts.jsonl")
+    if raw and any(isinstance(prompt, list) for _, prompt in rows):
+        raise UserError("--raw sends prompts without the chat template, and messages rows are read through it",
+                        "drop --raw, or write those rows as {\"prompt\": \"...\"}")  # fmt: skip
     from transformers import set_seed  # after the rows are read: a malformed one is said before torch loads
 
     loaded = load_for_generation(target)
+    if " of run " in loaded.label:  # no final save: its newest complete checkpoint (said, as chat's header does)
+        print(f"note: {loaded.label.split(' (')[0]}: the run has no final save, so its newest complete checkpoint "
+              "answers", file=sys.stderr)  # fmt: skip
     set_seed(sampling.seed)
     texts = [prompt_text(loaded, row, prompt, raw) for row, prompt in rows]
     outputs, options, starts = [], sampling.kwargs(loaded.tokenizer, loaded.model), range(0, len(texts), batch_size)

@@ -153,7 +153,8 @@ def _summary(run: Path, metrics: dict, plan: dict, recipe: dict, data: dict | No
         ("final train loss", _fmt(metrics.get("final_loss"))),
         ("mean train loss", _mean_loss(metrics)),
         ("final eval loss", _fmt(final_eval)),
-        ("model saved in", f"`{run}`" + (" (adapter: `llmtune merge` folds it into the base)" if recipe.get("adapter") else "")),
+        ("model saved in", f"`{run}`" + (" (adapter: `llmtune merge` folds it into the base)" if recipe.get("adapter") else "")
+         if not metrics.get("stopped_at") else f"no final save: the run stopped; curves up to `{metrics['stopped_at']}`"),
     ]  # fmt: skip
     table = "\n".join(f"| {k} | {v} |" for k, v in rows if v is not None)
     preference = preference_section(metrics, recipe, (data or curves(metrics)).get("preference"))
@@ -165,6 +166,24 @@ def _summary(run: Path, metrics: dict, plan: dict, recipe: dict, data: dict | No
         "## Curves\n\n![loss](loss.png)\n\n![throughput](throughput.png)\n\n"
         "The plotted numbers are in `curves.json`; the full recipe and plan in `../llmtune/`.\n"
     )
+
+
+def _stopped_run(run: Path) -> dict:
+    """A run that stopped before its final save: the curves its newest complete checkpoint's trainer state holds."""
+    from llmtune.plan.checkpoint_layout import last_complete
+
+    checkpoint = last_complete(run) if run.is_dir() else None
+    state_file = checkpoint / "trainer_state.json" if checkpoint else None
+    if state_file is None or not state_file.is_file():
+        raise UserError(f"{run} has no metrics.json and no complete checkpoint to read the curves from",
+                        "pass the output_dir of a run that finished or saved a checkpoint")  # fmt: skip
+    with reading(state_file):
+        state = json.loads(state_file.read_text())
+    return {
+        "log_history": state.get("log_history") or [],
+        "steps": state.get("global_step"),
+        "stopped_at": str(checkpoint),
+    }
 
 
 def _tokens_seen(metrics: dict) -> str | None:
@@ -189,10 +208,11 @@ def write_report(run: Path, metrics: dict | None = None) -> Path:
         if not run.is_dir():
             raise UserError(f"{run} does not exist" if not run.exists() else f"{run} is not a folder",
                             "pass the output_dir of a finished run")  # fmt: skip
-        if not metrics_file.exists():
-            raise UserError(f"{run} has no metrics.json", "pass the output_dir of a finished run")
-        with reading(metrics_file):
-            metrics = json.loads(metrics_file.read_text())
+        if metrics_file.exists():
+            with reading(metrics_file):
+                metrics = json.loads(metrics_file.read_text())
+        else:
+            metrics = _stopped_run(run)
     payload = json.loads(plan_file.read_text()) if plan_file.exists() else {}
     from llmtune.plan.files import writing
 

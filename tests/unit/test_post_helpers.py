@@ -104,8 +104,28 @@ def test_report_on_a_missing_folder_says_it_does_not_exist(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match=r"file is not a folder"):
         write_report(tmp_path / "file")
-    with pytest.raises(UserError, match=r"has no metrics.json"):
+    with pytest.raises(UserError, match=r"has no metrics.json and no complete checkpoint"):
         write_report(tmp_path)
+
+
+def test_a_run_that_stopped_before_its_final_save_is_reported_from_its_newest_checkpoint(tmp_path):
+    """An interrupted run, the one that most needs its loss curve, had no report (no metrics.json)."""
+    from llmtune.plan.checkpoint_layout import MARKER
+    from llmtune.post.report import write_report
+
+    for step, losses in ((2, [3.0, 2.5]), (4, [3.0, 2.5, 2.2, 2.0])):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        history = [{"step": i + 1, "loss": loss, "learning_rate": 1e-4} for i, loss in enumerate(losses)]
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": history}))
+        (folder / MARKER).parent.mkdir(parents=True, exist_ok=True)
+        (folder / MARKER).write_text("{}")
+    (tmp_path / "checkpoint-6").mkdir()  # incomplete: never read
+    report = write_report(tmp_path)
+    assert json.loads((report / "curves.json").read_text())["train"]["loss"] == [3.0, 2.5, 2.2, 2.0]
+    summary = (report / "summary.md").read_text()
+    assert "| steps | 4 |" in summary and "no final save: the run stopped; curves up to" in summary
+    assert "checkpoint-4" in summary
 
 
 def test_a_missing_model_path_is_named_before_the_hub_is_asked(run_cli, write_recipe, tmp_path):
@@ -187,3 +207,12 @@ def test_eval_without_eval_data_is_refused_before_the_model_loads(run_cli, write
     done = run_cli("eval", recipe)
     assert done.code == 2 and "the recipe has no eval data (val_set_size or test_datasets)" in done.err, done.err
     assert "pass --data FILE" in done.err and "not-here" not in done.err
+
+
+def test_raw_with_messages_rows_is_refused_before_any_model_loads(tmp_path):
+    from llmtune.post.generate import infer
+
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(UserError, match="--raw sends prompts without the chat template"):
+        infer(str(tmp_path / "no-such-model"), [], path, None, Sampling(), raw=True)
