@@ -900,3 +900,12 @@ def test_a_loader_function_written_after_a_colon_is_pointed_to_its_dot():
     with pytest.raises(ValueError, match="did you mean alpaca_chat.load_qa"):
         DatasetSpec(path="x", type="alpaca_chat:load_qa")
     assert DatasetSpec(path="x", type="alpaca:chatml").type == "alpaca:chatml"  # a prompt style keeps its colon
+
+
+def test_a_local_path_that_is_gone_is_named_not_looked_up_on_the_hub(tmp_path):
+    """A run's data file deleted before `llmtune eval`: it said "could not load hub dataset '/abs/path'"."""
+    from llmtune.train.data.sources import read_rows
+
+    gone = tmp_path / "gone.jsonl"
+    with pytest.raises(UserError, match=rf"datasets\[0\]: {gone} does not exist"):
+        next(read_rows(DatasetSpec(path=str(gone), type="alpaca"), "datasets[0]"))

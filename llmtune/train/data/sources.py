@@ -293,6 +293,8 @@ def read_rows(spec, label: str, streaming: bool = False, seed: int = 42) -> Iter
             rows = (item for f in files for item in _file_rows(f, spec.ds_type, label))
     elif builder:
         rows = (item for f in builder for item in _file_rows(f, spec.path, label))
+    elif str(spec.path).startswith(("/", "./", "../", "~")):  # a local path, never a hub id: it is gone
+        raise UserError(f"{label}: {spec.path} does not exist", "restore the file, or point path at where it is now")
     else:
         rows = _hub_rows(spec, label, streaming)
     if "[" in (spec.split or "") and (path.exists() or builder):  # the hub reads its own slices
