@@ -29,6 +29,7 @@ class Loaded:
     tokenizer: object
     label: str
     prompt_format: str | None = None  # the run's trained prompt format (prompts.trained_prompt_format)
+    stopped_run: str | None = None  # "checkpoint-N of run R": a run without a final save answers from its newest
 
 
 def prompt_text(loaded: Loaded, row: dict, prompt, raw: bool) -> str:
@@ -94,7 +95,7 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
     check_model_name(target, "MODEL")
     path = Path(target)
     device, dtype = inference_device()
-    adapter = recipe = prompt_folder = None
+    adapter = recipe = prompt_folder = stopped_run = None
     model_dir, tokenizer_dir, label = target, target, target
     if path.is_dir():
         from llmtune.post.consolidate import has_tokenizer, loadable_weights
@@ -104,6 +105,7 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
         plan_file = prompt_folder / "llmtune" / "plan.json"
         if weights is not None and weights.folder != path.absolute():  # the newest checkpoint, with no final save
             path, label = weights.folder, f"{weights.folder.name} of run {prompt_folder}"
+            stopped_run = label
             model_dir = tokenizer_dir = str(path)
         if plan_file.exists():  # a full model loads without it; an adapter needs its base from it
             from llmtune.post.consolidate import run_recipe
@@ -157,7 +159,7 @@ def load_for_generation(target: str, trust_remote_code: bool = False, command: s
     if note or (not templated and prompt_format is None):
         print(f"note: {note or f'{label} has no chat template: prompts go in as plain text, as with --raw'}",
               file=sys.stderr)  # fmt: skip
-    return Loaded(model, tokenizer, label, prompt_format)
+    return Loaded(model, tokenizer, label, prompt_format, stopped_run)
 
 
 def fit_embeddings(model, tokenizer, recipe) -> None:
@@ -325,9 +327,9 @@ def infer(target: str, prompts: list[str], file: Path | None, output: Path | Non
     from transformers import set_seed  # after the rows are read: a malformed one is said before torch loads
 
     loaded = load_for_generation(target)
-    if " of run " in loaded.label:  # no final save: its newest complete checkpoint (said, as chat's header does)
-        print(f"note: {loaded.label.split(' (')[0]}: the run has no final save, so its newest complete checkpoint "
-              "answers", file=sys.stderr)  # fmt: skip
+    if loaded.stopped_run:  # no final save: its newest complete checkpoint (said, as chat's header does)
+        print(f"note: {loaded.stopped_run}: the run has no final save, so its newest complete checkpoint answers",
+              file=sys.stderr)  # fmt: skip
     set_seed(sampling.seed)
     texts = [prompt_text(loaded, row, prompt, raw) for row, prompt in rows]
     outputs, options, starts = [], sampling.kwargs(loaded.tokenizer, loaded.model), range(0, len(texts), batch_size)

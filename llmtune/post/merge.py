@@ -143,11 +143,13 @@ def _check_output(run: Path, output: Path, force: bool) -> None:
     foreign = sorted(entry.name for entry in where.iterdir()
                      if (entry.is_dir() and entry.name != "llmtune") or entry.name in ("metrics.json",)
                      or entry.name.startswith("checkpoint-"))  # fmt: skip
-    if foreign or not (where / "config.json").is_file() or not is_merged(where) or where.name.startswith("checkpoint-"):
-        # a plain model folder (the run's own base model, a full run's checkpoint) is never replaced
-        what = (", ".join(foreign[:3]) if foreign else "no config.json" if not (where / "config.json").is_file()
-                else "a checkpoint" if where.name.startswith("checkpoint-") else f"no {MERGED}: a model llmtune "
-                "merge didn't write, perhaps a base model")  # fmt: skip
+    # a plain model folder (the run's own base model, a full run's checkpoint) is never replaced
+    what = next((reason for wrong, reason in (
+        (foreign, ", ".join(foreign[:3])), (not (where / "config.json").is_file(), "no config.json"),
+        (where.name.startswith("checkpoint-"), "a checkpoint"),
+        (not is_merged(where), f"no {MERGED}: a model llmtune merge didn't write, perhaps a base model"),
+    ) if wrong), None)  # fmt: skip
+    if what:
         raise UserError(f"--force replaces only an earlier merged model, and {output} is not one ({what})",
                         "pick a new folder for the merge")  # fmt: skip
 

@@ -361,17 +361,9 @@ def failed_checks(report: dict) -> list[str]:
                       + ("some data-parallel ranks trained on the same rows, so they would repeat work instead of "
                          "splitting it" if distinct < expected else "ranks that share one batch read different rows"))  # fmt: skip
     if mem.get("checked") and not mem["ok"]:
-        scaled = _gb(mem["full_scaled_measurement_bytes"])
-        if mem["ratio"] > 1:
-            failed.append(
-                f"the ranks held {mem['ratio']:.2f}x the model states the estimate gives this recipe: its "
-                f"full-scale figures are low (scaled by the measurement, {scaled} per rank of model "
-                "states), so a GPU run it says fits may run out of memory; plan with the scaled figure"
-            )
-        else:
-            failed.append(
-                f"the ranks held {mem['ratio']:.2f}x the model states the estimate gives this recipe: its "
-                f"full-scale figures are high (scaled by the measurement, {scaled} per rank of model "
-                "states), so it may recommend more GPUs or offload than the run needs"
-            )
+        scaled, low = _gb(mem["full_scaled_measurement_bytes"]), mem["ratio"] > 1
+        failed.append(f"the ranks held {mem['ratio']:.2f}x the model states the estimate gives this recipe: its "
+                      f"full-scale figures are {'low' if low else 'high'} (scaled by the measurement, {scaled} per "
+                      "rank of model states), so " + ("a GPU run it says fits may run out of memory; plan with the "
+                      "scaled figure" if low else "it may recommend more GPUs or offload than the run needs"))  # fmt: skip
     return failed

@@ -38,44 +38,48 @@ def parameter_names(recipe) -> tuple[tuple[str, int], ...] | None:
                        getattr(recipe, "num_labels", None), recipe.cls_model_config, repr(overrides))  # fmt: skip
 
 
+def _compiled(recipe) -> list:
+    from llmtune.recipe.adapter import unfrozen_pattern
+
+    return [unfrozen_pattern(p)[0] for p in recipe.unfrozen_parameters]
+
+
+def _matched(recipe) -> list[tuple[str, int, bool]] | None:
+    """(name, element count, whether an entry matches it) for each parameter of a full fine-tune's model under
+    unfrozen_parameters; None where that doesn't apply or the names can't be read here."""
+    named = parameter_names(recipe) if recipe.unfrozen_parameters and not recipe.adapter else None
+    if not named:
+        return None
+    compiled = _compiled(recipe)
+    return [(name, count, any(regex.match(name) for regex in compiled)) for name, count in named]
+
+
 def unmatched_patterns(recipe) -> tuple[list[str], list[str]]:
     """(the unfrozen_parameters entries that match no parameter name, the first names) where the names can be
     read here; ([], []) otherwise."""
-    from llmtune.recipe.adapter import unfrozen_pattern
-
-    named = parameter_names(recipe) if recipe.unfrozen_parameters and not recipe.adapter else None
-    if not named:
+    matched = _matched(recipe)
+    if not matched:
         return [], []
-    names = [name for name, _ in named]
-    unmatched = [p for p in recipe.unfrozen_parameters if not any(unfrozen_pattern(p)[0].match(n) for n in names)]
+    names = [name for name, _, _ in matched]
+    unmatched = [p for p, regex in zip(recipe.unfrozen_parameters, _compiled(recipe), strict=True)
+                 if not any(regex.match(n) for n in names)]  # fmt: skip
     return unmatched, names
 
 
 def trains_module(recipe, module: str) -> bool:
     """Whether unfrozen_parameters leaves a weight of this module name (embed_tokens) trainable; True where the
     names can't be read here (every parameter counts as trained then)."""
-    from llmtune.recipe.adapter import unfrozen_pattern
-
-    named = parameter_names(recipe)
-    if not named:
-        return True
-    compiled = [unfrozen_pattern(p)[0] for p in recipe.unfrozen_parameters]
-    return any(f".{module}." in f".{name}" and any(r.match(name) for r in compiled) for name, _ in named)
+    matched = _matched(recipe)
+    return matched is None or any(hit and f".{module}." in f".{name}" for name, _, hit in matched)
 
 
 def unfrozen_share(recipe) -> float | None:
     """The share of the model's parameters that unfrozen_parameters leaves trainable in a full fine-tune; None
     where it doesn't apply (an adapter, no patterns) or the names can't be read here."""
-    from llmtune.recipe.adapter import unfrozen_pattern
-
-    if recipe.adapter or not recipe.unfrozen_parameters:
+    matched = _matched(recipe)
+    if not matched:
         return None
-    named = parameter_names(recipe)
-    if not named:
-        return None
-    compiled = [unfrozen_pattern(p)[0] for p in recipe.unfrozen_parameters]
-    matched = sum(count for name, count in named if any(regex.match(name) for regex in compiled))
-    return matched / sum(count for _, count in named)
+    return sum(count for _, count, hit in matched if hit) / sum(count for _, count, _ in matched)
 
 
 @cache
